@@ -1,0 +1,43 @@
+"""trace_jax: TRACE rollout allocation for multi-turn agentic RL in JAX."""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    "jax>=0.10.2",
+    "flax>=0.12.8",
+    "optax>=0.2.8",
+    "orbax-checkpoint>=0.12.8",
+    "ml-collections>=1.1.0",
+    "absl-py",
+    "transformers>=5.0",
+    "tokenizers>=0.22",
+    "safetensors>=0.6",
+    "tensorflow-datasets>=4.9.10",
+    "importlib_resources",
+    "grain>=0.2.18",
+    "bm25s>=0.3",
+    "numpy",
+    "pyarrow",
+    "tqdm",
+    "tensorboardX",
+    "matplotlib",
+]
+
+EXTRAS = {
+    # torch is pinned: 2.13.0 is the CPU wheel on these machines; a loose pin pulls a CUDA build.
+    "test": ["pytest", "hypothesis", "torch==2.13.0", "nbclient", "nbformat", "ipykernel", "ruff"],
+    "tpu": ["jax[tpu]>=0.10.2"],
+    "cuda": ["jax[cuda12]>=0.10.2"],
+    # The real JetStream; never `jetstream-pt` (a dependency-confusion dummy).
+    "jetstream": ["google-jetstream>=0.2.2"],
+}
+
+setup(
+    name="trace_jax",
+    version="0.1.0",
+    description="Tree Rollout Allocation for Contrastive Exploration: agentic RL on JAX/TPU",
+    packages=find_packages(include=["trace_jax", "trace_jax.*"]),
+    python_requires=">=3.11",
+    install_requires=CORE,
+    extras_require=EXTRAS,
+)

@@ -1,0 +1,1 @@
+"""TRACE allocation: root and prefix solvers, policies, the tree scheduler and a simulator."""

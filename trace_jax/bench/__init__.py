@@ -1,0 +1,1 @@
+"""Benchmarks runnable as modules (python -m trace_jax.bench.<name>), JSON output."""

@@ -1,0 +1,1 @@
+"""Checkpoints: the Hugging Face port (safetensors <-> params) and orbax train-state checkpoints."""

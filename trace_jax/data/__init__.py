@@ -1,0 +1,1 @@
+"""Data: the synthetic multi-hop world, TFDS builders for local files, tokenizers."""

@@ -1,0 +1,1 @@
+"""Agent environments: the ReAct search protocol, retrievers and rewards."""
