@@ -1,0 +1,112 @@
+"""The HF port: round trips through orbax and transformers, sharded files, and clear errors on bad input."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.helpers import build_hf_checkpoint
+from trace_jax.checkpoint import hf
+from trace_jax.checkpoint.hf import KEY_MAP, _read_safetensors, _write_safetensors, load_hf
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    build_hf_checkpoint(path, "qwen3", tie_word_embeddings=False)
+    return path
+
+
+@pytest.mark.parametrize("family,tied,shard", [("qwen3", False, 0), ("qwen2", True, 30_000)])
+def test_import_export_reload_gives_identical_tensors(tmp_path, family, tied, shard):
+    original = build_hf_checkpoint(tmp_path / "hf", family, tie_word_embeddings=tied)
+    hf.main(["import", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")])
+    hf.main(
+        ["export", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back"), "--max-shard-bytes", str(shard)]
+    )
+    assert (tmp_path / "back" / "model.safetensors.index.json").exists() == bool(shard)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    want, got = original.state_dict(), reloaded.state_dict()
+    assert want.keys() == got.keys()
+    for name, tensor in want.items():
+        assert torch.equal(tensor, got[name]), name
+
+
+def test_key_map_reads_both_ways():
+    for hf_template, ours_template, _ in KEY_MAP:
+        fields = {"layer": "3", "qkv": "k", "qk": "q", "mlp": "down"}
+        hf_key, our_key = hf_template.format(**fields), ours_template.format(**fields)
+        assert hf.hf_to_ours(hf_key)[0] == our_key
+        assert hf.ours_to_hf(our_key)[0] == hf_key
+
+
+def _rewrite_tensors(path, edit):
+    tensors = {k: np.array(v) for k, v in _read_safetensors(str(path / "model.safetensors")).items()}
+    edit(tensors)
+    _write_safetensors(str(path / "model.safetensors"), tensors)
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_missing_tensor_is_named(qwen3_dir, tmp_path):
+    path = _copy(qwen3_dir, tmp_path / "c")
+    _rewrite_tensors(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensors: \['model.layers.1.mlp.up_proj.weight'\]"):
+        load_hf(path)
+
+
+def test_unexpected_tensor_is_named(qwen3_dir, tmp_path):
+    path = _copy(qwen3_dir, tmp_path / "c")
+    _rewrite_tensors(path, lambda t: t.update({"model.layers.0.self_attn.rotary.inv_freq": np.zeros(4, np.float32)}))
+    with pytest.raises(ValueError, match=r"unexpected tensors.*rotary.inv_freq"):
+        load_hf(path)
+
+
+def test_misshaped_tensor_is_named(qwen3_dir, tmp_path):
+    path = _copy(qwen3_dir, tmp_path / "c")
+    _rewrite_tensors(path, lambda t: t.update({"model.norm.weight": np.ones(65, np.float32)}))
+    with pytest.raises(ValueError, match=r"model.norm.weight has shape \(65,\), config.json implies \(64,\)"):
+        load_hf(path)
+
+
+def test_config_that_does_not_match_the_weights(qwen3_dir, tmp_path):
+    path = _copy(qwen3_dir, tmp_path / "c")
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"] = 3
+    config["intermediate_size"] = 80
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"does not match its config.json(.|\n)*layers.2(.|\n)*up_proj.weight has shape"
+    ):
+        load_hf(path)
+
+
+def test_unsupported_architecture_says_so(qwen3_dir, tmp_path):
+    path = _copy(qwen3_dir, tmp_path / "c")
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = "qwen3_moe"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"qwen3_moe.*mixture-of-experts models are not supported yet"):
+        load_hf(path)
+
+
+def test_missing_weights_and_missing_shard(qwen3_dir, tmp_path):
+    path = _copy(qwen3_dir, tmp_path / "c")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \.safetensors files"):
+        load_hf(path)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match=r"model-00001\.safetensors, which is missing"):
+        load_hf(path)
+
+
+def test_export_of_an_unknown_checkpoint_dir_is_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a trace_jax model checkpoint"):
+        hf.main(["export", "--ckpt", str(tmp_path), "--out", str(tmp_path / "x")])

@@ -1,0 +1,48 @@
+"""Test helpers: tiny random Hugging Face Qwen checkpoints built and saved locally (nothing downloaded)."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+
+def build_hf_checkpoint(
+    path: str | pathlib.Path, family: str = "qwen3", seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+):
+    """Builds a random tiny ``Qwen2``/``Qwen3`` transformers model, ``save_pretrained``s it to ``path``.
+
+    Returns the torch model (eval mode) so a test can compare against it. ``overrides`` are HF config fields.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    )
+    fields.update(overrides)
+    config_class = {"qwen3": Qwen3Config, "qwen2": Qwen2Config}[family]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config_class(**fields)).eval()
+    with torch.no_grad():  # random, non-trivial norms and biases so every tensor matters
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **kwargs)
+    return model
+
+
+def torch_logits(model, ids) -> Any:
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids))).logits.float().numpy()

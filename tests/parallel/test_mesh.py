@@ -1,0 +1,66 @@
+"""Meshes and shardings: a 2x2x2 (data, fsdp, tensor) forward on 8 fake CPU devices equals one device."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec
+
+from tests.helpers import build_hf_checkpoint
+from trace_jax.parallel import mesh as mesh_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def eight_device_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf")
+    build_hf_checkpoint(path, "qwen3", tie_word_embeddings=False)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.parallel.mesh_check", str(path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_sharded_forward_equals_single_device(eight_device_run):
+    assert eight_device_run["max_diff"] <= 1e-5
+
+
+def test_parameters_are_partitioned_by_the_rules_table(eight_device_run):
+    specs = eight_device_run["specs"]
+    assert specs["layers.0.attn.q_proj"] == str(PartitionSpec("fsdp", "tensor", None))
+    assert specs["layers.0.attn.o_proj"] == str(PartitionSpec("tensor", None, "fsdp"))
+    assert specs["layers.0.mlp.down_proj"] == str(PartitionSpec("tensor", "fsdp"))
+    assert specs["lm_head"] == str(PartitionSpec("fsdp", "tensor"))
+    assert specs["embed"] == str(PartitionSpec("tensor", "fsdp"))
+    # hidden 64 x mlp 96 split over fsdp=2 and tensor=2: each device holds a quarter.
+    assert eight_device_run["up_proj_shard_shape"] == [32, 48]
+
+
+def test_random_init_is_born_sharded(eight_device_run):
+    assert eight_device_run["random_up_proj_spec"] == str(PartitionSpec("fsdp", "tensor"))
+
+
+def test_logical_rules_skip_axes_that_do_not_divide():
+    mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
+    assert mesh.shape == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert mesh_lib.logical_to_spec(("embed", "mlp"), mesh) == PartitionSpec(None, None)
+
+
+def test_bad_mesh_shapes_are_clear_errors():
+    with pytest.raises(ValueError, match="needs 8 devices"):
+        mesh_lib.make_mesh(data=2, fsdp=2, tensor=2, devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match="at most one may be -1"):
+        mesh_lib.make_mesh(data=-1, fsdp=-1)
+    with pytest.raises(ValueError, match="no rule"):
+        mesh_lib.logical_to_spec(("embedding",), mesh_lib.make_mesh(devices=jax.devices()[:1]))

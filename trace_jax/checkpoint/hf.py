@@ -1,0 +1,334 @@
+"""Hugging Face Qwen2/Qwen3 checkpoints <-> our parameters, in both directions, without torch.
+
+The whole mapping is ``KEY_MAP``: one row per tensor kind, ``(HF key template, our key template,
+transform)``. Loading reads it left to right, exporting right to left. Safetensors files are memory-mapped
+and each array is assembled on the mesh shard by shard (``jax.make_array_from_callback``), so a large
+model never sits whole on one device.
+
+Command line::
+
+    python -m trace_jax.checkpoint.hf import --hf-dir D --out CKPT   # HF dir -> orbax checkpoint
+    python -m trace_jax.checkpoint.hf export --ckpt CKPT --out D     # orbax checkpoint -> HF dir
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from trace_jax.models.qwen import ModelConfig, abstract_model
+from trace_jax.parallel import mesh as mesh_lib
+
+# ------------------------------------------------------------------------------------------ transforms
+
+
+@dataclasses.dataclass(frozen=True)
+class Reshape:
+    """Same element order; HF's tensor is ours flattened (biases split per head) or as is (``flatten=False``)."""
+
+    flatten: bool = False
+
+    def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
+        return (math.prod(ours),) if self.flatten else tuple(ours)
+
+    def to_ours(self, hf: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
+        return hf.reshape(ours)
+
+    def to_hf(self, value: np.ndarray) -> np.ndarray:
+        return value.reshape(self.hf_shape(value.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class Transpose:
+    """A torch ``Linear`` weight ``[out, in]`` <-> our kernel ``[in..., out...]``.
+
+    ``split`` is how many of our leading axes form the input side: ``q_proj`` ``[d, heads, head_dim]`` has
+    split 1, ``o_proj`` ``[heads, head_dim, d]`` split 2.
+    """
+
+    split: int = 1
+
+    def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
+        return (math.prod(ours[self.split :]), math.prod(ours[: self.split]))
+
+    def to_ours(self, hf: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
+        return hf.T.reshape(ours)
+
+    def to_hf(self, value: np.ndarray) -> np.ndarray:
+        shape = value.shape
+        return value.reshape(math.prod(shape[: self.split]), math.prod(shape[self.split :])).T
+
+
+_LAYER = "model.layers.{layer}."
+KEY_MAP: tuple[tuple[str, str, Reshape | Transpose], ...] = (
+    ("model.embed_tokens.weight", "embed", Reshape()),
+    (_LAYER + "self_attn.{qkv}_proj.weight", "layers.{layer}.attn.{qkv}_proj", Transpose(1)),
+    (_LAYER + "self_attn.{qkv}_proj.bias", "layers.{layer}.attn.{qkv}_bias", Reshape(flatten=True)),
+    (_LAYER + "self_attn.o_proj.weight", "layers.{layer}.attn.o_proj", Transpose(2)),
+    (_LAYER + "self_attn.{qk}_norm.weight", "layers.{layer}.attn.{qk}_norm.scale", Reshape()),
+    (_LAYER + "input_layernorm.weight", "layers.{layer}.input_norm.scale", Reshape()),
+    (_LAYER + "post_attention_layernorm.weight", "layers.{layer}.post_attn_norm.scale", Reshape()),
+    (_LAYER + "mlp.{mlp}_proj.weight", "layers.{layer}.mlp.{mlp}_proj", Transpose(1)),
+    ("model.norm.weight", "final_norm.scale", Reshape()),
+    ("lm_head.weight", "lm_head", Transpose(1)),
+)
+_PLACEHOLDERS = {"layer": r"\d+", "qkv": "q|k|v", "qk": "q|k", "mlp": "gate|up|down"}
+
+
+def _template_regex(template: str) -> re.Pattern:
+    pattern = re.escape(template)
+    for name, alternatives in _PLACEHOLDERS.items():
+        pattern = pattern.replace(re.escape("{" + name + "}"), f"(?P<{name}>{alternatives})")
+    return re.compile(pattern + "$")
+
+
+_ROWS = [(_template_regex(hf), hf, _template_regex(ours), ours, t) for hf, ours, t in KEY_MAP]
+
+
+def hf_to_ours(hf_key: str) -> tuple[str, Reshape | Transpose] | None:
+    """Our key and transform for an HF tensor name, or None when no row matches."""
+    for hf_re, _, _, ours, transform in _ROWS:
+        if match := hf_re.match(hf_key):
+            return ours.format(**match.groupdict()), transform
+    return None
+
+
+def ours_to_hf(our_key: str) -> tuple[str, Reshape | Transpose]:
+    """The HF tensor name and transform for one of our parameter keys (the table read backwards)."""
+    for _, hf, ours_re, _, transform in _ROWS:
+        if match := ours_re.match(our_key):
+            return hf.format(**match.groupdict()), transform
+    raise KeyError(f"parameter {our_key!r} has no row in KEY_MAP")
+
+
+# ------------------------------------------------------------------------------ safetensors, no torch
+_ST_DTYPES = {
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F64": np.dtype(np.float64),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Memory-maps every tensor of one .safetensors file (nothing is read until sliced)."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    tensors = {}
+    for name, entry in header.items():
+        if entry["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
+        start, end = entry["data_offsets"]
+        dtype = _ST_DTYPES[entry["dtype"]]
+        count = (end - start) // dtype.itemsize
+        flat = np.memmap(path, dtype=dtype, mode="r", offset=8 + header_len + start, shape=(count,))
+        tensors[name] = flat.reshape(entry["shape"])
+    return tensors
+
+
+def _write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, value in tensors.items():
+        header[name] = {"dtype": _ST_NAMES[value.dtype], "shape": list(value.shape), "data_offsets": [offset, 0]}
+        offset += value.nbytes
+        header[name]["data_offsets"][1] = offset
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for value in tensors.values():
+            f.write(np.ascontiguousarray(value).tobytes())
+
+
+def _checkpoint_tensors(hf_dir: str) -> dict[str, np.ndarray]:
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {hf_dir} (and no model.safetensors.index.json)")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        path = os.path.join(hf_dir, name)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{index} names shard {name}, which is missing from {hf_dir}")
+        tensors.update(_read_safetensors(path))
+    return tensors
+
+
+# ------------------------------------------------------------------------------------------ loading
+def _flat(state: nnx.State) -> Iterator[tuple[str, nnx.Variable]]:
+    for path, variable in nnx.to_flat_state(state):
+        yield ".".join(str(p) for p in path), variable
+
+
+def load_hf(
+    hf_dir: str | os.PathLike, mesh: Mesh | None = None, **config_overrides: Any
+) -> tuple[ModelConfig, nnx.State]:
+    """Reads a Qwen2/Qwen3 HF checkpoint directory (config.json + safetensors, one file or sharded).
+
+    Returns ``(config, params)`` where ``params`` is the ``nnx.Param`` state of ``Qwen(config)``
+    (``nnx.merge(graphdef, params)`` rebuilds the model). With a mesh, each array is placed shard by shard
+    straight from the memory-mapped file. ``config_overrides`` (e.g. ``dtype="bfloat16"``) replace fields;
+    parameters are cast to ``config.param_dtype``.
+    """
+    hf_dir = os.fspath(hf_dir)
+    config = ModelConfig.from_hf(hf_dir, **config_overrides)
+    tensors = _checkpoint_tensors(hf_dir)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # tied: transformers ignores a stored head too
+    target = abstract_model(config)[1]
+    expected = dict(_flat(target))
+    by_our_key: dict[str, tuple[str, np.ndarray, Reshape | Transpose]] = {}
+    unexpected = []
+    for hf_key, value in tensors.items():
+        mapped = hf_to_ours(hf_key)
+        if mapped is None or mapped[0] not in expected:
+            unexpected.append(hf_key)
+        else:
+            by_our_key[mapped[0]] = (hf_key, value, mapped[1])
+    problems = []
+    if unexpected:
+        problems.append(f"unexpected tensors (not in a {config.family} model of this config): {sorted(unexpected)[:8]}")
+    missing = [ours_to_hf(k)[0] for k in expected if k not in by_our_key]
+    if missing:
+        problems.append(f"missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    for key, (hf_key, value, transform) in by_our_key.items():
+        want = transform.hf_shape(expected[key].value.shape)
+        if tuple(value.shape) != want:
+            problems.append(f"tensor {hf_key} has shape {tuple(value.shape)}, config.json implies {want}")
+    if problems:
+        raise ValueError(f"checkpoint {hf_dir} does not match its config.json:\n  " + "\n  ".join(problems))
+
+    shardings = dict(_flat(mesh_lib.state_shardings(target, mesh))) if mesh is not None else {}
+    dtype = config.weight_dtype
+
+    def place(key: str, variable: nnx.Variable) -> jax.Array:
+        # One tensor at a time is materialised on the host; each device then copies only its own shard.
+        _, value, transform = by_our_key[key]
+        host = transform.to_ours(value, variable.value.shape)
+        if key not in shardings:
+            return jax.numpy.asarray(host.astype(dtype))
+        sharding: NamedSharding = shardings[key].value
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: np.asarray(host[index], dtype))
+
+    flat = [
+        (path, variable.replace(place(key, variable)))
+        for (key, variable), (path, _) in zip(_flat(target), nnx.to_flat_state(target), strict=True)
+    ]
+    return config, nnx.from_flat_state(flat)
+
+
+def save_hf(config: ModelConfig, params: nnx.State, out_dir: str | os.PathLike, max_shard_bytes: int = 0) -> None:
+    """Writes ``config.json`` and safetensors that ``transformers.AutoModelForCausalLM`` loads.
+
+    With ``max_shard_bytes > 0`` the weights are split into several files with an index, as HF does.
+    """
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {}
+    for key, variable in _flat(params):
+        hf_key, transform = ours_to_hf(key)
+        tensors[hf_key] = transform.to_hf(np.asarray(jax.device_get(variable.value)))
+    shards: list[dict[str, np.ndarray]] = [{}]
+    for name, value in tensors.items():
+        if (
+            max_shard_bytes
+            and shards[-1]
+            and sum(v.nbytes for v in shards[-1].values()) + value.nbytes > max_shard_bytes
+        ):
+            shards.append({})
+        shards[-1][name] = value
+    if len(shards) == 1:
+        _write_safetensors(os.path.join(out_dir, "model.safetensors"), shards[0])
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _write_safetensors(os.path.join(out_dir, filename), shard)
+            weight_map.update(dict.fromkeys(shard, filename))
+        total = sum(v.nbytes for v in tensors.values())
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config.to_hf(), f, indent=2)
+
+
+# ------------------------------------------------------------------------------- orbax and the CLI
+_CONFIG_FILE = "model_config.json"
+
+
+def save_orbax(config: ModelConfig, params: nnx.State, ckpt_dir: str | os.PathLike) -> None:
+    """Writes params as an orbax checkpoint plus ``model_config.json`` beside it."""
+    import orbax.checkpoint as ocp
+
+    ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
+    os.makedirs(ckpt_dir, exist_ok=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.path.join(ckpt_dir, "params"), nnx.to_pure_dict(params), force=True)
+    with open(os.path.join(ckpt_dir, _CONFIG_FILE), "w") as f:
+        json.dump(dataclasses.asdict(config), f, indent=2)
+
+
+def load_orbax(ckpt_dir: str | os.PathLike, mesh: Mesh | None = None) -> tuple[ModelConfig, nnx.State]:
+    """Reads what ``save_orbax`` wrote, restoring straight into the mesh shardings when one is given."""
+    import orbax.checkpoint as ocp
+
+    ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
+    config_path = os.path.join(ckpt_dir, _CONFIG_FILE)
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{ckpt_dir} is not a trace_jax model checkpoint ({_CONFIG_FILE} missing)")
+    with open(config_path) as f:
+        config = ModelConfig(**json.load(f))
+    target = abstract_model(config)[1]
+    if mesh is not None:
+        shardings = mesh_lib.state_shardings(target, mesh)
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(os.path.join(ckpt_dir, "params"), nnx.to_pure_dict(target))
+    nnx.replace_by_pure_dict(target, restored)
+    return config, target
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trace_jax.checkpoint.hf", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_orbax = commands.add_parser("import", help="HF directory -> orbax checkpoint")
+    to_orbax.add_argument("--hf-dir", required=True)
+    to_orbax.add_argument("--out", required=True)
+    to_hf = commands.add_parser("export", help="orbax checkpoint -> HF directory")
+    to_hf.add_argument("--ckpt", required=True)
+    to_hf.add_argument("--out", required=True)
+    to_hf.add_argument("--max-shard-bytes", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.command == "import":
+        config, params = load_hf(args.hf_dir)
+        save_orbax(config, params, args.out)
+    else:
+        config, params = load_orbax(args.ckpt)
+        save_hf(config, params, args.out, args.max_shard_bytes)
+    print(f"{args.command}: wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

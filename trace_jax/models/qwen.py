@@ -1,0 +1,401 @@
+"""The Qwen2 / Qwen2.5 / dense Qwen3 decoder in Flax nnx, with a per-slot KV cache.
+
+One module covers both families; they differ only in config flags:
+
+* Qwen2 / Qwen2.5: biases on the q/k/v projections, no q/k norm, ``head_dim = hidden / heads``;
+* Qwen3 (dense): RMSNorm on every query and key head (before RoPE), no biases, explicit ``head_dim``.
+
+Every parameter is an ``nnx.Param`` whose ``logical_axes`` metadata names its axes (``embed``, ``mlp``,
+``heads``, ``kv_heads``, ``head_dim``, ``vocab``); ``trace_jax.parallel.mesh`` maps those names to mesh
+axes. Letters in array names: b batch (slot), t new tokens, s cache positions, d hidden, h query heads,
+k kv heads, g queries per kv head, e head dim, f mlp, v vocab, l layers.
+
+KV cache layout (``KVCache``): ``k`` and ``v`` are ``[layers, batch, max_len, kv_heads, head_dim]`` in the
+compute dtype, ``lengths`` is int32 ``[batch]``, the number of valid positions per slot. Slots are
+independent: each has its own write position, so prompts of different lengths need no left padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Qwen2/Qwen3 dense decoder (field names follow our code, ``from_hf`` maps HF's)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = False  # Qwen2 family
+    qk_norm: bool = True  # Qwen3 family
+    max_position_embeddings: int = 32768
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; choose one of {sorted(_DTYPES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads} (GQA groups)"
+            )
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def family(self) -> str:
+        return "qwen3" if self.qk_norm else "qwen2"
+
+    # --------------------------------------------------------------------------------------- presets
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A named architecture (see ``PRESETS``); keyword overrides replace fields."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    # ------------------------------------------------------------------------------------ HF configs
+    @classmethod
+    def from_hf(cls, config: str | os.PathLike | dict[str, Any], **overrides: Any) -> ModelConfig:
+        """Reads a Hugging Face ``config.json`` (a path, its directory, or the parsed dict).
+
+        Supports ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``; reads ``rope_theta`` at top level or inside
+        transformers 5's ``rope_parameters``.
+        """
+        if not isinstance(config, dict):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                config = json.load(f)
+        model_type = config.get("model_type")
+        if model_type not in _HF_FAMILIES:
+            hint = " (mixture-of-experts models are not supported yet)" if "moe" in str(model_type) else ""
+            raise ValueError(
+                f"unsupported architecture model_type={model_type!r}{hint}; supported: {sorted(_HF_FAMILIES)}"
+            )
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise ValueError(f"unsupported RoPE scaling {rope.get('rope_type')!r}; only plain RoPE is supported")
+        theta = config.get("rope_theta", rope.get("rope_theta"))
+        if theta is None:
+            raise ValueError("config.json has neither rope_theta nor rope_parameters.rope_theta")
+        heads = config["num_attention_heads"]
+        fields = dict(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads", heads),
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rope_theta=float(theta),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            max_position_embeddings=config.get("max_position_embeddings", 32768),
+            **_HF_FAMILIES[model_type],
+        )
+        if model_type == "qwen2":
+            fields["qkv_bias"] = config.get("attention_bias", True)
+        return cls(**{**fields, **overrides})
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``config.json`` dict transformers needs to rebuild this architecture."""
+        family = self.family
+        return {
+            "architectures": [f"{family.capitalize()}ForCausalLM"],
+            "model_type": family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "torch_dtype": self.param_dtype,
+            "use_cache": True,
+        }
+
+
+_HF_FAMILIES = {
+    "qwen2": {"qkv_bias": True, "qk_norm": False},
+    "qwen3": {"qkv_bias": False, "qk_norm": True},
+}
+
+
+def _qwen25(hidden, inter, layers, heads, kv, vocab=151936, tied=True, eps=1e-6) -> ModelConfig:
+    return ModelConfig(vocab, hidden, inter, layers, heads, kv, hidden // heads, 1e6, eps, tied, True, False)
+
+
+def _qwen3(hidden, inter, layers, heads, kv, tied) -> ModelConfig:
+    return ModelConfig(151936, hidden, inter, layers, heads, kv, 128, 1e6, 1e-6, tied, False, True, 40960)
+
+
+# Published architectures (from the models' config.json files), plus tiny sizes for tests and CPU runs.
+PRESETS: dict[str, ModelConfig] = {
+    "qwen2.5-0.5b": _qwen25(896, 4864, 24, 14, 2),
+    "qwen2.5-1.5b": _qwen25(1536, 8960, 28, 12, 2),
+    "qwen2.5-3b": _qwen25(2048, 11008, 36, 16, 2),
+    "qwen2.5-7b": _qwen25(3584, 18944, 28, 28, 4, vocab=152064, tied=False),
+    "qwen2.5-14b": _qwen25(5120, 13824, 48, 40, 8, vocab=152064, tied=False, eps=1e-5),
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, tied=True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, tied=True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, tied=True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, tied=False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, 8, tied=False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, 8, tied=False),
+    "qwen3-tiny": ModelConfig(512, 64, 128, 2, 4, 2, 16, 1e6, 1e-6, True, False, True, 2048),
+    "qwen2-tiny": ModelConfig(512, 64, 128, 2, 4, 2, 16, 1e4, 1e-6, False, True, False, 2048),
+    "qwen3-20m": ModelConfig(8192, 384, 1024, 6, 6, 2, 64, 1e6, 1e-6, True, False, True, 4096),
+}
+
+
+def num_params(config: ModelConfig) -> int:
+    """Parameter count of the architecture, computed from the config alone (no weights needed)."""
+    d, e = config.hidden_size, config.head_dim
+    q, kv = config.num_heads * e, config.num_kv_heads * e
+    attention = d * (q + 2 * kv) + q * d
+    attention += (q + 2 * kv) if config.qkv_bias else 0
+    attention += 2 * e if config.qk_norm else 0
+    per_layer = attention + 3 * d * config.intermediate_size + 2 * d
+    embeddings = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
+    return config.num_layers * per_layer + embeddings + d
+
+
+# ---------------------------------------------------------------------------------------------- cache
+class KVCache(NamedTuple):
+    """Per-slot key/value cache. k, v: [layers, batch, max_len, kv_heads, head_dim]; lengths: int32 [batch]."""
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+        dtype = dtype or config.compute_dtype
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+class ModelOutput(NamedTuple):
+    logits_btv: jax.Array | None  # float32
+    hidden_btd: jax.Array  # final hidden states (after the final norm), compute dtype
+    cache: KVCache | None
+
+
+# --------------------------------------------------------------------------------------------- layers
+def _param(rngs: nnx.Rngs, config: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...], fan_in: int):
+    init = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
+    return nnx.Param(init.astype(config.weight_dtype), logical_axes=axes)
+
+
+def _ones(config: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...]):
+    return nnx.Param(jnp.ones(shape, config.weight_dtype), logical_axes=axes)
+
+
+def _zeros(config: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...]):
+    return nnx.Param(jnp.zeros(shape, config.weight_dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    """``x / rms(x) * scale`` over the last axis, computed in float32 like the reference."""
+
+    def __init__(self, config: ModelConfig, size: int, axis_name: str):
+        self.eps = config.rms_norm_eps
+        self.scale = _ones(config, (size,), (axis_name,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale.value.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope(x_bthe: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding in the rotate-half convention of the HF Qwen checkpoints."""
+    half = x_bthe.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles_bte = positions_bt[..., None].astype(jnp.float32) * inv_freq
+    cos, sin = jnp.cos(angles_bte)[:, :, None, :], jnp.sin(angles_bte)[:, :, None, :]
+    x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthe.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with optional q/k/v bias (Qwen2) or q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        d, h, k, e = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = _param(rngs, config, (d, h, e), ("embed", "heads", "head_dim"), d)
+        self.k_proj = _param(rngs, config, (d, k, e), ("embed", "kv_heads", "head_dim"), d)
+        self.v_proj = _param(rngs, config, (d, k, e), ("embed", "kv_heads", "head_dim"), d)
+        self.o_proj = _param(rngs, config, (h, e, d), ("heads", "head_dim", "embed"), h * e)
+        if config.qkv_bias:
+            self.q_bias = _zeros(config, (h, e), ("heads", "head_dim"))
+            self.k_bias = _zeros(config, (k, e), ("kv_heads", "head_dim"))
+            self.v_bias = _zeros(config, (k, e), ("kv_heads", "head_dim"))
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config, e, "head_dim")
+            self.k_norm = RMSNorm(config, e, "head_dim")
+
+    def _project(self, x_btd: jax.Array, name: str) -> jax.Array:
+        dtype = x_btd.dtype
+        out = jnp.einsum("btd,dhe->bthe", x_btd, getattr(self, f"{name}_proj").value.astype(dtype))
+        if self.config.qkv_bias:
+            out = out + getattr(self, f"{name}_bias").value.astype(dtype)
+        if self.config.qk_norm and name in ("q", "k"):
+            out = getattr(self, f"{name}_norm")(out)
+        return out
+
+    def __call__(
+        self, x_btd: jax.Array, positions_bt: jax.Array, layer: int, cache: KVCache | None
+    ) -> tuple[jax.Array, KVCache | None]:
+        cfg = self.config
+        q_bthe = rope(self._project(x_btd, "q"), positions_bt, cfg.rope_theta)
+        k_btke = rope(self._project(x_btd, "k"), positions_bt, cfg.rope_theta)
+        v_btke = self._project(x_btd, "v")
+        if cache is None:
+            keys_bske, values_bske, key_pos_s = k_btke, v_btke, jnp.arange(x_btd.shape[1])
+        else:
+            # Each slot writes at its own positions; mode="drop" ignores padding tokens that fall past max_len.
+            slots_b1 = jnp.arange(x_btd.shape[0])[:, None]
+            k_all = cache.k.at[layer, slots_b1, positions_bt].set(k_btke.astype(cache.k.dtype), mode="drop")
+            v_all = cache.v.at[layer, slots_b1, positions_bt].set(v_btke.astype(cache.v.dtype), mode="drop")
+            cache = cache._replace(k=k_all, v=v_all)
+            keys_bske, values_bske, key_pos_s = k_all[layer], v_all[layer], jnp.arange(cache.max_len)
+        b, t, h, e = q_bthe.shape
+        groups = h // cfg.num_kv_heads
+        q_btkge = q_bthe.reshape(b, t, cfg.num_kv_heads, groups, e)
+        scores = jnp.einsum("btkge,bske->bkgts", q_btkge, keys_bske.astype(q_btkge.dtype))
+        scores = scores.astype(jnp.float32) / math.sqrt(e)
+        visible_bts = key_pos_s[None, None, :] <= positions_bt[:, :, None]
+        scores = jnp.where(visible_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(values_bske.dtype)
+        attended_bthe = jnp.einsum("bkgts,bske->btkge", probs, values_bske).reshape(b, t, h, e)
+        out_btd = jnp.einsum("bthe,hed->btd", attended_bthe.astype(x_btd.dtype), self.o_proj.value.astype(x_btd.dtype))
+        return out_btd, cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = _param(rngs, config, (d, f), ("embed", "mlp"), d)
+        self.up_proj = _param(rngs, config, (d, f), ("embed", "mlp"), d)
+        self.down_proj = _param(rngs, config, (f, d), ("mlp", "embed"), f)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        dtype = x_btd.dtype
+        gate = jax.nn.silu(x_btd @ self.gate_proj.value.astype(dtype))
+        return (gate * (x_btd @ self.up_proj.value.astype(dtype))) @ self.down_proj.value.astype(dtype)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(config, config.hidden_size, "embed")
+        self.attn = Attention(config, rngs)
+        self.post_attn_norm = RMSNorm(config, config.hidden_size, "embed")
+        self.mlp = MLP(config, rngs)
+
+    def __call__(self, x_btd, positions_bt, layer, cache):
+        attended, cache = self.attn(self.input_norm(x_btd), positions_bt, layer, cache)
+        x_btd = x_btd + attended
+        return x_btd + self.mlp(self.post_attn_norm(x_btd)), cache
+
+
+class Qwen(nnx.Module):
+    """The decoder: embeddings, ``num_layers`` pre-norm blocks, final norm, tied or separate LM head."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d, v = config.hidden_size, config.vocab_size
+        self.embed = _param(rngs, config, (v, d), ("vocab", "embed"), 1)
+        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config, d, "embed")
+        if not config.tie_word_embeddings:
+            self.lm_head = _param(rngs, config, (d, v), ("embed", "vocab"), d)
+
+    def hidden(
+        self, tokens_bt: jax.Array, cache: KVCache | None = None, num_new_b: jax.Array | None = None
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Final hidden states [B, T, D] and the updated cache (see ``__call__`` for the contract)."""
+        b, t = tokens_bt.shape
+        if cache is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(t), (b, t))
+        else:
+            positions_bt = cache.lengths[:, None] + jnp.arange(t)[None, :]
+        x_btd = self.embed.value.astype(self.config.compute_dtype)[tokens_bt]
+        for layer, block in enumerate(self.layers):
+            x_btd, cache = block(x_btd, positions_bt, layer, cache)
+        if cache is not None:
+            added_b = jnp.full((b,), t, jnp.int32) if num_new_b is None else num_new_b.astype(jnp.int32)
+            cache = cache._replace(lengths=cache.lengths + added_b)
+        return self.final_norm(x_btd), cache
+
+    def logits(self, hidden_btd: jax.Array) -> jax.Array:
+        """float32 logits from final hidden states ([..., D] -> [..., V])."""
+        dtype = hidden_btd.dtype
+        if self.config.tie_word_embeddings:
+            head_dv = self.embed.value.astype(dtype).T
+        else:
+            head_dv = self.lm_head.value.astype(dtype)
+        return (hidden_btd @ head_dv).astype(jnp.float32)
+
+    def __call__(
+        self, tokens_bt: jax.Array, cache: KVCache | None = None, num_new_b: jax.Array | None = None
+    ) -> ModelOutput:
+        """Runs ``tokens_bt`` (int32 [B, T]) through the decoder.
+
+        Without a cache: a causal forward at positions 0..T-1 (right padding is harmless to valid tokens).
+        With a cache: token t of slot b sits at position ``cache.lengths[b] + t``, is written to the cache
+        there and attends to every cached position up to its own. Only the first ``num_new_b[b]`` tokens
+        count (default: all T): the returned cache has ``lengths + num_new_b``; the padding's cache entries
+        lie past the new length, where nothing reads them before they are overwritten.
+        """
+        hidden_btd, cache = self.hidden(tokens_bt, cache, num_new_b)
+        return ModelOutput(self.logits(hidden_btd), hidden_btd, cache)
+
+
+def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """``(graphdef, abstract params)`` of ``Qwen(config)``: shapes, dtypes and logical axes, no memory.
+
+    ``nnx.merge(graphdef, params)`` turns any matching params (loaded, sharded, updated) into a model.
+    """
+    return nnx.split(nnx.eval_shape(lambda: Qwen(config, rngs=nnx.Rngs(0))), nnx.Param)
