@@ -1,0 +1,162 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax.rl.losses import (
+    AGGREGATIONS,
+    LossConfig,
+    LossInputs,
+    compute_loss,
+    finalize_metrics,
+    loss_denominator,
+)
+
+
+def _inputs(logprobs, old, adv, weights, segments=None, ref=None, entropies=None):
+    arr = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
+    weights = arr(weights)
+    segments = jnp.zeros(weights.shape, jnp.int32) if segments is None else jnp.asarray(segments, jnp.int32)
+    return LossInputs(arr(logprobs), arr(old), arr(adv), weights, segments, arr(ref), arr(entropies))
+
+
+def _loss(inputs, config):
+    out = compute_loss(inputs, config)
+    return out.numerator / loss_denominator(inputs.weights, config), out.metrics
+
+
+def test_ppo_clip_low_high_by_hand():
+    ratios = np.array([[1.5, 0.5, 1.1]])
+    inputs = _inputs(np.log(ratios), np.zeros((1, 3)), [[1.0, -1.0, 2.0]], np.ones((1, 3)))
+    loss, metrics = _loss(inputs, LossConfig(clip_low=0.2, clip_high=0.28))
+    # t0: A>0, ρ above 1.28 -> −1.28; t1: A<0, ρ below 0.8 -> +0.8; t2: inside the range -> −2.2
+    assert float(loss) == pytest.approx((-1.28 + 0.8 - 2.2) / 3, rel=1e-5)
+    assert finalize_metrics(metrics)["clip_fraction"] == pytest.approx(2 / 3)
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    inputs = _inputs(np.log([[5.0, 5.0]]), np.zeros((1, 2)), [[-1.0, 1.0]], np.ones((1, 2)))
+    plain, _ = _loss(inputs, LossConfig())
+    dual, metrics = _loss(inputs, LossConfig(dual_clip=3.0))
+    # A=−1, ρ=5: PPO gives max(5, 0.8) = 5; dual clip caps at 3. A=+1: min(−5, −1.28) side untouched (−1.28).
+    assert float(plain) == pytest.approx((5.0 - 1.28) / 2, rel=1e-5)
+    assert float(dual) == pytest.approx((3.0 - 1.28) / 2, rel=1e-5)
+    assert finalize_metrics(metrics)["dual_clip_fraction"] == pytest.approx(0.5)
+
+
+def test_tool_tokens_carry_no_loss_and_no_gradient():
+    # Token 2 is an observation (weight 0) with a huge advantage and wild log-probs: it must not matter.
+    logprobs = jnp.log(jnp.array([[0.5, 0.4, 1e-30, 0.3]]))
+    old = jnp.log(jnp.array([[0.4, 0.4, 0.9, 0.3]]))
+    adv = jnp.array([[1.0, 1.0, 1e6, -1.0]])
+    weights = jnp.array([[1.0, 1.0, 0.0, 1.0]])
+    ref = old + 0.1
+    ent = jnp.array([[0.5, 0.5, 100.0, 0.5]])
+    for name in ("ppo", "gspo", "gspo_turn"):
+        config = LossConfig(policy_loss=name, kl_coef=0.1, entropy_coef=0.01)
+
+        def f(lp, config=config):
+            return _loss(_inputs(lp, old, adv, weights, [[1, 1, 2, 2]], ref, ent), config)[0]
+
+        loss, grad = jax.value_and_grad(f)(logprobs)
+        assert np.isfinite(float(loss))
+        assert float(grad[0, 2]) == 0.0
+        keep = np.array([0, 1, 3])
+        reduced = _loss(
+            _inputs(
+                logprobs[:, keep], old[:, keep], adv[:, keep], weights[:, keep], [[1, 1, 2]], ref[:, keep], ent[:, keep]
+            ),
+            config,
+        )[0]
+        assert float(loss) == pytest.approx(float(reduced), rel=1e-6)
+
+
+def test_aggregation_modes_by_hand():
+    loss_bt = jnp.array([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    weights = jnp.array([[1.0, 1.0, 1.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
+    expected = {
+        "token-mean": (1 + 2 + 3 + 2 * 4) / 5,
+        "seq-mean-token-mean": ((1 + 2 + 3) / 3 + (2 * 4) / 2) / 2,
+        "seq-mean-token-sum-norm": ((1 + 2 + 3) / 8 + (2 * 4) / 8) / 2,
+    }
+    config_for = lambda mode: LossConfig(aggregation=mode, norm_length=8)
+    for mode, value in expected.items():
+        numerator, denominator = AGGREGATIONS[mode](loss_bt, weights, config_for(mode))
+        assert float(numerator / denominator) == pytest.approx(value)
+        assert float(loss_denominator(weights, config_for(mode))) == float(denominator)
+
+
+@pytest.mark.parametrize("mode", sorted(AGGREGATIONS))
+def test_micro_batches_add_up_to_the_full_batch(mode):
+    rng = np.random.default_rng(0)
+    shape = (4, 6)
+    weights = (rng.random(shape) > 0.3) * rng.integers(1, 3, shape)
+    weights[2] = 0  # a row with nothing to train
+    inputs = _inputs(
+        -rng.random(shape),
+        -rng.random(shape),
+        rng.normal(size=shape),
+        weights,
+        rng.integers(0, 3, shape),
+        -rng.random(shape),
+        rng.random(shape),
+    )
+    config = LossConfig(policy_loss="gspo_turn", aggregation=mode, kl_coef=0.05, entropy_coef=0.01, dual_clip=2.0)
+    denominator = loss_denominator(inputs.weights, config)
+
+    def loss_of(part, logprobs):
+        return compute_loss(part._replace(logprobs=logprobs), config).numerator / denominator
+
+    full = jax.grad(lambda lp: loss_of(inputs, lp))(inputs.logprobs)
+    full_metrics = compute_loss(inputs, config).metrics
+    halves = [jax.tree.map(lambda x, s=s: x[s], inputs) for s in (slice(0, 2), slice(2, 4))]
+    grads = [jax.grad(lambda lp, h=h: loss_of(h, lp))(h.logprobs) for h in halves]
+    np.testing.assert_allclose(np.concatenate(grads), full, rtol=1e-5, atol=1e-7)
+    summed = jax.tree.map(lambda a, b: a + b, *[compute_loss(h, config).metrics for h in halves])
+    for name, (s, c) in full_metrics.items():
+        assert float(summed[name][0]) == pytest.approx(float(s), rel=1e-5, abs=1e-6)
+        assert float(summed[name][1]) == pytest.approx(float(c))
+
+
+@pytest.mark.parametrize("estimator, value", [("k1", 0.5), ("k2", 0.125), ("k3", np.exp(-0.5) + 0.5 - 1)])
+def test_kl_to_reference_by_hand(estimator, value):
+    # log π_θ − log π_ref = 0.5 on every trained token; the policy term is 0 (advantage 0).
+    inputs = _inputs([[-1.0, -1.0]], [[-1.0, -1.0]], [[0.0, 0.0]], [[1.0, 1.0]], ref=[[-1.5, -1.5]])
+    loss, metrics = _loss(inputs, LossConfig(kl_coef=0.2, kl_estimator=estimator))
+    assert float(loss) == pytest.approx(0.2 * value, rel=1e-5)
+    assert finalize_metrics(metrics)["kl_ref"] == pytest.approx(value, rel=1e-5)
+
+
+def test_entropy_bonus_lowers_the_loss():
+    inputs = _inputs([[-1.0, -1.0]], [[-1.0, -1.0]], [[0.0, 0.0]], [[1.0, 1.0]], entropies=[[2.0, 4.0]])
+    loss, metrics = _loss(inputs, LossConfig(entropy_coef=0.1))
+    assert float(loss) == pytest.approx(-0.1 * 3.0)
+    assert finalize_metrics(metrics)["entropy"] == pytest.approx(3.0)
+
+
+def test_gspo_sequence_and_turn_ratios():
+    # Row log-ratios 0.2, 0.4 in turn 1 and 0.0 in turn 2; advantage 1, clip wide open.
+    log_ratio = np.array([[0.2, 0.4, 0.0]])
+    inputs = _inputs(log_ratio - 1.0, -np.ones((1, 3)), np.ones((1, 3)), np.ones((1, 3)), [[1, 1, 2]])
+    config = dict(clip_low=0.9, clip_high=10.0)
+    _, seq = _loss(inputs, LossConfig(policy_loss="gspo", **config))
+    assert finalize_metrics(seq)["ratio"] == pytest.approx(np.exp(0.2), rel=1e-5)  # exp(mean(0.2, 0.4, 0))
+    _, turn = _loss(inputs, LossConfig(policy_loss="gspo_turn", **config))
+    assert finalize_metrics(turn)["ratio"] == pytest.approx((2 * np.exp(0.3) + 1.0) / 3, rel=1e-5)
+    # GSPO-token gradient: d loss / d log π_t = −A · s_i · w_t / Σw.
+    grad = jax.grad(lambda lp: _loss(inputs._replace(logprobs=lp), LossConfig(policy_loss="gspo", **config))[0])(
+        inputs.logprobs
+    )
+    np.testing.assert_allclose(grad, -np.exp(0.2) / 3 * np.ones((1, 3)), rtol=1e-5)
+
+
+def test_config_errors_name_the_choices():
+    with pytest.raises(ValueError, match="gspo_turn"):
+        LossConfig(policy_loss="gspo-turn")
+    with pytest.raises(ValueError, match="token-mean"):
+        LossConfig(aggregation="mean")
+    with pytest.raises(ValueError, match="clip_hi"):
+        LossConfig.from_config({"clip_hi": 0.3})
+    inputs = _inputs([[-1.0]], [[-1.0]], [[1.0]], [[1.0]])
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        compute_loss(inputs, LossConfig(kl_coef=0.1))

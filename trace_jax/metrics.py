@@ -1,0 +1,218 @@
+"""Where numbers go: TensorBoard event files + ``metrics.jsonl``, PNG curves, and small summary tables.
+
+    writer = MetricWriter(workdir, resume_step=restored_step)   # None for a fresh run
+    writer.write(step, {"reward": 0.4, "effective_ratio": 0.55}, prefix="rollout/")
+    writer.close()
+    records = read_jsonl(workdir / "metrics.jsonl")
+    plot_metrics(records, ["rollout/reward", "eval/em"], workdir / "curves.png")
+    print(format_table([{"policy": "trace", "EM": 0.41}, {"policy": "uniform", "EM": 0.38}]))
+
+``metrics.jsonl`` holds one JSON object per ``write`` call: ``{"step": s, "<name>": value, ...}``. On resume
+the lines after the restored step are dropped (they belong to the lost part of the killed run), so the file
+of a resumed run reads like the file of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+JSONL_NAME = "metrics.jsonl"
+
+
+def _scalar(value: Any) -> float | None:
+    """A float for numbers / 0-d arrays / bools, None for anything else (not logged)."""
+    try:
+        array = np.asarray(value)
+    except Exception:
+        return None
+    if array.ndim != 0 or not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+        return None
+    return float(array)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl file, in order; a torn last line (killed writer) is ignored."""
+    records = []
+    path = Path(path)
+    if not path.exists():
+        return records
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class MetricWriter:
+    """Writes scalar metrics to TensorBoard event files and to ``<logdir>/metrics.jsonl``.
+
+    Args:
+      logdir: directory for both outputs (created if missing).
+      resume_step: when resuming from a checkpoint at this step, drop jsonl records with a larger step.
+      tensorboard: also write TensorBoard event files (tensorboardX).
+    """
+
+    def __init__(self, logdir: str | Path, resume_step: int | None = None, tensorboard: bool = True):
+        self.logdir = Path(logdir)
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.logdir / JSONL_NAME
+        if resume_step is not None and self.jsonl_path.exists():
+            kept = [r for r in read_jsonl(self.jsonl_path) if r.get("step", -1) <= resume_step]
+            self.jsonl_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif resume_step is None and self.jsonl_path.exists():
+            self.jsonl_path.unlink()  # a fresh run starts a fresh file
+        self._jsonl = self.jsonl_path.open("a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # imported here: only writers that log events need it
+
+            self._tb = SummaryWriter(str(self.logdir / "tensorboard"), purge_step=resume_step)
+
+    def write(self, step: int, metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+        """Logs every scalar of ``metrics`` (non-scalars are skipped) under ``prefix + name``; returns them."""
+        scalars = {prefix + k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
+        record = {"step": int(step), **{k: (v if math.isfinite(v) else None) for k, v in scalars.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for name, value in scalars.items():
+                self._tb.add_scalar(name, value, int(step))
+        return scalars
+
+    def flush(self) -> None:
+        self._jsonl.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> MetricWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def series(records: Iterable[Mapping[str, Any]], key: str, x_key: str = "step") -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) float arrays of the records that have a finite ``key``."""
+    points = [(r[x_key], r[key]) for r in records if r.get(key) is not None and r.get(x_key) is not None]
+    points = [(x, y) for x, y in points if math.isfinite(y)]
+    if not points:
+        return np.zeros(0), np.zeros(0)
+    x, y = zip(*points, strict=True)
+    return np.asarray(x, np.float64), np.asarray(y, np.float64)
+
+
+def plot_metrics(
+    records: Sequence[Mapping[str, Any]],
+    keys: Sequence[str],
+    path: str | Path,
+    x_key: str = "step",
+    title: str | None = None,
+) -> Path:
+    """One panel per metric key (a curve over ``x_key``), saved as a PNG; keys with no data are left empty."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        x, y = series(records, key, x_key)
+        ax.plot(x, y, marker="o" if len(x) < 30 else None, markersize=3)
+        ax.set_title(key)
+        ax.set_xlabel(x_key)
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def mean_std_curve(runs: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(x, mean, std) over runs, at the x values every run has (population std; 0 for one run)."""
+    if not runs:
+        return np.zeros(0), np.zeros(0), np.zeros(0)
+    common = sorted(set.intersection(*(set(np.asarray(x).tolist()) for x, _ in runs)))
+    stacked = np.stack([[dict(zip(np.asarray(x).tolist(), y, strict=True))[c] for c in common] for x, y in runs])
+    return np.asarray(common, np.float64), stacked.mean(axis=0), stacked.std(axis=0)
+
+
+def plot_mean_std(
+    groups: Mapping[str, Sequence[tuple[np.ndarray, np.ndarray]]],
+    path: str | Path,
+    xlabel: str = "step",
+    ylabel: str = "",
+    title: str | None = None,
+) -> Path:
+    """One line per group (e.g. allocation policy): mean over its runs (seeds) with a ±std band; a PNG."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for label, runs in groups.items():
+        x, mean, std = mean_std_curve(runs)
+        ax.plot(x, mean, label=f"{label} (n={len(runs)})")
+        ax.fill_between(x, mean - std, mean + std, alpha=0.2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------- tables
+def format_mean_std(values: Sequence[float], digits: int = 3) -> str:
+    """``"mean ± std"`` (population std) of a list of numbers; ``"n/a"`` when empty."""
+    if len(values) == 0:
+        return "n/a"
+    array = np.asarray(values, np.float64)
+    return f"{array.mean():.{digits}f} ± {array.std():.{digits}f}"
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, digits: int = 3) -> str:
+    """A Markdown table (pipes, header separator) of ``rows``; floats get ``digits`` decimals, missing cells ``-``."""
+    if not rows:
+        return ""
+    if columns is None:
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float | np.floating):
+            return f"{value:.{digits}f}"
+        return str(value)
+
+    body = [[cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(str(c)), *(len(r[i]) for r in body)) for i, c in enumerate(columns)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+    separator = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line([str(c) for c in columns]), separator, *(line(r) for r in body)])

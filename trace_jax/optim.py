@@ -1,0 +1,183 @@
+"""Optimizers shared by SFT and RL: AdamW with warmup + schedule + global-norm clipping, and a non-finite guard.
+
+``make_optimizer`` takes plain keyword arguments or a ConfigDict / mapping with the same field names::
+
+    tx = make_optimizer(learning_rate=1e-5, warmup_steps=10, total_steps=200)
+    tx = make_optimizer(config.rl.optim)          # ConfigDict with any subset of the fields below
+
+``guarded_update`` applies one optimizer step only when the loss and every gradient are finite; otherwise
+params and optimizer state come back unchanged (same arrays, same shardings) and ``finite`` is False so the
+caller can count the skip. It is a pure function, usable inside ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+SCHEDULES: dict[str, Callable[[float, int, int], optax.Schedule]] = {}
+
+
+def register_schedule(name: str):
+    """Decorator: registers ``fn(peak_lr, warmup_steps, decay_steps) -> optax.Schedule`` under ``name``."""
+
+    def wrap(fn):
+        SCHEDULES[name] = fn
+        return fn
+
+    return wrap
+
+
+@register_schedule("cosine")
+def _cosine(peak: float, warmup_steps: int, decay_steps: int) -> optax.Schedule:
+    # Linear warmup from 0 to the peak, then cosine down to 10% of it by total_steps.
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=peak,
+        warmup_steps=warmup_steps,
+        decay_steps=warmup_steps + decay_steps,
+        end_value=0.1 * peak,
+    )
+
+
+@register_schedule("constant")
+def _constant(peak: float, warmup_steps: int, decay_steps: int) -> optax.Schedule:
+    del decay_steps
+    if warmup_steps == 0:
+        return optax.constant_schedule(peak)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, warmup_steps), optax.constant_schedule(peak)], [warmup_steps]
+    )
+
+
+@register_schedule("linear")
+def _linear(peak: float, warmup_steps: int, decay_steps: int) -> optax.Schedule:
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, warmup_steps), optax.linear_schedule(peak, 0.0, max(decay_steps, 1))],
+        [warmup_steps],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Fields ``make_optimizer`` reads (any mapping / ConfigDict with a subset of them works).
+
+    Attributes:
+      learning_rate: peak learning rate (reached after warmup).
+      warmup_steps: linear warmup from 0 over this many optimizer steps.
+      total_steps: length of the run in optimizer steps; the schedule decays over ``total_steps - warmup``.
+      weight_decay: decoupled AdamW weight decay, applied to params with ndim >= 2 only (not to norms, biases).
+      max_grad_norm: clip gradients to this global norm; 0 or None disables clipping.
+      b1, b2, eps: Adam moments.
+      schedule: a key of ``SCHEDULES`` ("cosine", "constant", "linear").
+    """
+
+    learning_rate: float = 1e-5
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    schedule: str = "cosine"
+
+
+_FIELDS = {f.name for f in dataclasses.fields(OptimizerConfig)}
+
+
+def _resolve(config: Any, overrides: dict[str, Any]) -> OptimizerConfig:
+    values: dict[str, Any] = {}
+    if config is not None:
+        items = config.items() if isinstance(config, Mapping) or hasattr(config, "items") else vars(config).items()
+        values.update(dict(items))
+    values.update(overrides)
+    unknown = sorted(set(values) - _FIELDS)
+    if unknown:
+        raise ValueError(f"unknown optimizer field(s) {unknown}; known fields: {sorted(_FIELDS)}")
+    return OptimizerConfig(**values)
+
+
+def make_schedule(config: Any = None, **kwargs: Any) -> optax.Schedule:
+    """The learning-rate schedule ``make_optimizer`` uses (step -> lr), for logging the current lr."""
+    cfg = _resolve(config, kwargs)
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of {sorted(SCHEDULES)}")
+    if cfg.warmup_steps < 0 or cfg.total_steps <= 0:
+        raise ValueError(f"need warmup_steps >= 0 and total_steps > 0, got {cfg.warmup_steps}, {cfg.total_steps}")
+    return SCHEDULES[cfg.schedule](cfg.learning_rate, cfg.warmup_steps, max(cfg.total_steps - cfg.warmup_steps, 1))
+
+
+def decay_mask(params: Any) -> Any:
+    """Weight-decay mask: True for matrices (ndim >= 2), False for norm scales and biases."""
+    return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+
+
+def make_optimizer(config: Any = None, **kwargs: Any) -> optax.GradientTransformation:
+    """AdamW + warmup + schedule, after global-norm gradient clipping.
+
+    Args:
+      config: optional ConfigDict / mapping / dataclass with fields of ``OptimizerConfig``.
+      **kwargs: the same fields as keywords; they override ``config``.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state works on any params pytree (e.g. ``nnx.State``).
+    """
+    cfg = _resolve(config, kwargs)
+    schedule = make_schedule(cfg.__dict__)
+    parts = []
+    if cfg.max_grad_norm:
+        parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
+    parts.append(
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    )
+    return optax.chain(*parts)
+
+
+# --------------------------------------------------------------------------------------- non-finite guard
+class GuardedUpdate(NamedTuple):
+    """Result of ``guarded_update``; every field is a jax value, so it can leave a jit'd step as is."""
+
+    params: Any
+    opt_state: Any
+    finite: jax.Array  # bool []: the update was applied
+    grad_norm: jax.Array  # float32 []: global norm of the raw gradients (before clipping)
+
+
+def all_finite(*trees: Any) -> jax.Array:
+    """bool []: True when every leaf of every tree is finite (no NaN / inf)."""
+    leaves = [leaf for tree in trees for leaf in jax.tree.leaves(tree)]
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+
+def guarded_update(
+    optimizer: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, loss: jax.Array | None = None
+) -> GuardedUpdate:
+    """One optimizer step, skipped when ``loss`` or any gradient is non-finite.
+
+    On a skip, params and optimizer state (including its step count, so the schedule does not advance)
+    are the inputs unchanged. Selection is elementwise (``jnp.where``) so shardings are preserved.
+    """
+    finite = all_finite(grads) if loss is None else jnp.logical_and(all_finite(grads), jnp.all(jnp.isfinite(loss)))
+    grad_norm = optax.global_norm(grads)
+    # Zero the grads on a skip so NaNs never flow through the optimizer arithmetic.
+    safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+    updates, new_opt_state = optimizer.update(safe_grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+
+    def keep(new, old):
+        return jnp.where(finite, new, old)
+
+    return GuardedUpdate(
+        params=jax.tree.map(keep, new_params, params),
+        opt_state=jax.tree.map(keep, new_opt_state, opt_state),
+        finite=finite,
+        grad_norm=grad_norm,
+    )

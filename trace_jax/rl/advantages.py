@@ -1,0 +1,202 @@
+"""Tree-aware advantage estimators, one registered function per name (``grpo``, ``drgrpo``, ``rloo``,
+``tree_grpo``, ``treerl``, ``node_value``).
+
+Every estimator is defined in the *path view*: each leaf ``ℓ`` of a tree is one trajectory (its root-to-leaf
+path) and every turn node ``y`` on that path gets an advantage ``A(ℓ, y)``; training on every path would
+count a node shared by ``n_y`` leaves ``n_y`` times. The result is returned *deduplicated*, per node:
+
+    weight(y)    = n_y                                  (leaf paths through y; 0 at the root)
+    advantage(y) = (1 / n_y) Σ_{ℓ under y} A(ℓ, y)      (0 where n_y = 0)
+
+so that ``weight(y) * advantage(y) = Σ_ℓ A(ℓ, y)``: training node ``y``'s tokens once with this weight gives
+the same policy gradient as training every path (exactly when ``A(ℓ, y)`` does not depend on ``ℓ``, as
+for ``treerl`` and ``node_value``; inside the PPO trust region otherwise, where the loss is linear in A).
+``trace_jax.rl.batch`` turns these per-node values into per-token rows.
+
+Notation: ``r_ℓ`` leaf reward; ``V̂(y)`` backed-up value (mean reward of leaves under ``y``,
+``RolloutTree.values``); ``n_y`` leaves under ``y``; ``mean``/``std`` population statistics; ``ε`` = eps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from trace_jax.rollout.tree import ROOT, RolloutTree
+
+
+@dataclasses.dataclass
+class NodeAdvantages:
+    """Per-node advantages of one tree (index = node id).
+
+    Attributes:
+      advantages: float32 [num_nodes]: the advantage of every token of the node's turn; 0 at the root.
+      weights: float32 [num_nodes]: how many times the node's tokens count in the loss (dedup weight n_y);
+        0 at the root and at nodes with no finished leaf under them.
+    """
+
+    advantages: np.ndarray
+    weights: np.ndarray
+
+
+Estimator = Callable[..., list[NodeAdvantages]]
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
+    """Decorator: registers ``fn(trees, *, eps) -> list[NodeAdvantages]`` under ``name``."""
+
+    def wrap(fn: Estimator) -> Estimator:
+        ESTIMATORS[name] = fn
+        return fn
+
+    return wrap
+
+
+def compute_advantages(name: str, trees: Sequence[RolloutTree], eps: float = 1e-6) -> list[NodeAdvantages]:
+    """Advantages of every tree of a batch with the estimator registered as ``name``."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
+    return ESTIMATORS[name](trees, eps=eps)
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _leaves_under(tree: RolloutTree) -> list[list[int]]:
+    """For every node, the positions (in ``tree.leaves()`` order) of the leaves under it."""
+    index = {leaf: i for i, leaf in enumerate(tree.leaves())}
+    under: list[list[int]] = [[] for _ in range(len(tree))]
+    for node in reversed(tree.nodes):  # children always come after their parent
+        if node.node_id in index:
+            under[node.node_id].append(index[node.node_id])
+        if node.parent is not None:
+            under[node.parent].extend(under[node.node_id])
+    return under
+
+
+def from_leaf_advantages(tree: RolloutTree, leaf_advantages: np.ndarray) -> NodeAdvantages:
+    """Dedup of a path-constant advantage: ``A(ℓ, y) = leaf_advantages[ℓ]`` for every node of ℓ's path."""
+    under = _leaves_under(tree)
+    counts = np.asarray([len(u) for u in under], np.float32)
+    sums = np.asarray([leaf_advantages[u].sum() if u else 0.0 for u in under], np.float64)
+    counts[ROOT] = 0.0
+    return NodeAdvantages(
+        advantages=np.where(counts > 0, sums / np.maximum(counts, 1), 0.0).astype(np.float32), weights=counts
+    )
+
+
+def from_node_advantages(tree: RolloutTree, node_advantages: np.ndarray) -> NodeAdvantages:
+    """Dedup of a node-constant advantage: ``A(ℓ, y) = node_advantages[y]`` on every path through y."""
+    counts = tree.leaf_counts().astype(np.float32)
+    counts[ROOT] = 0.0
+    values = np.where(counts > 0, np.nan_to_num(node_advantages), 0.0)
+    return NodeAdvantages(advantages=values.astype(np.float32), weights=counts)
+
+
+def _normalise(x: np.ndarray, eps: float) -> np.ndarray:
+    """(x − mean) / (std + ε); a group without spread (or empty) gives zeros, even with ε = 0."""
+    if x.size == 0 or x.std() == 0:
+        return np.zeros_like(x, dtype=np.float64)
+    return (x - x.mean()) / (x.std() + eps)
+
+
+# ---------------------------------------------------------------------------------------- estimators
+@register_estimator("grpo")
+def grpo(trees: Sequence[RolloutTree], *, eps: float = 1e-6) -> list[NodeAdvantages]:
+    """GRPO, one group per tree: ``A(ℓ, y) = (r_ℓ − mean_tree r) / (std_tree r + ε)`` on every node of ℓ."""
+    return [from_leaf_advantages(t, _normalise(t.leaf_rewards(), eps)) for t in trees]
+
+
+@register_estimator("drgrpo")
+def drgrpo(trees: Sequence[RolloutTree], *, eps: float = 1e-6) -> list[NodeAdvantages]:
+    """Dr. GRPO (no std scaling): ``A(ℓ, y) = r_ℓ − mean_tree r``."""
+    del eps
+    return [from_leaf_advantages(t, t.leaf_rewards() - t.leaf_rewards().mean()) for t in trees]
+
+
+@register_estimator("rloo")
+def rloo(trees: Sequence[RolloutTree], *, eps: float = 1e-6) -> list[NodeAdvantages]:
+    """RLOO, leave-one-out baseline: ``A(ℓ, y) = r_ℓ − mean_{ℓ' ≠ ℓ} r_ℓ' = n/(n−1) (r_ℓ − mean r)``; 0 if n = 1."""
+    del eps
+    out = []
+    for tree in trees:
+        rewards = tree.leaf_rewards()
+        n = rewards.size
+        leaf_adv = np.zeros(n) if n < 2 else n / (n - 1) * (rewards - rewards.mean())
+        out.append(from_leaf_advantages(tree, leaf_adv))
+    return out
+
+
+@register_estimator("tree_grpo")
+def tree_grpo(trees: Sequence[RolloutTree], *, eps: float = 1e-6) -> list[NodeAdvantages]:
+    """Tree-GRPO: intra-tree plus inter-tree normalised rewards, summed.
+
+    ``A(ℓ, y) = (r_ℓ − mean_{T(ℓ)} r) / (std_{T(ℓ)} r + ε) + (r_ℓ − mean_P r) / (std_P r + ε)``
+
+    *(ours)* Tree-GRPO grows several trees per prompt, each from one initial chain; here those trees are
+    the subtrees under the root's children (the stage-1 chains), ``T(ℓ)`` is the one holding ℓ, and ``P``
+    is all leaves of the prompt. A subtree with a single leaf has intra-tree advantage 0.
+    """
+    out = []
+    for tree in trees:
+        rewards = tree.leaf_rewards()
+        chain_of_leaf = np.asarray([tree.path(leaf)[1] for leaf in tree.leaves()], np.int64)
+        intra = np.zeros_like(rewards)
+        for chain in np.unique(chain_of_leaf):
+            members = chain_of_leaf == chain
+            intra[members] = _normalise(rewards[members], eps)
+        out.append(from_leaf_advantages(tree, intra + _normalise(rewards, eps)))
+    return out
+
+
+@register_estimator("treerl")
+def treerl(trees: Sequence[RolloutTree], *, eps: float = 1e-6) -> list[NodeAdvantages]:
+    """TreeRL: global plus local value gain, damped by the node's leaf count.
+
+    ``A(ℓ, y) = [(V̂(y) − V̂(root)) + (V̂(y) − V̂(parent(y)))] / sqrt(n_y)`` on every path through y.
+    """
+    del eps
+    out = []
+    for tree in trees:
+        values = tree.values()
+        counts = tree.leaf_counts()
+        node_adv = np.zeros(len(tree))
+        for node in tree.nodes[1:]:
+            if counts[node.node_id] == 0:
+                continue
+            v = values[node.node_id]
+            node_adv[node.node_id] = (2 * v - values[ROOT] - values[node.parent]) / np.sqrt(counts[node.node_id])
+        out.append(from_node_advantages(tree, node_adv))
+    return out
+
+
+@register_estimator("node_value")
+def node_value(trees: Sequence[RolloutTree], *, eps: float = 1e-6) -> list[NodeAdvantages]:
+    """AT²PO-style node value: a turn's tokens get the normalised backed-up value of the node it produced.
+
+    ``A(ℓ, y) = (V̂(y) − mean_Y V̂) / (std_Y V̂ + ε)`` with ``Y`` the tree's turn nodes that have a leaf
+    under them *(ours: normalised within the tree, unweighted)*.
+    """
+    out = []
+    for tree in trees:
+        values = tree.values()
+        counts = tree.leaf_counts()
+        turns = np.asarray([n.node_id for n in tree.nodes[1:] if counts[n.node_id] > 0], np.int64)
+        node_adv = np.zeros(len(tree))
+        if turns.size:
+            node_adv[turns] = _normalise(values[turns], eps)
+        out.append(from_node_advantages(tree, node_adv))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- metrics
+def nonzero_advantage_token_share(trees: Sequence[RolloutTree], advantages: Sequence[NodeAdvantages]) -> float:
+    """Share of sampled tokens (each node's turn counted once) whose advantage is non-zero."""
+    total = nonzero = 0
+    for tree, adv in zip(trees, advantages, strict=True):
+        for node in tree.nodes[1:]:
+            n = node.token_ids.shape[0]
+            total += n
+            nonzero += n if (adv.weights[node.node_id] > 0 and adv.advantages[node.node_id] != 0) else 0
+    return nonzero / total if total else 0.0
