@@ -1,0 +1,150 @@
+"""TreeScheduler: spends one RL step's sampling budget over a batch of prompts and returns their trees.
+
+Per batch: build the budget, let the configured policy run its rounds (predict -> allocate -> ask the backend
+-> trees grow), then score the batch's anchors with the predictor *before* it learns from them (held-out
+calibration metrics), train the predictor on the ``V̂`` backups and update the cost model.
+
+The backend is anything with ``continue_anchors(requests) -> RolloutStats``: the real rollout runner or the
+simulator. A backend may also offer ``featurize_roots(trees)`` (set ``root.feature`` where it is missing); the
+scheduler calls it before stage 1 so root predictions see the prompt. Without it, roots that were never
+prefilled are scored from depth alone (the MLP predictor's has-feature bit is 0 for them).
+
+Usage per RL step::
+
+    scheduler = TreeScheduler(backend, SchedulerConfig(policy="trace", rollouts_per_prompt=8))
+    result = scheduler.run([RolloutTree(env.prompt_ids(task), task, i) for i, task in enumerate(tasks)])
+    result.trees, result.stats, result.metrics
+    checkpoint["scheduler"] = scheduler.state_dict()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from trace_jax import figures
+from trace_jax.allocation.context import AllocationContext, Budget, CostModel
+from trace_jax.allocation.policies import AllocationPolicy, make_policy
+from trace_jax.models.predictor import SuccessPredictor, calibration_metrics, make_predictor, training_anchors
+from trace_jax.rollout.backend import RolloutBackend, RolloutStats
+from trace_jax.rollout.tree import RolloutTree
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    """Everything a run chooses about allocation (all names are config strings / numbers).
+
+    policy / policy_kwargs: a name of ``policies.POLICIES`` and overrides of its fields.
+    predictor / predictor_kwargs: a name of ``predictor.PREDICTORS`` and its constructor arguments.
+    rollouts_per_prompt: rollout budget = round(batch size x this); None: no rollout limit.
+    tokens_per_prompt: generated-token budget = round(batch size x this); None: no token limit.
+    max_tokens_per_rollout: the most one continuation can generate (max turns x per-turn token limit); set it
+      and the token budget is never exceeded (see ``context.Budget``); None: planned on expected costs only.
+    prior_tokens_per_rollout: the cost model's guess before it has seen a finished tree.
+    max_depth: deepest turn the cost model tells apart (deeper turns share its estimate).
+    seed: the policies' random choices.
+    """
+
+    policy: str = "trace"
+    policy_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    predictor: str = "mlp"
+    predictor_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    rollouts_per_prompt: float | None = 8.0
+    tokens_per_prompt: float | None = None
+    max_tokens_per_rollout: int | None = None
+    prior_tokens_per_rollout: float = 512.0
+    max_depth: int = 16
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class ScheduleResult:
+    """The batch's trees (one per prompt, in input order), the backend cost, and figures for the logs."""
+
+    trees: list[RolloutTree]
+    stats: RolloutStats
+    metrics: dict[str, float]
+
+
+class TreeScheduler:
+    """Runs an allocation policy over batches and keeps the state that outlives a batch (see ``state_dict``).
+
+    Args:
+      backend: produces continuations (``RolloutBackend``).
+      config: see :class:`SchedulerConfig`.
+      policy / predictor: ready-made objects that override the config's names.
+    """
+
+    def __init__(
+        self,
+        backend: RolloutBackend,
+        config: SchedulerConfig | None = None,
+        policy: AllocationPolicy | None = None,
+        predictor: SuccessPredictor | None = None,
+    ):
+        self.backend = backend
+        self.config = cfg = config or SchedulerConfig()
+        self.policy = policy or make_policy(cfg.policy, **cfg.policy_kwargs)
+        self.predictor = predictor or make_predictor(cfg.predictor, **cfg.predictor_kwargs)
+        self.cost_model = CostModel(cfg.max_depth, cfg.prior_tokens_per_rollout)
+        self.step = 0
+
+    def budget(self, batch_size: int) -> Budget:
+        cfg = self.config
+        return Budget(
+            rollouts=None if cfg.rollouts_per_prompt is None else round(batch_size * cfg.rollouts_per_prompt),
+            tokens=None if cfg.tokens_per_prompt is None else round(batch_size * cfg.tokens_per_prompt),
+            max_tokens_per_rollout=cfg.max_tokens_per_rollout,
+        )
+
+    def run(self, trees: Sequence[RolloutTree]) -> ScheduleResult:
+        """Samples the batch ``trees`` (usually roots only) within the budget; trains the predictor on them."""
+        featurize = getattr(self.backend, "featurize_roots", None)
+        if featurize is not None and any(tree.root.feature is None for tree in trees):
+            featurize(trees)  # optional backend hook: stage 1 predicts from root features (one prefill)
+        start = time.perf_counter()
+        rng = np.random.default_rng([self.config.seed, self.step])
+        ctx = AllocationContext(trees, self.backend, self.budget(len(trees)), self.predictor, self.cost_model, rng)
+        self.policy.run(ctx)
+        allocate_seconds = time.perf_counter() - start - ctx.backend_seconds
+
+        anchors = training_anchors(ctx.trees, with_prefix_ids=getattr(self.predictor, "needs_prefix_ids", False))
+        metrics: dict[str, float] = {}
+        if len(anchors):
+            pred = self.predictor.predict(anchors)  # before it learns from these trees: held out
+            held_out = calibration_metrics(pred, anchors.targets_n, anchors.weights_n)
+            metrics.update({f"predictor/{k}": v for k, v in held_out.items()})
+            metrics.update(self.predictor.update(anchors))
+        self.cost_model.update(ctx.trees)
+        self.step += 1
+
+        metrics.update(figures.batch_figures(ctx.trees, generated_tokens=ctx.spent.generated_tokens))
+        metrics.update(
+            {
+                "budget/rollouts": float(ctx.spent.rollouts),
+                "budget/generated_tokens": float(ctx.spent.generated_tokens),
+                "budget/rounds": float(len(ctx.rounds)),
+                "budget/token_use": ctx.spent.generated_tokens / ctx.budget.tokens if ctx.budget.tokens else np.nan,
+                "time/allocate_ms": 1e3 * allocate_seconds,
+                "time/backend_ms": 1e3 * ctx.backend_seconds,
+            }
+        )
+        return ScheduleResult(ctx.trees, ctx.spent, metrics)
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Predictor (params, optimizer, statistics), cost model and step: plain dicts / numpy arrays."""
+        return {
+            "predictor": self.predictor.state_dict(),
+            "cost_model": self.cost_model.state_dict(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.predictor.load_state_dict(state["predictor"])
+        self.cost_model.load_state_dict(state["cost_model"])
+        self.step = int(state["step"])

@@ -1,0 +1,557 @@
+"""The shared success predictor ``Ṽψ(H)`` of TRACE: P(success | prefix) for roots and prefixes of every prompt.
+
+It drives allocation only (it never enters the policy loss) and is trained online on the backup targets
+``V̂`` of the trees sampled so far, weighted by the leaves under each anchor (``shared/TRACE.md``).
+
+Variants, by config string (:data:`PREDICTORS`):
+
+* ``mlp`` (default): a small nnx MLP over the stop-gradient policy feature at the anchor (``node.feature``,
+  the final hidden state at the prefix's last token) plus a one-hot depth; weighted BCE, optax Adam, a
+  replay buffer of recent anchors, running feature standardisation.
+* ``transformer``: a small separate decoder (the policy's ``Qwen`` architecture, e.g. ``qwen3-tiny``) over
+  the anchor's history ids with a value head on the last token; same training as the MLP.
+* ``depth``: the weighted mean ``V̂`` per depth (the baseline the MLP must beat).
+* ``beta``: a per-prompt Beta posterior over root outcomes (roots only; deeper anchors get their root's).
+
+Every variant exposes ``predict(anchors) -> float64 [N]``, ``update(anchors) -> metrics`` and
+``state_dict()`` / ``load_state_dict()`` (plain dicts of numpy arrays and numbers, for checkpoints).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from trace_jax.rollout.tree import RolloutTree
+
+EPS = 1e-4  # predictions are clipped to [EPS, 1 - EPS]: the solvers never see a certain outcome
+
+
+# ------------------------------------------------------------------------------------------------ anchors
+@dataclasses.dataclass
+class AnchorBatch:
+    """Predictor inputs (and, for training, targets) for N anchors, gathered from trees on the host.
+
+    features_nd: float32 [N, D] anchor features (zeros where a node has none, see ``has_feature_n``; D = 0 when
+      no node of the trees has one).
+    has_feature_n: bool [N].
+    depths_n: int32 [N] node depth (0 = root).
+    prompt_keys_n: int64 [N] the tree's ``prompt_index`` (for per-prompt baselines).
+    targets_n: float64 [N] ``V̂`` backups (NaN where unknown or not gathered).
+    weights_n: float64 [N] leaves under each anchor (0 where not gathered).
+    prefix_ids: per anchor the int32 ids of its history (only when gathered ``with_prefix_ids``).
+    """
+
+    features_nd: np.ndarray
+    has_feature_n: np.ndarray
+    depths_n: np.ndarray
+    prompt_keys_n: np.ndarray
+    targets_n: np.ndarray
+    weights_n: np.ndarray
+    prefix_ids: list[np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return int(self.depths_n.shape[0])
+
+
+def gather_anchors(
+    trees: Sequence[RolloutTree],
+    items: Sequence[tuple[int, int]],
+    with_targets: bool = False,
+    with_prefix_ids: bool = False,
+) -> AnchorBatch:
+    """Collects the anchors ``items`` = [(tree index, node id), ...].
+
+    Adds ``V̂`` targets and leaf counts with ``with_targets``, and each anchor's history ids with
+    ``with_prefix_ids`` (for predictors that read tokens, see ``needs_prefix_ids``).
+    """
+    num = len(items)
+    nodes = [trees[t][n] for t, n in items]
+    has_feature = np.fromiter((node.feature is not None for node in nodes), bool, num)
+    found = [node.feature for node in nodes if node.feature is not None]
+    dims = {f.shape[0] for f in found}
+    if len(dims) > 1:
+        raise ValueError(f"anchor features have different sizes {sorted(dims)}; one predictor needs one size")
+    features = np.zeros((num, dims.pop() if dims else 0), np.float32)
+    if found:
+        features[has_feature] = np.stack(found)
+    depths = np.fromiter((node.depth for node in nodes), np.int32, num)
+    keys = np.fromiter((trees[t].prompt_index for t, _ in items), np.int64, num)
+    targets = np.full(num, np.nan)
+    weights = np.zeros(num)
+    if with_targets:
+        backups: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for row, (tree_index, node_id) in enumerate(items):
+            if tree_index not in backups:
+                backups[tree_index] = (trees[tree_index].values(), trees[tree_index].leaf_counts())
+            values, counts = backups[tree_index]
+            targets[row], weights[row] = values[node_id], counts[node_id]
+    prefix_ids = [trees[t].prefix_ids(n) for t, n in items] if with_prefix_ids else None
+    return AnchorBatch(features, has_feature, depths, keys, targets, weights, prefix_ids)
+
+
+def training_anchors(trees: Sequence[RolloutTree], with_prefix_ids: bool = False) -> AnchorBatch:
+    """Every non-leaf node with at least one leaf below, with its ``V̂`` target and leaf-count weight."""
+    items = []
+    for tree_index, tree in enumerate(trees):
+        counts = tree.leaf_counts()
+        items += [(tree_index, n.node_id) for n in tree if not n.is_leaf and counts[n.node_id] > 0]
+    return gather_anchors(trees, items, with_targets=True, with_prefix_ids=with_prefix_ids)
+
+
+# ------------------------------------------------------------------------------------------- calibration
+def weighted_auc(pred_n: np.ndarray, target_n: np.ndarray, weight_n: np.ndarray) -> float:
+    """AUC with soft labels: anchor a counts ``w_a y_a`` times as a positive and ``w_a (1 - y_a)`` as a negative.
+
+    Ties in ``pred`` count one half. NaN when there are no positives or no negatives.
+    """
+    pred, y, w = (np.asarray(a, np.float64) for a in (pred_n, target_n, weight_n))
+    pos, neg = w * y, w * (1.0 - y)
+    if pos.sum() <= 0 or neg.sum() <= 0:
+        return float("nan")
+    unique, inverse = np.unique(pred, return_inverse=True)
+    pos_u = np.bincount(inverse, pos, unique.size)
+    neg_u = np.bincount(inverse, neg, unique.size)
+    neg_below = np.cumsum(neg_u) - neg_u  # negatives with a strictly lower score
+    return float((pos_u * (neg_below + 0.5 * neg_u)).sum() / (pos.sum() * neg.sum()))
+
+
+def calibration_metrics(
+    pred_n: np.ndarray, target_n: np.ndarray, weight_n: np.ndarray, num_bins: int = 10
+) -> dict[str, float]:
+    """Weighted Brier score, AUC and expected calibration error (``num_bins`` equal-width bins) of predictions."""
+    pred, y, w = (np.asarray(a, np.float64) for a in (pred_n, target_n, weight_n))
+    keep = np.isfinite(y) & (w > 0)
+    pred, y, w = pred[keep], y[keep], w[keep]
+    if w.sum() <= 0:
+        return {"brier": float("nan"), "auc": float("nan"), "ece": float("nan")}
+    bins = np.minimum((pred * num_bins).astype(int), num_bins - 1)
+    bin_w = np.bincount(bins, w, num_bins)
+    gap = np.abs(np.bincount(bins, w * pred, num_bins) - np.bincount(bins, w * y, num_bins))
+    return {
+        "brier": float((w * (pred - y) ** 2).sum() / w.sum()),
+        "auc": weighted_auc(pred, y, w),
+        "ece": float(gap.sum() / bin_w.sum()),
+    }
+
+
+# --------------------------------------------------------------------------------------------- protocol
+class SuccessPredictor(Protocol):
+    def predict(self, anchors: AnchorBatch) -> np.ndarray:
+        """float64 [N] P(success | anchor), in [EPS, 1 - EPS]."""
+        ...
+
+    def update(self, anchors: AnchorBatch) -> dict[str, float]:
+        """Learns from anchors with ``V̂`` targets and leaf-count weights; returns training metrics."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------- baselines
+class DepthPredictor:
+    """Weighted mean ``V̂`` per depth, blind to the prompt and the prefix: the floor a real predictor must beat."""
+
+    def __init__(self, max_depth: int = 16, prior: float = 0.5, prior_weight: float = 1.0):
+        self.max_depth = max_depth
+        self.sums = np.full(max_depth + 1, prior * prior_weight)
+        self.weights = np.full(max_depth + 1, prior_weight)
+
+    def predict(self, anchors: AnchorBatch) -> np.ndarray:
+        depth = np.minimum(anchors.depths_n, self.max_depth)
+        return np.clip(self.sums[depth] / self.weights[depth], EPS, 1 - EPS)
+
+    def update(self, anchors: AnchorBatch) -> dict[str, float]:
+        keep = np.isfinite(anchors.targets_n) & (anchors.weights_n > 0)
+        depth = np.minimum(anchors.depths_n[keep], self.max_depth)
+        w = anchors.weights_n[keep]
+        self.sums += np.bincount(depth, w * anchors.targets_n[keep], self.max_depth + 1)
+        self.weights += np.bincount(depth, w, self.max_depth + 1)
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sums": self.sums.copy(), "weights": self.weights.copy()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sums, self.weights = np.asarray(state["sums"], float), np.asarray(state["weights"], float)
+
+
+class BetaPredictor:
+    """Per-prompt Beta(a, b) posterior over root outcomes; every anchor of a prompt gets its root's mean.
+
+    Updated from the roots' ``V̂`` and leaf counts (successes = n V̂). It is the prompt-level baseline
+    (curriculum / Knapsack-RL style): it can rank prompts it has seen, but knows nothing about prefixes.
+    """
+
+    def __init__(self, prior_a: float = 1.0, prior_b: float = 1.0):
+        self.prior = (prior_a, prior_b)
+        self.posterior: dict[int, tuple[float, float]] = {}
+
+    def predict(self, anchors: AnchorBatch) -> np.ndarray:
+        ab = np.asarray([self.posterior.get(int(k), self.prior) for k in anchors.prompt_keys_n], float).reshape(-1, 2)
+        return np.clip(ab[:, 0] / ab.sum(axis=1), EPS, 1 - EPS)
+
+    def update(self, anchors: AnchorBatch) -> dict[str, float]:
+        roots = (anchors.depths_n == 0) & np.isfinite(anchors.targets_n)
+        for key, value, count in zip(
+            anchors.prompt_keys_n[roots], anchors.targets_n[roots], anchors.weights_n[roots], strict=True
+        ):
+            a, b = self.posterior.get(int(key), self.prior)
+            self.posterior[int(key)] = (a + count * value, b + count * (1.0 - value))
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        keys = np.asarray(sorted(self.posterior), np.int64)
+        ab = np.asarray([self.posterior[int(k)] for k in keys], float).reshape(-1, 2)
+        return {"keys": keys, "ab": ab}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.posterior = {int(k): (float(a), float(b)) for k, (a, b) in zip(state["keys"], state["ab"], strict=True)}
+
+
+# ----------------------------------------------------------------------------------------------- the MLP
+class _MLP(nnx.Module):
+    def __init__(self, in_dim: int, hidden: int, num_layers: int, rngs: nnx.Rngs):
+        dims = [in_dim] + [hidden] * num_layers
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(dims)])
+        self.head = nnx.Linear(dims[-1], 1, rngs=rngs)
+
+    def __call__(self, x_nf: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x_nf = nnx.gelu(layer(x_nf))
+        return self.head(x_nf)[:, 0]  # logits [N]
+
+
+def _bce_loss(graphdef, params, inputs, y_n, w_n):
+    logits = nnx.merge(graphdef, params)(*inputs)
+    per_anchor = optax.sigmoid_binary_cross_entropy(logits, y_n)
+    return (w_n * per_anchor).sum() / jnp.maximum(w_n.sum(), 1e-9)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "optimizer"))
+def _train_step(graphdef, optimizer, params, opt_state, inputs, y_n, w_n):
+    """One Adam step on the leaf-weighted BCE of ``model(*inputs)`` logits against soft targets ``y_n``."""
+    loss, grads = jax.value_and_grad(_bce_loss, argnums=1)(graphdef, params, inputs, y_n, w_n)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _predict(graphdef, params, inputs):
+    return jax.nn.sigmoid(nnx.merge(graphdef, params)(*inputs))
+
+
+def _bucket(n: int) -> int:
+    """Pads prediction batches to powers of two so a run compiles a handful of programs."""
+    return max(64, 1 << (max(n, 1) - 1).bit_length())
+
+
+class MLPPredictor:
+    """Small MLP over [standardised anchor feature, has-feature bit, one-hot depth] -> P(success).
+
+    Args:
+      hidden / num_layers: MLP width and depth.
+      max_depth: depths above it share the last one-hot slot.
+      learning_rate: Adam step size.
+      train_steps / batch_size: minibatch steps per ``update`` call, drawn from the replay buffer.
+      replay_size: most recent training anchors kept for replay (checkpointed, so a resume is exact).
+      feature_dim: anchor feature size; None builds the network at the first batch.
+      seed: initialisation and minibatch sampling.
+    """
+
+    def __init__(
+        self,
+        hidden: int = 64,
+        num_layers: int = 2,
+        max_depth: int = 8,
+        learning_rate: float = 3e-3,
+        train_steps: int = 32,
+        batch_size: int = 256,
+        replay_size: int = 8192,
+        feature_dim: int | None = None,
+        seed: int = 0,
+    ):
+        self.hidden, self.num_layers, self.max_depth = hidden, num_layers, max_depth
+        self.train_steps, self.batch_size, self.replay_size = train_steps, batch_size, replay_size
+        self.seed = seed
+        self.optimizer = optax.adam(learning_rate)
+        self.feature_dim: int | None = None
+        self._replay: dict[str, np.ndarray] = {}
+        if feature_dim is not None:
+            self._build(feature_dim)
+
+    # ---------------------------------------------------------------------------------------- set-up
+    def _build(self, feature_dim: int) -> None:
+        self.feature_dim = feature_dim
+        model = _MLP(feature_dim + 1 + self.max_depth + 1, self.hidden, self.num_layers, nnx.Rngs(self.seed))
+        self.graphdef, self.params = nnx.split(model, nnx.Param)
+        self.opt_state = self.optimizer.init(self.params)
+        self.count = 0.0  # running feature statistics (Chan et al. parallel update)
+        self.mean = np.zeros(feature_dim)
+        self.m2 = np.zeros(feature_dim)
+        self.updates = 0
+
+    def _ensure_built(self, anchors: AnchorBatch) -> bool:
+        """Builds the network at the first batch with features; False while no feature size is known."""
+        if not anchors.has_feature_n.any():
+            return self.feature_dim is not None
+        dim = anchors.features_nd.shape[1]
+        if self.feature_dim is None:
+            self._build(dim)
+        elif dim != self.feature_dim:
+            raise ValueError(f"anchor features have size {dim}, the predictor was built for {self.feature_dim}")
+        return True
+
+    def _features(self, anchors: AnchorBatch) -> np.ndarray:
+        """Anchor features as [N, feature_dim] (zeros for a batch without any feature)."""
+        if anchors.features_nd.shape[1] != self.feature_dim:
+            return np.zeros((len(anchors), self.feature_dim), np.float32)
+        return anchors.features_nd
+
+    def _inputs(self, features_nd: np.ndarray, has_feature_n: np.ndarray, depths_n: np.ndarray) -> np.ndarray:
+        std = np.sqrt(self.m2 / max(self.count - 1.0, 1.0)) + 1e-6
+        x = np.where(has_feature_n[:, None], (features_nd - self.mean) / std, 0.0)
+        depth = np.eye(self.max_depth + 1)[np.minimum(depths_n, self.max_depth)]
+        return np.concatenate([x, has_feature_n[:, None], depth], axis=1).astype(np.float32)
+
+    # ------------------------------------------------------------------------------------------- use
+    def predict(self, anchors: AnchorBatch) -> np.ndarray:
+        n = len(anchors)
+        if not self._ensure_built(anchors):
+            return np.full(n, 0.5)  # nothing seen yet: every outcome equally likely
+        x = self._inputs(self._features(anchors), anchors.has_feature_n, anchors.depths_n)
+        padded = np.zeros((_bucket(n), x.shape[1]), np.float32)
+        padded[:n] = x
+        probs = np.asarray(_predict(self.graphdef, self.params, (padded,)))[:n]
+        return np.clip(probs.astype(np.float64), EPS, 1 - EPS)
+
+    def update(self, anchors: AnchorBatch) -> dict[str, float]:
+        keep = np.isfinite(anchors.targets_n) & (anchors.weights_n > 0)
+        if not self._ensure_built(anchors) or not keep.any():
+            return {}
+        new = {
+            "features": self._features(anchors)[keep],
+            "has_feature": anchors.has_feature_n[keep],
+            "depths": anchors.depths_n[keep],
+            "targets": anchors.targets_n[keep],
+            "weights": anchors.weights_n[keep],
+        }
+        self._update_statistics(new["features"][new["has_feature"]])
+        self._replay = {
+            key: np.concatenate([self._replay[key], value])[-self.replay_size :] if self._replay else value
+            for key, value in new.items()
+        }
+        size = self._replay["targets"].shape[0]
+        rng = np.random.default_rng([self.seed, self.updates])  # reproducible after a checkpoint restore
+        replay = self._replay
+        losses = []
+        for _ in range(self.train_steps):
+            rows = rng.integers(0, size, self.batch_size)
+            # inputs per minibatch: with policy-sized features (thousands of dims) the whole replay would not fit
+            x = self._inputs(replay["features"][rows], replay["has_feature"][rows], replay["depths"][rows])
+            self.params, self.opt_state, loss = _train_step(
+                self.graphdef,
+                self.optimizer,
+                self.params,
+                self.opt_state,
+                (x,),
+                replay["targets"][rows].astype(np.float32),
+                replay["weights"][rows].astype(np.float32),
+            )
+            losses.append(loss)
+        self.updates += 1
+        return {"predictor/loss": float(np.mean(jax.device_get(losses)))}
+
+    def _update_statistics(self, features_nd: np.ndarray) -> None:
+        n = features_nd.shape[0]
+        if n == 0:
+            return
+        batch_mean = features_nd.mean(axis=0)
+        batch_m2 = ((features_nd - batch_mean) ** 2).sum(axis=0)
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.mean = self.mean + delta * n / total
+        self.m2 = self.m2 + batch_m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Params (nested dict), optimizer state (list of leaves), feature statistics, replay, counters; numpy."""
+        if self.feature_dim is None:
+            return {"feature_dim": -1}
+        return {
+            "feature_dim": self.feature_dim,
+            "params": jax.tree.map(np.asarray, nnx.to_pure_dict(self.params)),
+            "opt_state": [np.asarray(leaf) for leaf in jax.tree.leaves(self.opt_state)],
+            "count": self.count,
+            "mean": self.mean.copy(),
+            "m2": self.m2.copy(),
+            "updates": self.updates,
+            "replay": {key: value.copy() for key, value in self._replay.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["feature_dim"]) < 0:
+            return
+        self._build(int(state["feature_dim"]))
+        nnx.replace_by_pure_dict(self.params, jax.tree.map(jnp.asarray, state["params"]))
+        treedef = jax.tree.structure(self.opt_state)
+        self.opt_state = jax.tree.unflatten(treedef, [jnp.asarray(leaf) for leaf in state["opt_state"]])
+        self.count, self.updates = float(state["count"]), int(state["updates"])
+        self.mean, self.m2 = np.asarray(state["mean"], float), np.asarray(state["m2"], float)
+        self._replay = {key: np.asarray(value) for key, value in state.get("replay", {}).items()}
+
+
+# ------------------------------------------------------------------------------- the prefix transformer
+class _PrefixValueModel(nnx.Module):
+    """The policy's decoder architecture (``trace_jax.models.qwen.Qwen``) with a value head on the last token."""
+
+    def __init__(self, config: Any, rngs: nnx.Rngs):
+        from trace_jax.models.qwen import Qwen  # the policy model; imported here so the MLP path needs none of it
+
+        self.backbone = Qwen(config, rngs=rngs)
+        self.head = nnx.Linear(config.hidden_size, 1, rngs=rngs)
+
+    def __call__(self, tokens_bt: jax.Array, last_b: jax.Array) -> jax.Array:
+        hidden_btd, _ = self.backbone.hidden(tokens_bt)
+        last_bd = jnp.take_along_axis(hidden_btd, last_b[:, None, None], axis=1)[:, 0]
+        return self.head(last_bd.astype(jnp.float32))[:, 0]  # logits [B]
+
+
+class TransformerPredictor:
+    """A small separate decoder over the anchor's history ids (the last ``max_len``), value head on its last token.
+
+    Args:
+      preset / model_overrides: ``ModelConfig.preset(preset, **model_overrides)`` (e.g. ``vocab_size``).
+      max_len: most recent history tokens it reads; batches pad to powers of two up to it.
+      learning_rate / train_steps / batch_size / replay_size / seed: as for :class:`MLPPredictor`.
+    """
+
+    needs_prefix_ids = True
+
+    def __init__(
+        self,
+        preset: str = "qwen3-tiny",
+        model_overrides: dict[str, Any] | None = None,
+        max_len: int = 256,
+        learning_rate: float = 1e-3,
+        train_steps: int = 16,
+        batch_size: int = 32,
+        replay_size: int = 2048,
+        seed: int = 0,
+    ):
+        from trace_jax.models.qwen import ModelConfig
+
+        self.config = ModelConfig.preset(preset, **(model_overrides or {}))
+        self.max_len, self.train_steps, self.batch_size, self.replay_size = (
+            max_len,
+            train_steps,
+            batch_size,
+            replay_size,
+        )
+        self.seed = seed
+        self.optimizer = optax.adam(learning_rate)
+        self.graphdef, self.params = nnx.split(_PrefixValueModel(self.config, nnx.Rngs(seed)), nnx.Param)
+        self.opt_state = self.optimizer.init(self.params)
+        self.updates = 0
+        self._replay: dict[str, np.ndarray] = {}
+
+    def _tokens(self, prefix_ids: Sequence[np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
+        """int32 [N, L] right-padded last-``max_len`` ids and int32 [N] index of each last real token."""
+        if prefix_ids is None:
+            raise ValueError("TransformerPredictor needs anchors gathered with_prefix_ids=True")
+        rows = [np.asarray(ids, np.int32)[-self.max_len :] for ids in prefix_ids]
+        top = max((int(r.max()) for r in rows if r.size), default=0)
+        if top >= self.config.vocab_size:
+            raise ValueError(
+                f"prefix token id {top} >= vocab_size {self.config.vocab_size}; "
+                "set model_overrides={'vocab_size': ...} to the tokenizer's size"
+            )
+        length = min(self.max_len, max(16, 1 << (max((r.size for r in rows), default=1) - 1).bit_length()))
+        tokens = np.zeros((len(rows), length), np.int32)
+        for i, r in enumerate(rows):
+            tokens[i, : r.size] = r
+        return tokens, np.asarray([max(r.size - 1, 0) for r in rows], np.int32)
+
+    def predict(self, anchors: AnchorBatch) -> np.ndarray:
+        n = len(anchors)
+        tokens, last = self._tokens(anchors.prefix_ids)
+        padded = np.zeros((_bucket(n), tokens.shape[1]), np.int32)
+        padded[:n] = tokens
+        last_padded = np.zeros(padded.shape[0], np.int32)
+        last_padded[:n] = last
+        probs = np.asarray(_predict(self.graphdef, self.params, (padded, last_padded)))[:n]
+        return np.clip(probs.astype(np.float64), EPS, 1 - EPS)
+
+    def update(self, anchors: AnchorBatch) -> dict[str, float]:
+        keep = np.flatnonzero(np.isfinite(anchors.targets_n) & (anchors.weights_n > 0))
+        if keep.size == 0:
+            return {}
+        tokens, last = self._tokens([anchors.prefix_ids[i] for i in keep])
+        full = np.zeros((keep.size, self.max_len), np.int32)
+        full[:, : tokens.shape[1]] = tokens
+        new = {"tokens": full, "last": last, "targets": anchors.targets_n[keep], "weights": anchors.weights_n[keep]}
+        self._replay = {
+            key: np.concatenate([self._replay[key], value])[-self.replay_size :] if self._replay else value
+            for key, value in new.items()
+        }
+        rng = np.random.default_rng([self.seed, self.updates])
+        size = self._replay["targets"].shape[0]
+        losses = []
+        for _ in range(self.train_steps):
+            rows = rng.integers(0, size, self.batch_size)
+            width = min(self.max_len, max(16, 1 << int(self._replay["last"][rows].max()).bit_length()))
+            inputs = (self._replay["tokens"][rows, :width], self._replay["last"][rows])
+            self.params, self.opt_state, loss = _train_step(
+                self.graphdef,
+                self.optimizer,
+                self.params,
+                self.opt_state,
+                inputs,
+                self._replay["targets"][rows].astype(np.float32),
+                self._replay["weights"][rows].astype(np.float32),
+            )
+            losses.append(loss)
+        self.updates += 1
+        return {"predictor/loss": float(np.mean(jax.device_get(losses)))}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "params": jax.tree.map(np.asarray, nnx.to_pure_dict(self.params)),
+            "opt_state": [np.asarray(leaf) for leaf in jax.tree.leaves(self.opt_state)],
+            "updates": self.updates,
+            "replay": {key: value.copy() for key, value in self._replay.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        nnx.replace_by_pure_dict(self.params, jax.tree.map(jnp.asarray, state["params"]))
+        treedef = jax.tree.structure(self.opt_state)
+        self.opt_state = jax.tree.unflatten(treedef, [jnp.asarray(leaf) for leaf in state["opt_state"]])
+        self.updates = int(state["updates"])
+        self._replay = {key: np.asarray(value) for key, value in state.get("replay", {}).items()}
+
+
+PREDICTORS: dict[str, Callable[..., SuccessPredictor]] = {
+    "mlp": MLPPredictor,
+    "transformer": TransformerPredictor,
+    "depth": DepthPredictor,
+    "beta": BetaPredictor,
+}
+
+
+def make_predictor(name: str, **kwargs: Any) -> SuccessPredictor:
+    """Builds the predictor registered as ``name`` with constructor ``kwargs``."""
+    if name not in PREDICTORS:
+        raise ValueError(f"unknown predictor {name!r}; choose one of {', '.join(sorted(PREDICTORS))}")
+    return PREDICTORS[name](**kwargs)
