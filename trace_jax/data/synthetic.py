@@ -1,0 +1,290 @@
+"""A synthetic multi-hop world: made-up entities, relations, passages and k-hop questions with gold traces.
+
+Small enough for a tiny policy to learn on CPU, structured like the multi-hop QA of the TRACE paper:
+
+* typed entities (film, person, company, city, country) with made-up names and functional relations
+  (a film has one director, a person one birthplace...);
+* one short passage per entity stating its facts, plus *distractor* passages that mention an entity
+  next to a wrong candidate of the answer's type (an entity may have 0, 1 or 2 of them: harder lookups);
+* questions made by composing relations ("What is the birthplace of the director of Zorvak?"), with 1 to
+  ``max_hops`` hops for ``train`` / ``test`` (disjoint questions) and ``ood_hops`` hops for ``ood``;
+* gold ReAct turns: one search per hop for the entity the chain has reached, then the answer.
+
+Everything is a pure function of :class:`WorldConfig` (seeded ``numpy`` generator, no set iteration),
+so the same seed gives a byte-identical world. Questions are Search-R1-style rows (``question``,
+``golden_answers``, ``data_source``) with extra fields ``id``, ``hops``, ``chain`` and ``gold_turns``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+DATA_SOURCE = "synthetic"
+SPLITS = ("train", "test", "ood")
+
+# entity type -> how many of them per unit of ``WorldConfig.scale``.
+ENTITY_COUNTS = {"film": 6, "person": 10, "company": 4, "city": 6, "country": 2}
+
+# relation -> (subject type, object type, phrase used in passages, questions and thoughts).
+RELATIONS = {
+    "director": ("film", "person", "director"),
+    "studio": ("film", "company", "studio"),
+    "birthplace": ("person", "city", "birthplace"),
+    "employer": ("person", "company", "employer"),
+    "headquarters": ("company", "city", "headquarters"),
+    "founder": ("company", "person", "founder"),
+    "country": ("city", "country", "country"),
+    "capital": ("country", "city", "capital"),
+}
+
+_CONSONANTS = list("bdfgklmnprstvz")
+_VOWELS = list("aeiou")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldConfig:
+    """Everything that defines a world. The defaults give ~280 entities and ~1.2k questions.
+
+    scale: entity counts are ``ENTITY_COUNTS[type] * scale``.
+    distractor_probs: probability that an entity gets 0, 1, 2 distractor passages.
+    max_hops: train / test questions have 1..max_hops hops; ``ood`` has ``ood_hops`` hops.
+    questions_per_hop: at most this many questions per hop count (1-hop takes every fact up to this).
+    test_fraction: share of each hop count's questions held out for ``test``.
+    relabel_seed: when set, the names are shuffled among the entities of each type (same structure, same
+      questions by position, different facts by name): a "practice world" whose facts cannot be recalled
+      from the original, only read from its passages.
+    """
+
+    seed: int = 0
+    scale: int = 10
+    distractor_probs: tuple[float, float, float] = (0.5, 0.3, 0.2)
+    max_hops: int = 3
+    ood_hops: int = 4
+    questions_per_hop: int = 400
+    ood_questions: int = 200
+    test_fraction: float = 0.15
+    relabel_seed: int | None = None
+
+    def __post_init__(self):
+        if self.scale < 1 or not 1 <= self.max_hops < self.ood_hops:
+            raise ValueError(f"need scale >= 1 and 1 <= max_hops < ood_hops, got {self}")
+        if len(self.distractor_probs) != 3 or abs(sum(self.distractor_probs) - 1) > 1e-6:
+            raise ValueError(f"distractor_probs must be 3 probabilities summing to 1, got {self.distractor_probs}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entity:
+    name: str
+    type: str
+    facts: dict[str, str]  # relation -> object entity name
+
+
+def question_text(start: str, relations: list[str]) -> str:
+    """ "What is the <r_k> of the <r_k-1> of ... of <start>?" for the relation chain r_1..r_k."""
+    phrases = [RELATIONS[r][2] for r in reversed(relations)]
+    return "What is the " + " of the ".join(phrases) + f" of {start}?"
+
+
+def gold_turns(chain: list[str], relations: list[str]) -> list[str]:
+    """The gold ReAct turns for ``chain`` = [start, e_1, ..., e_k] reached by ``relations`` = [r_1..r_k].
+
+    Turn t (1..k) thinks about the fact it needs and searches the entity the chain has reached; the last
+    turn states the fact read in the final observation and answers. Each turn ends with its stop tag.
+    """
+    turns = []
+    for hop, relation in enumerate(relations):
+        thought = f"{RELATIONS[relation][2]} of {chain[hop]}"
+        turns.append(f"<think> {thought}</think>\n<search> {chain[hop]}</search>")
+    last = f"{RELATIONS[relations[-1]][2]} of {chain[-2]} is {chain[-1]}"
+    turns.append(f"<think> {last}</think>\n<answer> {chain[-1]}</answer>")
+    return turns
+
+
+class SyntheticWorld:
+    """The world built from a :class:`WorldConfig`.
+
+    Attributes:
+      entities: name -> Entity, in creation order.
+      corpus: passages as dicts ``{"id", "title", "text"}`` (entity passages first, then distractors).
+      splits: split name -> list of question rows.
+    """
+
+    def __init__(self, config: WorldConfig = WorldConfig()):
+        self.config = config
+        rng = np.random.default_rng(config.seed)
+        self.entities = _make_entities(config, rng)
+        if config.relabel_seed is not None:
+            # Its own generator, so the main stream (corpus, questions) is exactly the original world's.
+            self.entities = _relabel(self.entities, np.random.default_rng(config.relabel_seed))
+        self.corpus = _make_corpus(self.entities, config, rng)
+        self.splits = _make_questions(self.entities, config, rng)
+
+    # --------------------------------------------------------------------------------------- access
+    def questions(self, split: str) -> list[dict[str, Any]]:
+        if split not in self.splits:
+            raise ValueError(f"unknown split {split!r}; the synthetic world has {list(self.splits)}")
+        return self.splits[split]
+
+    def texts(self) -> Iterator[str]:
+        """Every text a tokenizer for this world should cover: passages, questions, gold turns."""
+        for doc in self.corpus:
+            yield f"{doc['title']} {doc['text']}"
+        for rows in self.splits.values():
+            for row in rows:
+                yield row["question"]
+                yield from row["gold_turns"]
+
+    # --------------------------------------------------------------------------------- serialisation
+    def save(self, directory: str | pathlib.Path) -> pathlib.Path:
+        """Writes ``corpus.jsonl`` and ``<split>.jsonl`` (Search-R1 rows + extra fields) and ``config.json``."""
+        out = pathlib.Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        _write_jsonl(out / "corpus.jsonl", self.corpus)
+        for split, rows in self.splits.items():
+            _write_jsonl(out / f"{split}.jsonl", rows)
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(self.config), sort_keys=True) + "\n")
+        return out
+
+
+def _write_jsonl(path: pathlib.Path, rows: list[dict[str, Any]]) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+# ------------------------------------------------------------------------------------------- building
+def _make_word(rng: np.random.Generator, syllables: int) -> str:
+    parts = [str(rng.choice(_CONSONANTS)) + str(rng.choice(_VOWELS)) for _ in range(syllables)]
+    if rng.random() < 0.5:
+        parts.append(str(rng.choice(_CONSONANTS)))
+    return "".join(parts).capitalize()
+
+
+def _unique_names(rng: np.random.Generator, count: int, taken: set[str], make) -> list[str]:
+    names = []
+    while len(names) < count:
+        name = make()
+        if name not in taken:
+            taken.add(name)
+            names.append(name)
+    return names
+
+
+def _make_entities(config: WorldConfig, rng: np.random.Generator) -> dict[str, Entity]:
+    taken: set[str] = set()
+    # Persons share a small pool of family names: "Belmo Trask" and "Pim Trask" are natural near-misses.
+    families = _unique_names(
+        rng, max(2, ENTITY_COUNTS["person"] * config.scale // 3), taken, lambda: _make_word(rng, 2)
+    )
+    names_by_type: dict[str, list[str]] = {}
+    for type_, per_scale in ENTITY_COUNTS.items():
+        count = per_scale * config.scale
+        if type_ == "person":
+            make = lambda: f"{_make_word(rng, 2)} {families[rng.integers(len(families))]}"
+        else:
+            make = lambda: _make_word(rng, int(rng.integers(2, 4)))
+        names_by_type[type_] = _unique_names(rng, count, taken, make)
+
+    facts: dict[str, dict[str, str]] = {n: {} for names in names_by_type.values() for n in names}
+    # Cities belong to countries and each country's capital is one of its own cities (a consistent world).
+    countries = names_by_type["country"]
+    for i, city in enumerate(names_by_type["city"]):
+        facts[city]["country"] = countries[i % len(countries)]
+    for j, country in enumerate(countries):
+        facts[country]["capital"] = names_by_type["city"][j]
+    for relation, (subject, obj, _) in RELATIONS.items():
+        if relation in ("country", "capital"):
+            continue
+        for name in names_by_type[subject]:
+            facts[name][relation] = names_by_type[obj][rng.integers(len(names_by_type[obj]))]
+    return {n: Entity(n, t, facts[n]) for t, names in names_by_type.items() for n in names}
+
+
+def _relabel(entities: dict[str, Entity], rng: np.random.Generator) -> dict[str, Entity]:
+    """The same entities in the same order, names permuted within each type (facts follow the names)."""
+    rename: dict[str, str] = {}
+    for type_ in ENTITY_COUNTS:
+        names = [n for n, e in entities.items() if e.type == type_]
+        rename.update(zip(names, [names[i] for i in rng.permutation(len(names))], strict=True))
+    return {
+        rename[n]: Entity(rename[n], e.type, {r: rename[obj] for r, obj in e.facts.items()})
+        for n, e in entities.items()
+    }
+
+
+def _entity_passage(entity: Entity) -> str:
+    facts = "; ".join(f"{RELATIONS[r][2]} {obj}" for r, obj in entity.facts.items())
+    return f"{entity.name} is a {entity.type}: {facts}."
+
+
+def _make_corpus(entities: dict[str, Entity], config: WorldConfig, rng: np.random.Generator) -> list[dict[str, str]]:
+    corpus = [{"id": f"e{i}", "title": e.name, "text": _entity_passage(e)} for i, e in enumerate(entities.values())]
+    by_type: dict[str, list[str]] = {}
+    for e in entities.values():
+        by_type.setdefault(e.type, []).append(e.name)
+    taken = set(entities)
+    for e in entities.values():
+        for _ in range(int(rng.choice(3, p=config.distractor_probs))):
+            # A wrong candidate of the type a question about ``e`` would ask for, next to e's name.
+            relation = list(e.facts)[rng.integers(len(e.facts))]
+            pool = by_type[RELATIONS[relation][1]]
+            decoy = pool[rng.integers(len(pool))]
+            title = _unique_names(rng, 1, taken, lambda: _make_word(rng, 3))[0]
+            text = f"{title} is a rumour: {e.name} met {decoy}."
+            corpus.append({"id": f"d{len(corpus)}", "title": title, "text": text})
+    return corpus
+
+
+def _chains(entities: dict[str, Entity], hops: int, rng: np.random.Generator, limit: int) -> list[tuple]:
+    """Up to ``limit`` distinct (start, relations, chain) of ``hops`` hops whose answer is not the start."""
+    names = list(entities)
+    seen, out = set(), []
+    attempts = 0
+    while len(out) < limit and attempts < 50 * limit:
+        attempts += 1
+        start = names[rng.integers(len(names))]
+        chain, relations = [start], []
+        for _ in range(hops):
+            options = list(entities[chain[-1]].facts)
+            relation = options[rng.integers(len(options))]
+            relations.append(relation)
+            chain.append(entities[chain[-1]].facts[relation])
+        key = (start, tuple(relations))
+        if key in seen or chain[-1] in chain[:-1]:  # a loop back makes the question trivial
+            continue
+        seen.add(key)
+        out.append((start, relations, chain))
+    return out
+
+
+def _row(split: str, index: int, start: str, relations: list[str], chain: list[str]) -> dict[str, Any]:
+    return {
+        "id": f"{split}-{index}",
+        "question": question_text(start, relations),
+        "golden_answers": [chain[-1]],
+        "data_source": DATA_SOURCE,
+        "hops": len(relations),
+        "chain": chain,
+        "relations": list(relations),
+        "gold_turns": gold_turns(chain, relations),
+    }
+
+
+def _make_questions(entities: dict[str, Entity], config: WorldConfig, rng: np.random.Generator) -> dict[str, list]:
+    train, test = [], []
+    for hops in range(1, config.max_hops + 1):
+        chains = _chains(entities, hops, rng, config.questions_per_hop)
+        held_out = rng.random(len(chains)) < config.test_fraction
+        for chain, is_test in zip(chains, held_out, strict=True):
+            (test if is_test else train).append(chain)
+    ood = _chains(entities, config.ood_hops, rng, config.ood_questions)
+    return {
+        name: [_row(name, i, *c) for i, c in enumerate(chains)]
+        for name, chains in (("train", train), ("test", test), ("ood", ood))
+    }
