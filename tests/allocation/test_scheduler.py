@@ -1,0 +1,88 @@
+"""TreeScheduler: one call per RL step returns the batch's trees, figures, and a checkpointable state."""
+
+import numpy as np
+import pytest
+
+from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
+from trace_jax.allocation.simulate import Simulator, SimulatorConfig
+from trace_jax.models.predictor import MLPPredictor, training_anchors
+from trace_jax.rollout.backend import ContinuationRequest
+from trace_jax.rollout.engine import EngineConfig
+from trace_jax.rollout.mock import MockEngine, ToyEnv, toy_policy
+from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
+from trace_jax.rollout.tree import RolloutTree
+
+WORLD = SimulatorConfig(num_prompts=256, max_turns=4)
+
+
+def scheduler(sim, **config):
+    predictor = MLPPredictor(hidden=32, train_steps=8, batch_size=64, seed=0)
+    return TreeScheduler(sim, SchedulerConfig(**config), predictor=predictor)
+
+
+def test_run_returns_the_batch_in_order_with_figures_and_cost():
+    sim = Simulator(WORLD, 0)
+    sched = scheduler(sim, policy="trace", rollouts_per_prompt=6)
+    trees = sim.sample_batch(12)
+    result = sched.run(trees)
+    assert [t.prompt_index for t in result.trees] == [t.prompt_index for t in trees]
+    assert result.stats.rollouts <= 72
+    assert result.stats.generated_tokens == sum(t.num_sampled_tokens() for t in result.trees)
+    for key in ("effective_ratio", "nonzero_advantage_tokens", "predictor/brier", "time/allocate_ms"):
+        assert np.isfinite(result.metrics[key]), key
+    assert sched.step == 1
+
+
+def test_budget_config_errors_name_the_fix():
+    with pytest.raises(ValueError, match="rollouts_per_prompt"):
+        scheduler(Simulator(WORLD, 0), rollouts_per_prompt=None, tokens_per_prompt=None).budget(4)
+
+
+def test_state_dict_restores_predictor_and_cost_model():
+    sim = Simulator(WORLD, 1)
+    sched = scheduler(sim, policy="trace", tokens_per_prompt=1200, rollouts_per_prompt=None)
+    for _ in range(2):
+        sched.run(sim.sample_batch(8))
+    restored = scheduler(sim, policy="trace")
+    restored.load_state_dict(sched.state_dict())
+    probe = sim.sample_batch(8)
+    sim.continue_anchors([ContinuationRequest(t, 0, 2) for t in probe])
+    anchors = training_anchors(probe)
+    np.testing.assert_allclose(restored.predictor.predict(anchors), sched.predictor.predict(anchors), atol=1e-6)
+    depths = np.arange(4)
+    np.testing.assert_allclose(restored.cost_model.remaining_tokens(depths), sched.cost_model.remaining_tokens(depths))
+    assert restored.step == 2
+    assert not np.allclose(
+        scheduler(sim).cost_model.remaining_tokens(depths), sched.cost_model.remaining_tokens(depths)
+    )
+
+
+@pytest.mark.parametrize("policy", ["uniform", "dynamic_sampling", "root_only", "tree_random", "tree_entropy", "trace"])
+def test_every_policy_runs_on_the_rollout_runner_with_the_mock_engine(policy):
+    engine = MockEngine(EngineConfig(max_slots=4, max_len=64, steps_per_call=4, max_turn_tokens=8), toy_policy)
+    env = ToyEnv(max_turns=2)
+    runner = RolloutRunner(engine, None, env, RunnerConfig(seed=0))
+    sched = scheduler(runner, policy=policy, rollouts_per_prompt=4, prior_tokens_per_rollout=6.0)
+    for _ in range(2):
+        trees = [RolloutTree(env.prompt_ids(t), task=t, prompt_index=t) for t in range(4)]
+        result = sched.run(trees)
+        assert result.stats.rollouts <= 16
+        assert all(len(t.leaves()) > 0 for t in result.trees) or policy in ("root_only", "trace")
+        assert result.stats.generated_tokens == sum(t.num_sampled_tokens() for t in result.trees) or (
+            policy == "dynamic_sampling"
+        )
+
+
+def test_scheduler_asks_a_backend_for_root_features_when_it_can():
+    class FeaturizingSimulator(Simulator):
+        def featurize_roots(self, trees):
+            self.featurized = len(trees)
+            for tree in trees:
+                tree.root.feature = self._feature(tree.prompt_index, self.root_p[tree.prompt_index], 0)
+
+    sim = FeaturizingSimulator(WORLD, 0)
+    trees = sim.sample_batch(4)
+    for tree in trees:
+        tree.root.feature = None
+    scheduler(sim, policy="trace", rollouts_per_prompt=4).run(trees)
+    assert sim.featurized == 4 and all(t.root.feature is not None for t in trees)

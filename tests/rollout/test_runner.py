@@ -1,0 +1,178 @@
+"""The runner on the mock engine + toy env (hand-computed trees) and on the real tiny model (teacher forcing)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from trace_jax.models.qwen import ModelConfig, Qwen
+from trace_jax.rollout.backend import ContinuationRequest
+from trace_jax.rollout.engine import Engine, EngineConfig
+from trace_jax.rollout.mock import (
+    GOOD,
+    MOCK_ENTROPY,
+    MOCK_LOGPROB,
+    MOCK_SAMPLE_LOGPROB,
+    OBS,
+    STOP_A,
+    STOP_B,
+    MockEngine,
+    ToyEnv,
+    mock_hidden,
+    toy_policy,
+)
+from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
+from trace_jax.rollout.sampling import SamplingConfig
+from trace_jax.rollout.tree import ROOT, RolloutTree
+
+
+class RecordingMockEngine(MockEngine):
+    """Records, at every generate call, how many slots are decoding and how many continuations were inserted."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+        self.inserted = 0
+
+    def insert_rows(self, prefix, state, rows, slots, seeds, turn_limit=None):
+        self.inserted += len(slots)
+        return super().insert_rows(prefix, state, rows, slots, seeds, turn_limit)
+
+    def generate(self, params, state, refill_after=None):
+        busy = sum(s is not None and s.reason == 0 for s in state.slots)
+        self.calls.append((busy, self.inserted))
+        return super().generate(params, state, refill_after)
+
+
+def _mock_runner(max_slots=3, max_len=64, policy=toy_policy, turn_limit=8, env=None):
+    config = EngineConfig(max_slots=max_slots, max_len=max_len, steps_per_call=4, max_turn_tokens=turn_limit)
+    engine = RecordingMockEngine(config, policy)
+    env = env or ToyEnv(max_turns=2)
+    return RolloutRunner(engine, None, env, RunnerConfig(seed=0)), engine, env
+
+
+def _trees(env, tasks):
+    return [RolloutTree(env.prompt_ids(t), task=t, prompt_index=i) for i, t in enumerate(tasks)]
+
+
+def test_root_rollouts_build_the_hand_computed_trees():
+    runner, engine, env = _mock_runner()
+    trees = _trees(env, [0, 1])
+    stats = runner.continue_anchors([ContinuationRequest(t, ROOT, 4) for t in trees])
+    for tree, seeds in zip(trees, [range(0, 4), range(4, 8)], strict=True):
+        assert tree.leaf_counts()[ROOT] == 4 and len(tree) == 9
+        moves = []
+        for leaf in tree.leaves():
+            _, first, last = tree.path(leaf)
+            assert tree[last].depth == 2 and tree[first].depth == 1
+            np.testing.assert_array_equal(tree[first].observation_ids, [OBS, 8])
+            np.testing.assert_array_equal(tree[first].loss_mask, [1, 1, 1, 0, 0])
+            assert tree[first].token_ids[1:].tolist() == [STOP_A, STOP_B]
+            assert tree[last].reward == float(tree[last].token_ids[0] == GOOD)
+            moves.append((tree[first].token_ids[0] == GOOD, tree[last].token_ids[0] == GOOD))
+        assert sorted(moves) == sorted(((s & 1) == 1, (s >> 1) & 1 == 1) for s in seeds)
+        np.testing.assert_allclose(tree.values()[ROOT], np.mean([(s >> 1) & 1 for s in seeds]))
+        for node in tree:
+            if not node.is_leaf:  # anchor feature = hidden state after the node's whole history
+                np.testing.assert_array_equal(node.feature, mock_hidden(tree.prefix_ids(node.node_id)))
+            if node.parent is not None:
+                np.testing.assert_allclose(node.logprobs, MOCK_LOGPROB)
+                np.testing.assert_allclose(node.sample_logprobs, MOCK_SAMPLE_LOGPROB)
+                np.testing.assert_allclose(node.entropies, MOCK_ENTROPY)
+    prompt_tokens = sum(len(t.root.token_ids) for t in trees)
+    assert stats.rollouts == 8 and stats.generated_tokens == 8 * 2 * 3
+    assert stats.forward_tokens == prompt_tokens + 8 * 2 * 3 + 8 * 2
+    assert engine.counters["prefill_sequences"] == 2
+
+
+def test_slots_are_refilled_while_continuations_are_queued():
+    runner, engine, env = _mock_runner(max_slots=3)
+    runner.continue_anchors([ContinuationRequest(t, ROOT, 4) for t in _trees(env, [0, 1])])
+    assert engine.calls, "generate never ran"
+    for busy, inserted in engine.calls:
+        if inserted < 8:  # work still queued: no slot may sit idle
+            assert busy == 3
+
+
+def test_fork_at_a_turn_prefix_prefills_it_once_and_backs_up_values():
+    runner, engine, env = _mock_runner()
+    tree = _trees(env, [2])[0]
+    runner.continue_anchors([ContinuationRequest(tree, ROOT, 2)])  # seeds 0, 1: rewards bit 1 -> 0, 0
+    anchor = tree.path(tree.leaves()[0])[1]
+    prefills_before = engine.counters["prefill_sequences"]
+    stats = runner.continue_anchors([ContinuationRequest(tree, anchor, 3)])  # seeds 2, 3, 4
+    assert engine.counters["prefill_sequences"] == prefills_before + 1
+    new_leaves = tree[anchor].children[1:]
+    assert [tree[c].reward for c in new_leaves] == [float((s >> 1) & 1) for s in (2, 3, 4)]
+    assert tree.leaf_counts()[anchor] == 4
+    np.testing.assert_allclose(tree.values()[anchor], (0 + 1 + 1 + 0) / 4)
+    assert stats.forward_tokens == tree.prefix_length(anchor) + 3 * 3
+
+
+def test_turn_limit_truncates_and_the_env_ends_the_rollout():
+    chatter = lambda history, turn, seed: 9  # never emits the stop pair
+    runner, _, env = _mock_runner(policy=chatter, turn_limit=5)
+    tree = _trees(env, [0])[0]
+    runner.continue_anchors([ContinuationRequest(tree, ROOT, 2)])
+    for leaf in tree.leaves():
+        assert tree[leaf].token_ids.tolist() == [9] * 5 and tree[leaf].reward == 0.0
+        assert tree[leaf].info["stop_reason"] == "turn_limit" and tree[leaf].info["format_error"]
+
+
+def test_full_context_ends_the_rollout_instead_of_overflowing():
+    runner, _, env = _mock_runner(max_len=5, env=ToyEnv(max_turns=3))
+    tree = _trees(env, [0])[0]  # 1 prompt token + 3 turn tokens: the 2-token observation no longer fits
+    runner.continue_anchors([ContinuationRequest(tree, ROOT, 1)])
+    (leaf,) = tree.leaves()
+    assert tree[leaf].depth == 1 and tree[leaf].info["forced_end"] == "context_exhausted"
+
+
+def test_real_engine_records_the_policy_logprobs_and_features_teacher_forcing_reproduces():
+    config = ModelConfig.preset("qwen3-tiny", vocab_size=32)
+    model = Qwen(config, rngs=nnx.Rngs(0))
+    params = nnx.split(model, nnx.Param)[1]
+    engine_config = EngineConfig(
+        max_slots=2,
+        max_len=48,
+        steps_per_call=6,
+        max_turn_tokens=4,
+        min_bucket=48,
+        sampling=SamplingConfig(temperature=1.3, top_k=20),
+    )
+    engine = Engine.for_model(config, engine_config)
+    env = ToyEnv(max_turns=2, truncation_ends=False)
+    runner = RolloutRunner(engine, params, env, RunnerConfig(seed=3))
+    trees = _trees(env, [1, 2])
+    runner.continue_anchors([ContinuationRequest(t, ROOT, 2) for t in trees])
+    anchor = trees[0].path(trees[0].leaves()[0])[1]
+    runner.continue_anchors([ContinuationRequest(trees[0], anchor, 2)])
+    assert [t.leaf_counts()[ROOT] for t in trees] == [4, 2]
+    forward = jax.jit(lambda ids: model(ids[None]))  # one padded shape: right padding leaves valid rows alone
+    for tree in trees:
+        for leaf in tree.leaves():
+            ids = tree.prefix_ids(leaf)
+            out = forward(jnp.asarray(np.pad(ids, (0, 48 - len(ids)))))
+            logp = np.asarray(jax.nn.log_softmax(out.logits_btv[0], -1))
+            start = 0
+            for node_id in tree.path(leaf):
+                node = tree[node_id]
+                n = len(node.token_ids)
+                if node.parent is not None:  # token at position p was predicted from position p - 1
+                    expected = logp[np.arange(start - 1, start + n - 1), node.token_ids]
+                    np.testing.assert_allclose(node.logprobs, expected, atol=2e-4)
+                    assert np.isfinite(node.sample_logprobs).all()  # drawn inside the top-k support
+                start += node.num_tokens
+                if not node.is_leaf:
+                    np.testing.assert_allclose(node.feature, np.asarray(out.hidden_btd[0, start - 1]), atol=2e-4)
+
+
+def test_bad_requests_name_the_problem():
+    runner, _, env = _mock_runner(max_len=8)
+    tree = _trees(env, [0])[0]
+    runner.continue_anchors([ContinuationRequest(tree, ROOT, 1)])
+    with pytest.raises(ValueError, match="leaf"):
+        runner.continue_anchors([ContinuationRequest(tree, tree.leaves()[0], 1)])
+    long_tree = RolloutTree(list(range(8)), task=0)
+    with pytest.raises(ValueError, match="max_len"):
+        runner.continue_anchors([ContinuationRequest(long_tree, ROOT, 1)])
