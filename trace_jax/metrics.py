@@ -85,7 +85,8 @@ class MetricWriter:
         self._jsonl.flush()
         if self._tb is not None:
             for name, value in scalars.items():
-                self._tb.add_scalar(name, value, int(step))
+                if math.isfinite(value):  # undefined figures (an AUC with one class) stay out of the curves
+                    self._tb.add_scalar(name, value, int(step))
         return scalars
 
     def flush(self) -> None:

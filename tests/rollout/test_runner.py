@@ -176,3 +176,27 @@ def test_bad_requests_name_the_problem():
     long_tree = RolloutTree(list(range(8)), task=0)
     with pytest.raises(ValueError, match="max_len"):
         runner.continue_anchors([ContinuationRequest(long_tree, ROOT, 1)])
+
+
+def test_featurize_roots_matches_the_feature_a_rollout_would_record():
+    engine = MockEngine(EngineConfig(max_slots=2, max_len=64, steps_per_call=4, max_turn_tokens=4), toy_policy)
+    env = ToyEnv()
+    featurized = [RolloutTree(env.prompt_ids(t), t, i) for i, t in enumerate(range(3))]
+    RolloutRunner(engine, None, env).featurize_roots(featurized)
+    sampled = [RolloutTree(env.prompt_ids(t), t, i) for i, t in enumerate(range(3))]
+    RolloutRunner(engine, None, env).continue_anchors([ContinuationRequest(tree, 0, 1) for tree in sampled])
+    for a, b in zip(featurized, sampled, strict=True):
+        np.testing.assert_array_equal(a.root.feature, b.root.feature)
+
+
+def test_runner_state_restores_the_seed_sequence():
+    engine = MockEngine(EngineConfig(max_slots=2, max_len=64, steps_per_call=4, max_turn_tokens=4), toy_policy)
+    env = ToyEnv()
+    first = RolloutRunner(engine, None, env)
+    first.continue_anchors([ContinuationRequest(RolloutTree(env.prompt_ids(0), 0), 0, 3)])
+    resumed = RolloutRunner(engine, None, env)
+    resumed.load_state_dict(first.state_dict())
+    a, b = RolloutTree(env.prompt_ids(1), 1), RolloutTree(env.prompt_ids(1), 1)
+    first.continue_anchors([ContinuationRequest(a, 0, 2)])
+    resumed.continue_anchors([ContinuationRequest(b, 0, 2)])
+    assert [a[i].token_ids.tolist() for i in a.leaves()] == [b[i].token_ids.tolist() for i in b.leaves()]

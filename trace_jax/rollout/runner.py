@@ -31,7 +31,7 @@ import numpy as np
 from trace_jax.envs.base import AgentEnv
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
 from trace_jax.rollout.engine import EngineConfig, GenerateOutput, StopReason
-from trace_jax.rollout.tree import RolloutTree
+from trace_jax.rollout.tree import ROOT, RolloutTree
 
 _TRUNCATED = (StopReason.TURN_LIMIT, StopReason.CONTEXT_FULL)
 
@@ -120,7 +120,26 @@ class RolloutRunner:
         """New policy weights for the next rollouts (same shapes: nothing recompiles)."""
         self.params = params
 
+    def state_dict(self) -> dict[str, int]:
+        """What a resumed run needs to draw the same seeds: the next continuation's seed."""
+        return {"next_seed": self._next_seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._next_seed = int(state["next_seed"])
+
     # -------------------------------------------------------------------------------------------- api
+    def featurize_roots(self, trees: Sequence[RolloutTree]) -> None:
+        """Sets every featureless root's anchor feature from batched prefills, so stage 1 of the allocation
+        predicts from the prompt itself (the scheduler calls this before it allocates roots)."""
+        todo = [tree for tree in trees if tree.root.feature is None]
+        chunk = self.engine.config.max_slots
+        for start in range(0, len(todo), chunk):
+            batch = todo[start : start + chunk]
+            prefix = self.engine.prefill_many(self.params, [tree.prefix_ids(ROOT) for tree in batch])
+            hidden = np.asarray(prefix.hidden_nd)
+            for row, tree in enumerate(batch):
+                tree.root.feature = hidden[row].astype(np.float32)
+
     def continue_anchors(self, requests: Sequence[ContinuationRequest]) -> RolloutStats:
         """Samples every request to completion, adding turns and leaves to the requests' trees."""
         stats = RolloutStats()

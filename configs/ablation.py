@@ -1,0 +1,33 @@
+"""The default recipe with another allocation policy: ``--config=configs/ablation.py:<policy>``.
+
+Policies: uniform, dynamic_sampling, root_only, tree_random, tree_entropy, trace (see
+``trace_jax.allocation.policies``). All share the default's budget accounting, so runs compare at equal cost.
+"""
+
+import importlib.util
+import pathlib
+
+import ml_collections
+
+from trace_jax.allocation.policies import POLICIES
+
+
+def _default_config() -> ml_collections.ConfigDict:
+    # Loaded by path: config files are run by ml_collections from anywhere, not imported as a package.
+    spec = importlib.util.spec_from_file_location(
+        "trace_jax_default_config", pathlib.Path(__file__).with_name("default.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def get_config(policy: str = "trace") -> ml_collections.ConfigDict:
+    if policy not in POLICIES or policy == "oracle":
+        choices = sorted(p for p in POLICIES if p != "oracle")
+        raise ValueError(
+            f"unknown policy {policy!r} for a training run; choose one of {choices} (oracle is simulator-only)"
+        )
+    config = _default_config()
+    config.allocation.policy = policy
+    return config

@@ -1,0 +1,27 @@
+"""Config sections round-trip to the part dataclasses; typos are clear errors with near matches."""
+
+import pytest
+
+from trace_jax.config_utils import from_config, to_config
+from trace_jax.rollout.engine import EngineConfig
+from trace_jax.rollout.sampling import SamplingConfig
+
+
+def test_round_trip_with_nested_dataclass_and_tuples():
+    original = EngineConfig(max_slots=8, sampling=SamplingConfig(temperature=0.7, top_k=5))
+    section = to_config(original)
+    assert section.sampling.top_k == 5
+    assert from_config(EngineConfig, section) == original
+
+
+def test_overrides_win_and_partial_sections_keep_defaults():
+    section = to_config(EngineConfig())
+    section.sampling.temperature = 0.0
+    built = from_config(EngineConfig, section, max_len=64)
+    assert built.sampling.greedy and built.max_len == 64
+    assert from_config(EngineConfig, {"max_slots": 3}) == EngineConfig(max_slots=3)
+
+
+def test_unknown_field_names_the_class_and_near_matches():
+    with pytest.raises(ValueError, match=r"EngineConfig has no field 'max_slot'; did you mean max_slots"):
+        from_config(EngineConfig, {"max_slot": 3})

@@ -1,0 +1,114 @@
+"""ConfigDict sections <-> the frozen dataclasses each part of the framework is configured with.
+
+A part's defaults live in its dataclass (``WorldConfig``, ``EngineConfig``, ``LossConfig``...);
+``configs/*.py`` start from ``to_config(PartConfig())`` and change only what the recipe needs, and the main
+job turns each section back with ``from_config(PartConfig, config.section)``. Nested dataclasses
+(``EngineConfig.sampling``) become nested sections; tuples become lists and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import ml_collections
+
+T = TypeVar("T")
+
+
+def to_config(instance: Any) -> ml_collections.ConfigDict:
+    """A ConfigDict with every field of a dataclass instance (nested dataclasses become sections)."""
+
+    def convert(value: Any) -> Any:
+        if dataclasses.is_dataclass(value):
+            return {f.name: convert(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, tuple):
+            return [convert(v) for v in value]
+        return value
+
+    return ml_collections.ConfigDict(convert(instance))
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _dataclass_in(annotation: Any) -> type | None:
+    """The dataclass type inside ``X`` or ``X | None`` annotations, if any."""
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        for arg in typing.get_args(annotation):
+            if dataclasses.is_dataclass(arg):
+                return arg
+    return None
+
+
+def _tuples(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+def from_config(cls: type[T], section: Mapping[str, Any] | ml_collections.ConfigDict | None, **overrides: Any) -> T:
+    """Builds ``cls`` from a section holding any subset of its fields; ``overrides`` win.
+
+    An unknown field is an error that names the section's class and the closest field names.
+    """
+    values = dict(section.items()) if section is not None else {}
+    values.update(overrides)
+    types_by_name = _field_types(cls)
+    for key in values:
+        if key not in types_by_name:
+            near = difflib.get_close_matches(key, list(types_by_name), n=3)
+            hint = f"; did you mean {' or '.join(near)}?" if near else ""
+            raise ValueError(f"{cls.__name__} has no field {key!r}{hint} (fields: {', '.join(types_by_name)})")
+    kwargs = {}
+    for key, value in values.items():
+        nested = _dataclass_in(types_by_name[key])
+        if nested is not None and isinstance(value, Mapping | ml_collections.ConfigDict):
+            kwargs[key] = from_config(nested, value)
+        elif isinstance(value, ml_collections.ConfigDict):
+            kwargs[key] = value.to_dict()
+        else:
+            kwargs[key] = _tuples(value)
+    return cls(**kwargs)
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+    """``path/to/config.py[:arg]`` -> ``get_config(arg)``, the way ``config_flags`` reads a config file."""
+    import importlib.util
+
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("trace_jax_run_config", path)
+    if module_spec is None or module_spec.loader is None:
+        raise FileNotFoundError(f"config file {path!r} cannot be loaded")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def _dotted_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in config.items():
+        keys.append(prefix + key)
+        if isinstance(value, ml_collections.ConfigDict):
+            keys += _dotted_keys(value, f"{prefix}{key}.")
+    return keys
+
+
+def unknown_overrides(overrides: list[str], config: ml_collections.ConfigDict) -> list[str]:
+    """One message per ``--config.a.b=v`` whose key ``a.b`` the config lacks, naming the nearest keys."""
+    known = _dotted_keys(config)
+    messages = []
+    for flag in overrides:
+        key = flag.split("=", 1)[0].removeprefix("--config.")
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+            messages.append(f"unknown config key {key!r}" + (f"; near matches: {', '.join(near)}" if near else ""))
+    return messages
