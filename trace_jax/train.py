@@ -130,8 +130,8 @@ class Training:
         self.checkpointer.save(self.step, self._checkpoint_state(), metadata, force=force)
 
     def resume(self) -> bool:
-        target = self._checkpoint_state()
-        restored = self.checkpointer.restore_latest(target={"train": target["train"], "scheduler": target["scheduler"]})
+        # The scheduler state has data-dependent shapes (a replay buffer that grows): restore it as saved.
+        restored = self.checkpointer.restore_latest(target={"train": self.state, "scheduler": None})
         if restored is None:
             return False
         self.state = restored.state["train"]
