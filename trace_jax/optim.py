@@ -13,24 +13,19 @@ caller can count the skip. It is a pure function, usable inside ``jax.jit``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-SCHEDULES: dict[str, Callable[[float, int, int], optax.Schedule]] = {}
+from trace_jax.config_utils import from_config
+from trace_jax.registry import Registry
 
-
-def register_schedule(name: str):
-    """Decorator: registers ``fn(peak_lr, warmup_steps, decay_steps) -> optax.Schedule`` under ``name``."""
-
-    def wrap(fn):
-        SCHEDULES[name] = fn
-        return fn
-
-    return wrap
+# ``fn(peak_lr, warmup_steps, decay_steps) -> optax.Schedule`` by name.
+SCHEDULES: Registry[Callable[[float, int, int], optax.Schedule]] = Registry("learning-rate schedule")
+register_schedule = SCHEDULES.register
 
 
 @register_schedule("cosine")
@@ -88,26 +83,15 @@ class OptimizerConfig:
     schedule: str = "cosine"
 
 
-_FIELDS = {f.name for f in dataclasses.fields(OptimizerConfig)}
-
-
 def _resolve(config: Any, overrides: dict[str, Any]) -> OptimizerConfig:
-    values: dict[str, Any] = {}
-    if config is not None:
-        items = config.items() if isinstance(config, Mapping) or hasattr(config, "items") else vars(config).items()
-        values.update(dict(items))
-    values.update(overrides)
-    unknown = sorted(set(values) - _FIELDS)
-    if unknown:
-        raise ValueError(f"unknown optimizer field(s) {unknown}; known fields: {sorted(_FIELDS)}")
-    return OptimizerConfig(**values)
+    if isinstance(config, OptimizerConfig):
+        config = dataclasses.asdict(config)
+    return from_config(OptimizerConfig, config, **overrides)
 
 
 def make_schedule(config: Any = None, **kwargs: Any) -> optax.Schedule:
     """The learning-rate schedule ``make_optimizer`` uses (step -> lr), for logging the current lr."""
     cfg = _resolve(config, kwargs)
-    if cfg.schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of {sorted(SCHEDULES)}")
     if cfg.warmup_steps < 0 or cfg.total_steps <= 0:
         raise ValueError(f"need warmup_steps >= 0 and total_steps > 0, got {cfg.warmup_steps}, {cfg.total_steps}")
     return SCHEDULES[cfg.schedule](cfg.learning_rate, cfg.warmup_steps, max(cfg.total_steps - cfg.warmup_steps, 1))

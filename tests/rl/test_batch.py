@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from tests.rl.trees import branching_tree, random_tree
+from trace_jax.config_utils import from_config
 from trace_jax.rl.advantages import NodeAdvantages, compute_advantages
 from trace_jax.rl.batch import BatchConfig, build_batch, trees_to_batch
 from trace_jax.rl.losses import LossConfig, LossInputs, compute_loss, loss_denominator
@@ -141,8 +142,8 @@ def test_trees_to_batch_is_advantages_then_rows():
 
 
 def test_batch_config_from_config_dict():
-    config = BatchConfig.from_config(ml_collections.ConfigDict({"length_buckets": [8, 32], "segment_weight": "one"}))
+    config = from_config(BatchConfig, ml_collections.ConfigDict({"length_buckets": [8, 32], "segment_weight": "one"}))
     assert config.length_buckets == (8, 32) and config.segment_weight == "one"
-    assert BatchConfig.from_config(None, row_multiple=4).row_multiple == 4
+    assert from_config(BatchConfig, None, row_multiple=4).row_multiple == 4
     with pytest.raises(ValueError, match="length_bucket"):
-        BatchConfig.from_config({"length_bucket": [8]})
+        from_config(BatchConfig, {"length_bucket": [8]})

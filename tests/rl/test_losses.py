@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from trace_jax.config_utils import from_config
 from trace_jax.rl.losses import (
     AGGREGATIONS,
     LossConfig,
@@ -156,7 +157,7 @@ def test_config_errors_name_the_choices():
     with pytest.raises(ValueError, match="token-mean"):
         LossConfig(aggregation="mean")
     with pytest.raises(ValueError, match="clip_hi"):
-        LossConfig.from_config({"clip_hi": 0.3})
+        from_config(LossConfig, {"clip_hi": 0.3})
     inputs = _inputs([[-1.0]], [[-1.0]], [[1.0]], [[1.0]])
     with pytest.raises(ValueError, match="ref_logprobs"):
         compute_loss(inputs, LossConfig(kl_coef=0.1))

@@ -27,6 +27,7 @@ import numpy as np
 
 from trace_jax.allocation import solvers
 from trace_jax.allocation.context import AllocationContext, Item, tree_backups
+from trace_jax.registry import Registry
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 
@@ -202,19 +203,20 @@ def _fresh_copy(tree: RolloutTree) -> RolloutTree:
     return fresh
 
 
-POLICIES: dict[str, Callable[..., AllocationPolicy]] = {
-    "uniform": lambda **kw: StagedPolicy(**{"stage1": "uniform", "stage2": "none", **kw}),
-    "dynamic_sampling": DynamicSamplingPolicy,
-    "root_only": lambda **kw: StagedPolicy(**{"stage1": "active", "stage2": "none", **kw}),
-    "tree_random": lambda **kw: StagedPolicy(**{"stage1": "uniform", "stage2": "uniform", **kw}),
-    "tree_entropy": lambda **kw: StagedPolicy(**{"stage1": "uniform", "stage2": "entropy", **kw}),
-    "trace": lambda **kw: StagedPolicy(**{"stage1": "active", "stage2": "active", **kw}),
-    "oracle": lambda **kw: StagedPolicy(**{"stage1": "active", "stage2": "active", "scorer": "oracle", **kw}),
-}
+POLICIES: Registry[Callable[..., AllocationPolicy]] = Registry(
+    "allocation policy",
+    {
+        "uniform": lambda **kw: StagedPolicy(**{"stage1": "uniform", "stage2": "none", **kw}),
+        "dynamic_sampling": DynamicSamplingPolicy,
+        "root_only": lambda **kw: StagedPolicy(**{"stage1": "active", "stage2": "none", **kw}),
+        "tree_random": lambda **kw: StagedPolicy(**{"stage1": "uniform", "stage2": "uniform", **kw}),
+        "tree_entropy": lambda **kw: StagedPolicy(**{"stage1": "uniform", "stage2": "entropy", **kw}),
+        "trace": lambda **kw: StagedPolicy(**{"stage1": "active", "stage2": "active", **kw}),
+        "oracle": lambda **kw: StagedPolicy(**{"stage1": "active", "stage2": "active", "scorer": "oracle", **kw}),
+    },
+)
 
 
 def make_policy(name: str, **overrides: Any) -> AllocationPolicy:
     """The policy registered as ``name``, with keyword ``overrides`` of its fields."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown allocation policy {name!r}; choose one of {', '.join(POLICIES)}")
     return POLICIES[name](**overrides)

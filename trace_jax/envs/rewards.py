@@ -13,6 +13,8 @@ import re
 import string
 from collections.abc import Callable, Sequence
 
+from trace_jax.registry import Registry
+
 ANSWER_OPEN = "<answer>"
 ANSWER_CLOSE = "</answer>"
 
@@ -71,13 +73,13 @@ def f1_score(prediction: str, golds: str | Sequence[str]) -> float:
     return max((_f1_one(pred, normalize_answer(g).split()) for g in _as_golds(golds)), default=0.0)
 
 
-METRICS: dict[str, Callable[[str, str | Sequence[str]], float]] = {"em": exact_match, "f1": f1_score}
+METRICS: Registry[Callable[[str, str | Sequence[str]], float]] = Registry(
+    "answer metric", {"em": exact_match, "f1": f1_score}
+)
 
 
 def get_metric(name: str) -> Callable[[str, str | Sequence[str]], float]:
     """The answer metric registered under ``name``; a clear error for an unknown name."""
-    if name not in METRICS:
-        raise ValueError(f"unknown answer metric {name!r}; choose one of {sorted(METRICS)}")
     return METRICS[name]
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from trace_jax.registry import Registry
 from trace_jax.rollout.tree import RolloutTree
 
 EPS = 1e-4  # predictions are clipped to [EPS, 1 - EPS]: the solvers never see a certain outcome
@@ -542,16 +543,12 @@ class TransformerPredictor:
         self._replay = {key: np.asarray(value) for key, value in state.get("replay", {}).items()}
 
 
-PREDICTORS: dict[str, Callable[..., SuccessPredictor]] = {
-    "mlp": MLPPredictor,
-    "transformer": TransformerPredictor,
-    "depth": DepthPredictor,
-    "beta": BetaPredictor,
-}
+PREDICTORS: Registry[Callable[..., SuccessPredictor]] = Registry(
+    "predictor",
+    {"mlp": MLPPredictor, "transformer": TransformerPredictor, "depth": DepthPredictor, "beta": BetaPredictor},
+)
 
 
 def make_predictor(name: str, **kwargs: Any) -> SuccessPredictor:
     """Builds the predictor registered as ``name`` with constructor ``kwargs``."""
-    if name not in PREDICTORS:
-        raise ValueError(f"unknown predictor {name!r}; choose one of {', '.join(sorted(PREDICTORS))}")
     return PREDICTORS[name](**kwargs)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from trace_jax.registry import Registry
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 
@@ -42,23 +43,13 @@ class NodeAdvantages:
 
 
 Estimator = Callable[..., list[NodeAdvantages]]
-ESTIMATORS: dict[str, Estimator] = {}
-
-
-def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
-    """Decorator: registers ``fn(trees, *, eps) -> list[NodeAdvantages]`` under ``name``."""
-
-    def wrap(fn: Estimator) -> Estimator:
-        ESTIMATORS[name] = fn
-        return fn
-
-    return wrap
+# ``fn(trees, *, eps) -> list[NodeAdvantages]`` by name.
+ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+register_estimator = ESTIMATORS.register
 
 
 def compute_advantages(name: str, trees: Sequence[RolloutTree], eps: float = 1e-6) -> list[NodeAdvantages]:
     """Advantages of every tree of a batch with the estimator registered as ``name``."""
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
     return ESTIMATORS[name](trees, eps=eps)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -104,22 +104,6 @@ class BatchConfig:
             raise ValueError(f"length_buckets must be a non-empty ascending tuple, got {self.length_buckets}")
         if self.row_multiple < 1:
             raise ValueError(f"row_multiple must be >= 1, got {self.row_multiple}")
-
-    @classmethod
-    def from_config(cls, config: Any, **overrides: Any) -> BatchConfig:
-        """From a ConfigDict / mapping with (a subset of) these fields; ``overrides`` win."""
-        values: dict[str, Any] = {}
-        if config is not None:
-            values.update(config.items() if hasattr(config, "items") else vars(config).items())
-        values.update(overrides)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown batch field(s) {unknown}; known fields: {sorted(known)}")
-        for key in ("length_buckets", "row_buckets"):
-            if values.get(key) is not None:
-                values[key] = tuple(values[key])
-        return cls(**values)
 
 
 def _bucket(size: int, buckets: Sequence[int] | None) -> int:

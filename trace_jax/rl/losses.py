@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from trace_jax.registry import Registry
 
 # exp() of a log-ratio beyond this is numerically meaningless and overflows float32 in the backward pass.
 MAX_LOG_RATIO = 20.0
@@ -72,16 +74,6 @@ class LossConfig:
         if self.clip_low < 0 or self.clip_low >= 1 or self.clip_high < 0:
             raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
 
-    @classmethod
-    def from_config(cls, config: Any) -> LossConfig:
-        """From a ConfigDict / mapping holding (a subset of) these fields; extra fields are an error."""
-        values = dict(config.items() if hasattr(config, "items") else vars(config).items())
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown loss field(s) {unknown}; known fields: {sorted(known)}")
-        return cls(**values)
-
 
 class LossInputs(NamedTuple):
     """Per-token inputs, all [B, T] (float32 unless noted).
@@ -121,17 +113,9 @@ def _log_ratio(inputs: LossInputs) -> jax.Array:
 
 # ------------------------------------------------------------------------------------- policy losses
 PolicyLoss = Callable[[LossInputs, LossConfig], tuple[jax.Array, Metrics]]
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator: ``fn(inputs, config) -> (per-token loss [B, T], metrics)`` under ``name``."""
-
-    def wrap(fn: PolicyLoss) -> PolicyLoss:
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return wrap
+# ``fn(inputs, config) -> (per-token loss [B, T], metrics)`` by name.
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+register_policy_loss = POLICY_LOSSES.register
 
 
 def clipped_surrogate(ratio_bt: jax.Array, inputs: LossInputs, config: LossConfig) -> tuple[jax.Array, Metrics]:
@@ -204,26 +188,21 @@ def gspo_turn_loss(inputs: LossInputs, config: LossConfig) -> tuple[jax.Array, M
 # ------------------------------------------------------------------------------------- KL estimators
 # Per-token estimators of KL(π_θ ‖ π_ref) from samples of π_θ, as functions of d = log π_θ − log π_ref
 # (Schulman, "Approximating KL divergence"): k1 unbiased but noisy, k3 unbiased and always >= 0.
-KL_ESTIMATORS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "k1": lambda d: d,
-    "k2": lambda d: 0.5 * jnp.square(d),
-    "k3": lambda d: jnp.exp(-d) + d - 1.0,
-}
+KL_ESTIMATORS: Registry[Callable[[jax.Array], jax.Array]] = Registry(
+    "kl estimator",
+    {
+        "k1": lambda d: d,
+        "k2": lambda d: 0.5 * jnp.square(d),
+        "k3": lambda d: jnp.exp(-d) + d - 1.0,
+    },
+)
 
 
 # -------------------------------------------------------------------------------------- aggregation
 Aggregation = Callable[[jax.Array, jax.Array, LossConfig], tuple[jax.Array, jax.Array]]
-AGGREGATIONS: dict[str, Aggregation] = {}
-
-
-def register_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
-    """Decorator: ``fn(loss_bt, weights_bt, config) -> (numerator, denominator)`` under ``name``."""
-
-    def wrap(fn: Aggregation) -> Aggregation:
-        AGGREGATIONS[name] = fn
-        return fn
-
-    return wrap
+# ``fn(loss_bt, weights_bt, config) -> (numerator, denominator)`` by name.
+AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
+register_aggregation = AGGREGATIONS.register
 
 
 def _rows_with_loss(weights_bt: jax.Array) -> jax.Array:

@@ -3,7 +3,7 @@
 Usage (the wiring ``train.py`` does)::
 
     graphdef, params = nnx.split(model, nnx.Param)         # model built with parallel.mesh.create_sharded
-    trainer = RLTrainer(graphdef, make_optimizer(cfg.optim), LossConfig.from_config(cfg.loss),
+    trainer = RLTrainer(graphdef, make_optimizer(cfg.optim), from_config(LossConfig, cfg.loss),
                         mesh=mesh, micro_batches=2, reference_params=params)   # the trainer keeps a copy
     state = trainer.init_state(params, jax.random.key(seed))  # takes ownership: params are donated later
     batch, info = build_batch(trees, compute_advantages("grpo", trees), BatchConfig(row_multiple=trainer.row_multiple))
