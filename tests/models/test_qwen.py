@@ -81,6 +81,24 @@ def test_slots_of_different_lengths_decode_independently(checkpoint):
         np.testing.assert_allclose(stepped[slot], alone, atol=1e-5)
 
 
+def test_cache_writes_past_max_len_are_dropped_not_clipped():
+    """Padding that runs past the cache end must not overwrite the last position (mode="drop", not clamp)."""
+    model = Qwen(ModelConfig.preset("qwen3-tiny"), rngs=nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, 512, (2, 8)))
+    exact = KVCache.init(model.config, batch=2, max_len=8)
+    exact = model(ids, cache=exact, num_new_b=jnp.asarray([8, 5])).cache
+    overflow = KVCache.init(model.config, batch=2, max_len=8)
+    overflow = model(ids[:, :6], cache=overflow).cache
+    # Slot 0 gets 2 real tokens at positions 6, 7 plus 3 padding tokens at 8..10 (past max_len).
+    tail = jnp.concatenate([ids[:, 6:], jnp.zeros((2, 3), ids.dtype)], axis=1)
+    overflow = model(tail, cache=overflow, num_new_b=jnp.asarray([2, 0])).cache
+    assert exact.k.shape == (2, 2, 8, model.config.num_kv_heads, model.config.head_dim)  # [L, B, S, K, E]
+    np.testing.assert_array_equal(overflow.lengths, [8, 6])
+    np.testing.assert_allclose(overflow.k[:, 0], exact.k[:, 0], atol=1e-5)
+    np.testing.assert_allclose(overflow.v[:, 0], exact.v[:, 0], atol=1e-5)
+    np.testing.assert_allclose(overflow.k[:, 1, :5], exact.k[:, 1, :5], atol=1e-5)
+
+
 def test_bfloat16_compute_stays_close_to_float32(checkpoint):
     path, reference = checkpoint
     ids = np.random.default_rng(4).integers(0, 128, (2, 8))
