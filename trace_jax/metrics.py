@@ -116,6 +116,15 @@ def _pyplot():
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def series(records: Iterable[Mapping[str, Any]], key: str, x_key: str = "step") -> tuple[np.ndarray, np.ndarray]:
     """(x, y) float arrays of the records that have a finite ``key``."""
     points = [(r[x_key], r[key]) for r in records if r.get(key) is not None and r.get(x_key) is not None]
@@ -144,12 +153,7 @@ def plot_metrics(
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def mean_std_curve(runs: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -181,12 +185,7 @@ def plot_mean_std(
     ax.legend()
     if title:
         ax.set_title(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 # --------------------------------------------------------------------------------------------- tables
