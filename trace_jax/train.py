@@ -101,7 +101,7 @@ class Training:
         reference = jax.tree.map(jnp.copy, params) if loss_config.kl_coef else None
         self.trainer = RLTrainer(
             abstract_model(self.model_config)[0],
-            make_optimizer(**config.optim),
+            make_optimizer(config.optim),
             loss_config,
             mesh=self.mesh,
             micro_batches=config.rl.micro_batches,
