@@ -1,7 +1,9 @@
 """The default recipe with another allocation policy: ``--config=configs/ablation.py:<policy>``.
 
 Policies: uniform, dynamic_sampling, root_only, tree_random, tree_entropy, trace (see
-``trace_jax.allocation.policies``). All share the default's budget accounting, so runs compare at equal cost.
+``trace_jax.allocation.policies``). All share the default's budget accounting: equal rollouts per prompt by
+default; set ``--config.allocation.tokens_per_prompt`` (and a large ``rollouts_per_prompt``) for equal generated
+tokens, as ``trace_jax.bench.train_curve`` does.
 """
 
 import importlib.util

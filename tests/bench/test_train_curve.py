@@ -1,0 +1,117 @@
+"""The train-curve bench's bookkeeping on fake run logs: curves, equal-token comparison, table, plots, CLI."""
+
+import json
+
+import numpy as np
+import pytest
+
+from trace_jax.bench import train_curve
+from trace_jax.metrics import MetricWriter, read_jsonl
+
+
+def fake_records(tokens_per_step, em_by_step, eff=0.5):
+    """metrics.jsonl records the way ``trace_jax.train.train`` writes them (final eval on a separate line)."""
+    records = []
+    last = len(tokens_per_step)
+    for step, tokens in enumerate(tokens_per_step, start=1):
+        record = {
+            "step": step,
+            "alloc/effective_ratio": eff,
+            "alloc/budget/generated_tokens": float(tokens),
+            "alloc/budget/rollouts": 10.0,
+            "rollout/mean_reward": 0.4,
+        }
+        if step in em_by_step and step != last:
+            record["eval/em"] = em_by_step[step]
+        records.append(record)
+    records.append({"step": last, "eval/em": em_by_step[last]})
+    return records
+
+
+def test_run_curve_reads_evals_tokens_and_sft_point(tmp_path):
+    with MetricWriter(tmp_path, tensorboard=False) as writer:  # round trip through the real log format
+        for record in fake_records([100, 200, 300, 400], {2: 0.5, 4: 0.6}):
+            writer.write(record["step"], {k: v for k, v in record.items() if k != "step"})
+    curve = train_curve.run_curve("trace", 0, read_jsonl(tmp_path / "metrics.jsonl"), sft_em=0.4)
+    np.testing.assert_array_equal(curve.eval_steps, [0, 2, 4])
+    np.testing.assert_allclose(curve.eval_em, [0.4, 0.5, 0.6])
+    np.testing.assert_allclose(curve.cumulative_tokens_at(curve.eval_steps), [0, 300, 1000])
+    # Halfway (in tokens) between the step-2 and step-4 evaluations.
+    np.testing.assert_allclose(curve.em_at_tokens(np.asarray(650.0)), 0.55)
+
+
+def test_run_without_rl_steps_is_a_clear_error():
+    with pytest.raises(ValueError, match="no RL step"):
+        train_curve.run_curve("trace", 0, [{"step": 0, "eval/em": 0.3}], sft_em=0.3)
+
+
+def fake_runs():
+    """trace reaches EM 0.6 on 1000 tokens; uniform spends 2000 tokens to reach 0.6 (0.5 at 1000)."""
+    runs = []
+    for seed, jitter in enumerate([-0.02, 0.0, 0.02]):
+        trace = fake_records([250] * 4, {2: 0.5 + jitter, 4: 0.6 + jitter})
+        uniform = fake_records([500] * 4, {2: 0.5 + jitter, 4: 0.6 + jitter})
+        runs.append(train_curve.run_curve("trace", seed, trace, sft_em=0.4 + jitter, seconds=10.0))
+        runs.append(train_curve.run_curve("uniform", seed, uniform, sft_em=0.4 + jitter, seconds=12.0))
+    return runs
+
+
+def test_aggregate_compares_at_equal_generated_tokens():
+    result = train_curve.aggregate(fake_runs())
+    assert result["equal_tokens"] == 1000.0  # the smallest total any run spent
+    trace, uniform = result["policies"]["trace"], result["policies"]["uniform"]
+    # Same EM per step, but trace got there on half the tokens: ahead at equal cost, tied at equal steps.
+    assert trace["em_final"]["mean"] == pytest.approx(uniform["em_final"]["mean"])
+    assert trace["em_at_equal_tokens"]["mean"] == pytest.approx(0.6)
+    assert uniform["em_at_equal_tokens"]["mean"] == pytest.approx(0.5)
+    assert trace["em_gain"]["mean"] == pytest.approx(0.2)
+    assert trace["em_final"]["std"] == pytest.approx(np.std([0.58, 0.6, 0.62]))
+    assert uniform["generated_tokens"]["mean"] == 2000.0
+    em_steps = result["curves"]["trace"]["em_vs_step"]
+    assert em_steps["x"] == [0.0, 2.0, 4.0]
+    assert result["curves"]["uniform"]["em_vs_tokens"]["x"][-1] == 1000.0
+    assert [row["policy"] for row in result["table"]] == ["trace", "uniform"]
+    assert "EM @ equal tokens" in result["markdown"].splitlines()[0]
+    assert "0.600 ± 0.016" in result["markdown"]
+
+
+def test_plots_are_written(tmp_path):
+    runs = fake_runs()
+    paths = train_curve.plot(runs, train_curve.aggregate(runs)["equal_tokens"], tmp_path)
+    assert len(paths) == 3
+    for path in paths:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_flag_and_budget_overrides_reach_the_run_config():
+    args = train_curve.parse_args(["--quick", "--seeds", "3,4", "--policies", "uniform", "--tokens-per-prompt", "200"])
+    assert (args.seeds, args.steps, args.eval_every) == ([3], 2, 1)
+    config = train_curve.run_config("uniform", 3, args)
+    assert config.allocation.policy == "uniform"
+    assert config.allocation.tokens_per_prompt == 200.0
+    assert (config.seed, config.allocation.seed, config.rl.steps, config.rl.prompts_per_step) == (3, 3, 2, 4)
+    json.dumps(config.to_dict())  # the run config is what train() writes to config.json
+
+
+def test_bad_budget_flags_are_rejected():
+    with pytest.raises(SystemExit):
+        train_curve.parse_args(["--tokens-per-prompt", "0"])
+
+
+def test_report_only_aggregates_finished_run_dirs(tmp_path, capsys):
+    for policy, tokens in [("trace", 250), ("uniform", 500)]:
+        rundir = tmp_path / f"{policy}_s0"
+        with MetricWriter(rundir, tensorboard=False) as writer:
+            for record in fake_records([tokens] * 4, {2: 0.5, 4: 0.6}):
+                writer.write(record["step"], {k: v for k, v in record.items() if k != "step"})
+        (rundir / "eval_before.json").write_text(json.dumps({"step": 0, "rows": [{"group": "all", "em": 0.4}]}))
+        (rundir / "summary.json").write_text(json.dumps({"total_seconds": 5.0}))
+    out = tmp_path / "result.json"
+    argv = ["--report-only", "--seeds", "0", "--workdir", str(tmp_path), "--out", str(out), "--compile-cache", "none"]
+    result = train_curve.main(argv)
+    assert json.loads(out.read_text())["equal_tokens"] == result["equal_tokens"] == 1000.0
+    assert result["policies"]["uniform"]["em_at_equal_tokens"]["mean"] == pytest.approx(0.5)
+    assert "| trace" in capsys.readouterr().out  # the Markdown table is printed
+    with pytest.raises(FileNotFoundError, match=r"no summary\.json"):
+        train_curve.main([*argv[:2], "1", *argv[3:]])  # seed 1 never ran
