@@ -271,9 +271,10 @@ def main(argv: list[str]) -> None:
     # orbax logs every checkpoint operation at INFO through absl; keep the console to the progress bar.
     absl_logging.set_verbosity(absl_logging.WARNING)
     summary = train(flags.FLAGS.config, flags.FLAGS.workdir)
+    ratio = summary["mean_effective_ratio"]
     print(
         f"\nTRACE RL ({summary['policy']}): {summary['steps']} steps in {summary['total_seconds']:.0f} s "
-        f"(SFT {summary['sft_seconds']:.0f} s); mean effective ratio {summary['mean_effective_ratio']:.3f}"
+        f"(SFT {summary['sft_seconds']:.0f} s); mean effective ratio {'n/a' if ratio is None else f'{ratio:.3f}'}"
     )
     print(summary_table(summary))
     print(f"\nwrote {flags.FLAGS.workdir}/summary.json, metrics.jsonl, tensorboard/, plots/, checkpoints/")
