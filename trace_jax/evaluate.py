@@ -95,7 +95,7 @@ def evaluate(backend: RolloutBackend, env: AgentEnv, tasks: Sequence[Any], sampl
 def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
-    from trace_jax import recipe, train
+    from trace_jax import recipe
     from trace_jax.metrics import format_table
 
     parser = argparse.ArgumentParser(prog="python -m trace_jax.evaluate", description=__doc__.split("\n")[0])
@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     workdir = pathlib.Path(args.workdir)
     config = recipe.load_run_config(workdir)
     world = recipe.build_world(config, workdir)
-    model_config, params, source = train.latest_policy(config, workdir, world)
+    model_config, params, source = recipe.latest_policy(config, workdir, world)
     runner = recipe.build_runner(config, model_config, params, world, greedy=args.samples == 1)
     tasks = world.world.questions(args.split)
     tasks = tasks[: args.limit] if args.limit else tasks

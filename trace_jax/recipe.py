@@ -15,6 +15,7 @@ import ml_collections
 from flax import nnx
 
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
+from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.config_utils import from_config
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.data.tokenizer import load_tokenizer, train_world_tokenizer
@@ -24,8 +25,10 @@ from trace_jax.models.qwen import ModelConfig
 from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
 from trace_jax.rollout.sampling import SamplingConfig
+from trace_jax.sft import SFTConfig, run_sft
 
 CONFIG_FILE = "config.json"
+CHECKPOINTS = "checkpoints"
 
 
 @dataclasses.dataclass
@@ -63,13 +66,26 @@ def build_runner(
     if greedy:
         engine_config = dataclasses.replace(engine_config, sampling=SamplingConfig.make_greedy())
     engine = Engine.for_model(model_config, engine_config)
-    eos = tuple(i for i in {world.tokenizer.eos_token_id} if i is not None)
-    overrides = {"eos_ids": eos} if seed is None else {"eos_ids": eos, "seed": seed}
+    eos_id = world.tokenizer.eos_token_id
+    overrides: dict[str, Any] = {"eos_ids": () if eos_id is None else (eos_id,)}
+    if seed is not None:
+        overrides["seed"] = seed
     return RolloutRunner(engine, params, world.env, from_config(RunnerConfig, config.runner, **overrides))
 
 
 def build_scheduler(config: ml_collections.ConfigDict, backend: Any) -> TreeScheduler:
     return TreeScheduler(backend, from_config(SchedulerConfig, config.allocation))
+
+
+def latest_policy(
+    config: ml_collections.ConfigDict, workdir: pathlib.Path, world: World
+) -> tuple[ModelConfig, nnx.State, str]:
+    """The newest policy of a run: the latest RL checkpoint's params, else the SFT warm start."""
+    sft = run_sft(from_config(SFTConfig, config.sft), world.world, world.tokenizer, workdir, env=world.env)
+    restored = StateCheckpointer(workdir / CHECKPOINTS).restore_latest(target={"params": sft.params}, keys=["params"])
+    if restored is None:
+        return sft.model_config, sft.params, "sft warm start"
+    return sft.model_config, restored.state["params"], f"rl step {restored.step}"
 
 
 def save_run_config(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> None:

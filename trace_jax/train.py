@@ -21,7 +21,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import app, flags
@@ -35,7 +34,7 @@ from trace_jax.config_utils import from_config, load_config_file, unknown_overri
 from trace_jax.data.prompts import PromptStream
 from trace_jax.evaluate import evaluate
 from trace_jax.metrics import MetricWriter, format_table, plot_metrics, read_jsonl
-from trace_jax.models.qwen import ModelConfig, abstract_model
+from trace_jax.models.qwen import abstract_model
 from trace_jax.optim import make_optimizer
 from trace_jax.parallel import distributed
 from trace_jax.parallel.mesh import make_mesh, shard_state
@@ -71,18 +70,6 @@ def _eval_metrics(result: EvalLog) -> dict[str, float]:
     return {f"eval/em/{row['group']}" if row["group"] != "all" else "eval/em": row["em"] for row in result.rows}
 
 
-def latest_policy(
-    config: ml_collections.ConfigDict, workdir: pathlib.Path, world: recipe.World
-) -> tuple[ModelConfig, Any, str]:
-    """The newest policy of a run: the latest RL checkpoint's params, else the SFT warm start."""
-    sft = run_sft(from_config(SFTConfig, config.sft), world.world, world.tokenizer, workdir, env=world.env)
-    checkpointer = StateCheckpointer(workdir / "checkpoints")
-    restored = checkpointer.restore_latest(target={"params": sft.params}, keys=["params"])
-    if restored is None:
-        return sft.model_config, sft.params, "sft warm start"
-    return sft.model_config, restored.state["params"], f"rl step {restored.step}"
-
-
 class Training:
     """Everything one run holds between steps, and the step itself."""
 
@@ -97,15 +84,13 @@ class Training:
         self.mesh = make_mesh(**config.mesh)
         params = shard_state(sft.params, self.mesh)
         loss_config = from_config(LossConfig, config.loss)
-        # The train step donates its state; the reference policy gets its own copy of the warm start.
-        reference = jax.tree.map(jnp.copy, params) if loss_config.kl_coef else None
         self.trainer = RLTrainer(
             abstract_model(self.model_config)[0],
             make_optimizer(config.optim),
             loss_config,
             mesh=self.mesh,
             micro_batches=config.rl.micro_batches,
-            reference_params=reference,
+            reference_params=params if loss_config.kl_coef else None,  # the trainer keeps its own copy
             recompute_old_logprobs=config.rl.recompute_old_logprobs,
         )
         self.state = self.trainer.init_state(params, jax.random.key(config.seed))
@@ -117,24 +102,28 @@ class Training:
         self.scheduler = recipe.build_scheduler(config, self.runner)
         self.prompts = PromptStream(self.world.world.questions("train"), config.rl.prompts_per_step, config.seed)
         self.checkpointer = StateCheckpointer(
-            workdir / "checkpoints", save_every=config.rl.checkpoint_every, keep=config.rl.keep_checkpoints
+            workdir / recipe.CHECKPOINTS, save_every=config.rl.checkpoint_every, keep=config.rl.keep_checkpoints
         )
         self.step = 0
 
     # ------------------------------------------------------------------------------------ checkpoints
-    def _checkpoint_state(self) -> dict[str, Any]:
-        return {"train": self.state, "params": self.state.params, "scheduler": self.scheduler.state_dict()}
-
     def save(self, force: bool = False) -> None:
+        # The policy is its own entry (evaluation restores just it); "train" holds the rest of the state once.
+        state = {
+            "params": self.state.params,
+            "train": self.state._replace(params=None),
+            "scheduler": self.scheduler.state_dict(),
+        }
         metadata = {"prompts": self.prompts.state_dict(), "runner": self.runner.state_dict()}
-        self.checkpointer.save(self.step, self._checkpoint_state(), metadata, force=force)
+        self.checkpointer.save(self.step, state, metadata, force=force)
 
     def resume(self) -> bool:
         # The scheduler state has data-dependent shapes (a replay buffer that grows): restore it as saved.
-        restored = self.checkpointer.restore_latest(target={"train": self.state, "scheduler": None})
+        target = {"params": self.state.params, "train": self.state._replace(params=None), "scheduler": None}
+        restored = self.checkpointer.restore_latest(target=target)
         if restored is None:
             return False
-        self.state = restored.state["train"]
+        self.state = restored.state["train"]._replace(params=restored.state["params"])
         self.scheduler.load_state_dict(restored.state["scheduler"])
         self.prompts.load_state_dict(restored.metadata["prompts"])
         self.runner.load_state_dict(restored.metadata["runner"])
