@@ -170,3 +170,22 @@ def test_bad_configs_are_clear_errors():
         ModelConfig.preset("qwen3-tiny", num_kv_heads=3)
     with pytest.raises(ValueError, match="dtype"):
         ModelConfig.preset("qwen3-tiny", dtype="float8")
+
+
+def test_a_packed_tree_row_equals_its_paths_run_separately():
+    # Root A with children B and C, laid out A B C (depth-first): B's tokens must not see C's and vice versa,
+    # and C continues A's positions. Two trees share the row: the second (D) must see nothing of the first.
+    model = Qwen(ModelConfig.preset("qwen3-tiny"), rngs=nnx.Rngs(0))
+    a, b, c, d = [5, 6, 7], [8, 9], [10, 11], [12, 13, 14]
+    packed = jnp.asarray([a + b + c + d])
+    positions = jnp.asarray([[0, 1, 2, 3, 4, 3, 4, 0, 1, 2]])
+    visible_end = jnp.asarray([[7, 7, 7, 5, 5, 7, 7, 10, 10, 10]])
+    hidden, _ = model.hidden(packed, positions_bt=positions, kv_visible_end_bt=visible_end)
+    paths = [((0, 5), a + b), ((5, 7), a + c), ((7, 10), d)]
+    hidden_ab, _ = model.hidden(jnp.asarray([a + b]))
+    unpacked, _ = model.hidden(packed)
+    assert np.abs(np.asarray(hidden[0, 5:7] - unpacked[0, 5:7])).max() > 1e-3  # the mask matters here
+    for (start, stop), path in paths:
+        alone, _ = model.hidden(jnp.asarray([path]))
+        np.testing.assert_allclose(hidden[0, start:stop], alone[0, start - stop :], atol=1e-5)
+    np.testing.assert_allclose(hidden[0, :5], hidden_ab[0], atol=1e-5)

@@ -284,27 +284,37 @@ class Attention(nnx.Module):
         return out
 
     def __call__(
-        self, x_btd: jax.Array, positions_bt: jax.Array, layer: int, cache: KVCache | None
+        self,
+        x_btd: jax.Array,
+        positions_bt: jax.Array,
+        layer: int,
+        cache: KVCache | None,
+        kv_visible_end_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         cfg = self.config
         q_bthe = rope(self._project(x_btd, "q"), positions_bt, cfg.rope_theta)
         k_btke = rope(self._project(x_btd, "k"), positions_bt, cfg.rope_theta)
         v_btke = self._project(x_btd, "v")
         if cache is None:
-            keys_bske, values_bske, key_pos_s = k_btke, v_btke, jnp.arange(x_btd.shape[1])
+            keys_bske, values_bske = k_btke, v_btke
+            # Row index order is causal order; a packed tree also bounds who may see each key (see ``hidden``).
+            index_t = jnp.arange(x_btd.shape[1])
+            visible_bts = index_t[None, None, :] <= index_t[None, :, None]
+            if kv_visible_end_bt is not None:
+                visible_bts = visible_bts & (index_t[None, :, None] < kv_visible_end_bt[:, None, :])
         else:
             # Each slot writes at its own positions; mode="drop" ignores padding tokens that fall past max_len.
             slots_b1 = jnp.arange(x_btd.shape[0])[:, None]
             k_all = cache.k.at[layer, slots_b1, positions_bt].set(k_btke.astype(cache.k.dtype), mode="drop")
             v_all = cache.v.at[layer, slots_b1, positions_bt].set(v_btke.astype(cache.v.dtype), mode="drop")
             cache = cache._replace(k=k_all, v=v_all)
-            keys_bske, values_bske, key_pos_s = k_all[layer], v_all[layer], jnp.arange(cache.max_len)
+            keys_bske, values_bske = k_all[layer], v_all[layer]
+            visible_bts = jnp.arange(cache.max_len)[None, None, :] <= positions_bt[:, :, None]
         b, t, h, e = q_bthe.shape
         groups = h // cfg.num_kv_heads
         q_btkge = q_bthe.reshape(b, t, cfg.num_kv_heads, groups, e)
         scores = jnp.einsum("btkge,bske->bkgts", q_btkge, keys_bske.astype(q_btkge.dtype))
         scores = scores.astype(jnp.float32) / math.sqrt(e)
-        visible_bts = key_pos_s[None, None, :] <= positions_bt[:, :, None]
         scores = jnp.where(visible_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(values_bske.dtype)
         attended_bthe = jnp.einsum("bkgts,bske->btkge", probs, values_bske).reshape(b, t, h, e)
@@ -334,8 +344,8 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config, config.hidden_size, "embed")
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x_btd, positions_bt, layer, cache):
-        attended, cache = self.attn(self.input_norm(x_btd), positions_bt, layer, cache)
+    def __call__(self, x_btd, positions_bt, layer, cache, kv_visible_end_bt=None):
+        attended, cache = self.attn(self.input_norm(x_btd), positions_bt, layer, cache, kv_visible_end_bt)
         x_btd = x_btd + attended
         return x_btd + self.mlp(self.post_attn_norm(x_btd)), cache
 
@@ -353,17 +363,33 @@ class Qwen(nnx.Module):
             self.lm_head = _param(rngs, config, (d, v), ("embed", "vocab"), d)
 
     def hidden(
-        self, tokens_bt: jax.Array, cache: KVCache | None = None, num_new_b: jax.Array | None = None
+        self,
+        tokens_bt: jax.Array,
+        cache: KVCache | None = None,
+        num_new_b: jax.Array | None = None,
+        *,
+        positions_bt: jax.Array | None = None,
+        kv_visible_end_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Final hidden states [B, T, D] and the updated cache (see ``__call__`` for the contract)."""
+        """Final hidden states [B, T, D] and the updated cache (see ``__call__`` for the contract).
+
+        Packed rows (no cache only): ``positions_bt`` (int32 [B, T], default 0..T-1) are the RoPE positions,
+        e.g. depths along each token's root-to-leaf path; ``kv_visible_end_bt`` (int32 [B, T], default T)
+        bounds who sees each key: key i is visible to query j iff ``i <= j < kv_visible_end_bt[b, i]``. With
+        tree nodes laid out in depth-first pre-order, ``kv_visible_end`` of a token is the end of its node's
+        subtree, so every token sees exactly its ancestors on its own path (several trees per row included).
+        """
         b, t = tokens_bt.shape
         if cache is None:
-            positions_bt = jnp.broadcast_to(jnp.arange(t), (b, t))
+            if positions_bt is None:
+                positions_bt = jnp.broadcast_to(jnp.arange(t), (b, t))
+        elif positions_bt is not None or kv_visible_end_bt is not None:
+            raise ValueError("positions_bt / kv_visible_end_bt are for cache-less (training) forwards only")
         else:
             positions_bt = cache.lengths[:, None] + jnp.arange(t)[None, :]
         x_btd = self.embed.value.astype(self.config.compute_dtype)[tokens_bt]
         for layer, block in enumerate(self.layers):
-            x_btd, cache = block(x_btd, positions_bt, layer, cache)
+            x_btd, cache = block(x_btd, positions_bt, layer, cache, kv_visible_end_bt)
         if cache is not None:
             added_b = jnp.full((b,), t, jnp.int32) if num_new_b is None else num_new_b.astype(jnp.int32)
             cache = cache._replace(lengths=cache.lengths + added_b)
@@ -379,7 +405,13 @@ class Qwen(nnx.Module):
         return (hidden_btd @ head_dv).astype(jnp.float32)
 
     def __call__(
-        self, tokens_bt: jax.Array, cache: KVCache | None = None, num_new_b: jax.Array | None = None
+        self,
+        tokens_bt: jax.Array,
+        cache: KVCache | None = None,
+        num_new_b: jax.Array | None = None,
+        *,
+        positions_bt: jax.Array | None = None,
+        kv_visible_end_bt: jax.Array | None = None,
     ) -> ModelOutput:
         """Runs ``tokens_bt`` (int32 [B, T]) through the decoder.
 
@@ -388,8 +420,11 @@ class Qwen(nnx.Module):
         there and attends to every cached position up to its own. Only the first ``num_new_b[b]`` tokens
         count (default: all T): the returned cache has ``lengths + num_new_b``; the padding's cache entries
         lie past the new length, where nothing reads them before they are overwritten.
+        Packed tree rows pass ``positions_bt`` and ``kv_visible_end_bt`` (see ``hidden``).
         """
-        hidden_btd, cache = self.hidden(tokens_bt, cache, num_new_b)
+        hidden_btd, cache = self.hidden(
+            tokens_bt, cache, num_new_b, positions_bt=positions_bt, kv_visible_end_bt=kv_visible_end_bt
+        )
         return ModelOutput(self.logits(hidden_btd), hidden_btd, cache)
 
 
