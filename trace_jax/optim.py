@@ -123,6 +123,32 @@ def make_optimizer(config: Any = None, **kwargs: Any) -> optax.GradientTransform
     return optax.chain(*parts)
 
 
+# ------------------------------------------------------------------------------------------- shardings
+def optimizer_shardings(optimizer: optax.GradientTransformation, params: Any, param_shardings: Any, other: Any) -> Any:
+    """The sharding of every optimizer-state leaf: each copy of the params tree inside the state (Adam's
+    ``mu`` and ``nu``, master weights, ...) gets ``param_shardings`` leaf for leaf; every other leaf (step
+    counts, schedule state) gets ``other`` (typically replicated over the mesh).
+
+    ``params`` may be abstract (``jax.ShapeDtypeStruct``); nothing is allocated. Use the result as
+    ``jax.jit(optimizer.init, out_shardings=...)`` so the state is born sharded, never whole on a device.
+    """
+    abstract_state = jax.eval_shape(optimizer.init, params)
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        abstract_state,
+        param_shardings,
+        transform_non_params=lambda _: other,
+    )
+
+
+def init_sharded(optimizer: optax.GradientTransformation, params: Any, other: Any) -> Any:
+    """``optimizer.init(params)`` with every state leaf created on its shards (see ``optimizer_shardings``):
+    moments take their parameter's sharding, the rest ``other``. ``params`` must be placed arrays."""
+    shardings = optimizer_shardings(optimizer, params, jax.tree.map(lambda x: x.sharding, params), other)
+    return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+
 # --------------------------------------------------------------------------------------- non-finite guard
 class GuardedUpdate(NamedTuple):
     """Result of ``guarded_update``; every field is a jax value, so it can leave a jit'd step as is."""
