@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.models import attention as attention_lib
+from trace_jax.parallel.mesh import constrain
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -323,7 +324,7 @@ class Attention(nnx.Module):
             out = out + getattr(self, f"{name}_bias").value.astype(dtype)
         if self.config.qk_norm and name in ("q", "k"):
             out = getattr(self, f"{name}_norm")(out)
-        return out
+        return constrain(out, ("batch", "length", "heads" if name == "q" else "kv_heads", None))
 
     def __call__(
         self,
@@ -369,8 +370,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dtype = x_btd.dtype
-        gate = jax.nn.silu(x_btd @ self.gate_proj.value.astype(dtype))
-        return (gate * (x_btd @ self.up_proj.value.astype(dtype))) @ self.down_proj.value.astype(dtype)
+        gate_btf = jax.nn.silu(x_btd @ self.gate_proj.value.astype(dtype))
+        hidden_btf = constrain(gate_btf * (x_btd @ self.up_proj.value.astype(dtype)), ("batch", "length", "mlp"))
+        return hidden_btf @ self.down_proj.value.astype(dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -384,6 +386,10 @@ class DecoderLayer(nnx.Module):
         attended, cache = self.attn(self.input_norm(x_btd), positions_bt, layer, cache, kv_visible_end_bt)
         x_btd = x_btd + attended
         return x_btd + self.mlp(self.post_attn_norm(x_btd)), cache
+
+
+# Activations between layers: rows split like the batch, the hidden dim whole (weights split it, not activations).
+_ACTIVATION_AXES = ("batch", "length", None)
 
 
 def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
@@ -441,13 +447,14 @@ class Qwen(nnx.Module):
             positions_bt = cache.lengths[:, None] + jnp.arange(t)[None, :]
         # Gather the rows first, then cast: the whole table is never copied in the compute dtype.
         x_btd = jnp.take(self.embed.value, tokens_bt, axis=0).astype(self.config.compute_dtype)
+        x_btd = constrain(x_btd, _ACTIVATION_AXES)
         graphdef, layer_state = nnx.split(self.layers)
 
         def one_layer(carry, xs):
             x_btd, cache = carry
             state, index = xs
             x_btd, cache = nnx.merge(graphdef, state)(x_btd, positions_bt, index, cache, kv_visible_end_bt)
-            return (x_btd, cache), None
+            return (constrain(x_btd, _ACTIVATION_AXES), cache), None
 
         policy = REMAT_POLICIES[self.config.remat]
         if cache is None and policy is not None:  # remat matters only where a backward pass may follow

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax.optim import guarded_update, init_sharded
-from trace_jax.parallel.mesh import batch_sharding
+from trace_jax.parallel.mesh import batch_sharding, traced_under
 from trace_jax.rl.batch import TrainBatch
 from trace_jax.rl.losses import LossConfig, LossInputs, compute_loss, finalize_metrics, loss_denominator
 
@@ -168,7 +168,8 @@ class RLTrainer:
         else:
             self.token_stats = lambda params, tokens: chunked_token_logprobs(graphdef, params, tokens, logprob_chunk)
         self._step_fn: Any = None
-        self._logprobs_fn = jax.jit(lambda params, tokens: self.token_stats(params, tokens)[0])
+        logprobs = lambda params, tokens: self.token_stats(params, tokens)[0]
+        self._logprobs_fn = jax.jit(logprobs if mesh is None else traced_under(mesh, logprobs))
 
     # ------------------------------------------------------------------------------------ placement
     @property
@@ -304,7 +305,9 @@ class RLTrainer:
         # Inputs arrive placed (params by their logical axes, batch by _put_batch); pin the outputs to the
         # same layout so the state keeps its shardings step after step.
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
-        return jax.jit(self._step, out_shardings=(state_shardings, self._replicated()), donate_argnums=0)
+        # Traced under the mesh so the model's activation constraints (parallel.mesh.constrain) apply.
+        step = traced_under(self.mesh, self._step)
+        return jax.jit(step, out_shardings=(state_shardings, self._replicated()), donate_argnums=0)
 
     def train_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
         """One optimizer update on ``batch`` (host or device arrays; see ``prepare`` for ref/old log-probs).
