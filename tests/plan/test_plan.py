@@ -87,6 +87,7 @@ def _plan(tmp_path, *extra):
     return done.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_the_planner_compiles_the_step_and_the_engine_and_picks_what_fits(tmp_path):
     stdout, plan = _plan(tmp_path)
     assert "estimate" in stdout and "train: FITS" in stdout and "engine: FITS" in stdout
@@ -96,6 +97,7 @@ def test_the_planner_compiles_the_step_and_the_engine_and_picks_what_fits(tmp_pa
     assert train["peak_gib"] <= plan["budget_gib"] and engine["peak_gib"] <= plan["budget_gib"]
 
 
+@pytest.mark.slow
 def test_the_planner_says_plainly_when_nothing_fits(tmp_path):
     stdout, plan = _plan(tmp_path, "--memory-gib", "0.001", "--prune", "1e9", "--max-compiles", "1")
     assert plan["train"]["fits"] is None and plan["train"]["tried"]
