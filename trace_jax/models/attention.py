@@ -20,7 +20,10 @@ Implementations (``ATTENTION``, chosen by ``ModelConfig.attention``; "auto" pick
   inside the kernel). "auto" on GPU (``gpu_auto``) takes cuDNN for bf16/fp16 inputs, XLA for float32.
 * ``splash``: the Pallas TPU splash-attention kernel, for the plain causal case only (the tree and cache
   masks are data-dependent, which splash's static masks cannot express; those fall back to ``reference``).
-  It is imported lazily and guarded; it could not be tested here (no TPU in this environment).
+  "auto" picks it on TPU only outside a sharding mesh (a ``shard_map`` wrapper for sharded rows and heads is
+  not written yet; under a mesh "auto" is ``reference``).
+  It is imported lazily and guarded; without a TPU here it was checked only in Pallas interpret mode on CPU
+  (``SPLASH_INTERPRET``), not on TPU hardware (speed and the sharded case are untested).
 
 The KV cache's per-layer read and write live behind ``KVCache.write_layer`` / ``KVCache.read_layer`` (see
 ``trace_jax.models.qwen``); ``attend_cached`` is the only caller, so a paged cache with the same two methods
@@ -41,6 +44,8 @@ from trace_jax.registry import Registry
 
 # Query rows per block of the reference path; a block's float32 scores are [B, H, REFERENCE_BLOCK, S].
 REFERENCE_BLOCK = 512
+# Run the splash kernel in Pallas interpret mode (any backend; for tests on CPU).
+SPLASH_INTERPRET = False
 
 # fn(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs | None, plain_causal) -> out_bthe (q's dtype).
 AttentionFn = Callable[..., jax.Array]
@@ -116,8 +121,8 @@ def gpu_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, plain_
 def splash_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, plain_causal=False):
     """TPU Pallas splash attention for the plain causal case; anything else goes to ``reference``.
 
-    Untested here (no TPU). Inputs must be unsharded over heads within the call (wrap in ``shard_map`` for
-    tensor-parallel heads); the GQA groups share one kernel per kv head (``make_splash_mqa``).
+    Checked here only in Pallas interpret mode (no TPU). Inputs must be unsharded over heads within the call
+    (wrap in ``shard_map`` for tensor-parallel heads); the GQA groups share one kernel per kv head (MQA form).
     """
     if not plain_causal:
         return reference_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs)
@@ -127,7 +132,7 @@ def splash_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, pla
     kv = k_bske.shape[2]
     g = h // kv
     mask = splash.MultiHeadMask([splash.CausalMask((t, k_bske.shape[1]))] * g)
-    kernel = splash.make_splash_mqa_single_device(mask=mask)
+    kernel = splash.make_splash_mqa_single_device(mask=mask, interpret=SPLASH_INTERPRET)
     q_bkgte = (q_bthe / math.sqrt(e)).reshape(b, t, kv, g, e).transpose(0, 2, 3, 1, 4)
     k_bkse, v_bkse = k_bske.transpose(0, 2, 1, 3), v_bske.transpose(0, 2, 1, 3)
     out_bkgte = jax.vmap(jax.vmap(kernel))(q_bkgte, k_bkse, v_bkse)
@@ -150,7 +155,9 @@ def resolve(implementation: str) -> str:
     backend = jax.default_backend()
     if backend == "gpu":
         return "gpu_auto"
-    if backend == "tpu" and _splash_available():
+    # Splash is a custom kernel the SPMD partitioner cannot split: under a sharding mesh it would need a
+    # shard_map wrapper (not written yet), so "auto" takes it only for unsharded traces.
+    if backend == "tpu" and _splash_available() and jax.sharding.get_abstract_mesh().empty:
         return "splash"
     return "reference"
 
