@@ -62,13 +62,14 @@ class _DeadlineSocket:
         return io.BufferedReader(DeadlineReader(self._sock, self._deadline))
 
     def close(self) -> None:
-        self._sock.close()
+        pass  # http.client closes this while the reply may still be read; the connection's owner closes it
 
 
 class _DeadlineConnection(http.client.HTTPConnection):
     def __init__(self, host: str, port: int, deadline: float):
         super().__init__(host, port)
         self._deadline = deadline
+        self._socket: socket.socket | None = None
 
     def connect(self) -> None:
         remaining = self._deadline - time.monotonic()
@@ -76,7 +77,15 @@ class _DeadlineConnection(http.client.HTTPConnection):
             raise TimeoutError("the deadline passed before connecting")
         sock = socket.create_connection((self.host, self.port), timeout=remaining)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._socket = sock
         self.sock = _DeadlineSocket(sock, self._deadline)
+
+    def close_socket(self) -> None:
+        """Closes the connection and its socket (``close`` alone leaves the socket to the reply)."""
+        self.close()
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
 
 
 def parse_reply(reply: Any, num_queries: int, topk: int) -> list[list[Passage]]:
@@ -194,7 +203,8 @@ class HttpRetriever:
             length = response.getheader("Content-Length")
             if length is not None and length.isdigit() and int(length) > self.max_response_bytes:
                 raise _Failure("too_large", f"the reply has {length} bytes (> {self.max_response_bytes})")
-            data = response.read(self.max_response_bytes + 1)
+            # With a Content-Length, read() raises IncompleteRead on a short body; read(n) would not.
+            data = response.read() if response.length is not None else response.read(self.max_response_bytes + 1)
             if len(data) > self.max_response_bytes:
                 raise _Failure("too_large", f"the reply is longer than {self.max_response_bytes} bytes")
             if response.status != 200:
@@ -212,4 +222,4 @@ class HttpRetriever:
         except (ValueError, RecursionError) as e:  # undecodable bytes, invalid or too deeply nested JSON
             raise _Failure("bad_reply", f"the reply is not valid JSON ({type(e).__name__})") from e
         finally:
-            connection.close()
+            connection.close_socket()
