@@ -58,6 +58,8 @@ def test_corpus_errors_name_the_file_and_line(tmp_path):
         R.load_corpus(bad)
     with pytest.raises(FileNotFoundError, match="no saved BM25 index"):
         R.BM25Retriever.load(tmp_path)
+    with pytest.raises(ValueError, match="has a word BM25 can index"):
+        R.BM25Retriever.from_rows([{"id": "0", "title": "a", "text": "the of"}])
 
 
 def test_search_r1_contents_rows_are_read(tmp_path):

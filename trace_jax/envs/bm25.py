@@ -39,8 +39,13 @@ class BM25Retriever:
             raise ValueError("BM25Retriever needs at least one passage")
         self.passages = list(passages)
         if index is None:
+            tokens = self._tokenize([f"{p.title} {p.text}" for p in self.passages])
+            if not any(tokens):
+                raise ValueError(
+                    f"none of the {len(self.passages)} passages has a word BM25 can index (not a stop word)"
+                )
             index = _bm25s().BM25(k1=k1, b=b)
-            index.index(self._tokenize([f"{p.title} {p.text}" for p in self.passages]), show_progress=False)
+            index.index(tokens, show_progress=False)
         self.index = index
 
     @staticmethod

@@ -295,6 +295,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The base class' errors (bad request line, too many headers, unknown method) as JSON too."""
         self.close_connection = True
+        self.request_version = "HTTP/1.0"  # a status line and headers even when the request line was garbage
         reason = message or http.HTTPStatus(code).phrase
         self._reply(code, _error_body(reason.encode("ascii", "backslashreplace").decode()))
 
