@@ -196,3 +196,18 @@ def test_serve_synthetic_world_corpus():
         server.wait(timeout=10)
     # One access-log line per request at the default level.
     assert re.search(r"POST /retrieve 200 queries=1 ms=\d", server.stderr.read())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--corpus", "missing.jsonl"], r"missing\.jsonl does not exist"),
+        (["--synthetic", "[1]"], "JSON object of WorldConfig fields"),
+        (["--synthetic", '{"scale": 1, "colour": 2}'], "WorldConfig has no field 'colour'"),
+        (["--corpus", "x.jsonl", "--workers", "0"], "ServerLimits.workers must be > 0"),
+    ],
+)
+def test_serve_mistakes_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        R.main(["serve", *argv])
+    assert re.search(message, capsys.readouterr().err)

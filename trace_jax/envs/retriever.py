@@ -131,9 +131,9 @@ def _world_rows(spec: str) -> list[dict[str, str]]:
     try:
         fields = json.loads(spec) if spec.strip() else {}
     except json.JSONDecodeError as e:
-        raise SystemExit(f"--synthetic takes a JSON object of WorldConfig fields or a JSON file: {e}") from None
+        raise ValueError(f"--synthetic takes a JSON object of WorldConfig fields or a JSON file: {e}") from None
     if not isinstance(fields, dict):
-        raise SystemExit("--synthetic takes a JSON object of WorldConfig fields or a JSON file")
+        raise ValueError("--synthetic takes a JSON object of WorldConfig fields or a JSON file")
     fields = fields.get("world", fields)
     return SyntheticWorld(from_config(WorldConfig, fields)).corpus
 
@@ -141,7 +141,10 @@ def _world_rows(spec: str) -> list[dict[str, str]]:
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(ServerLimits):
         parser.add_argument(
-            "--" + field.name.replace("_", "-"), type=type(field.default), default=field.default, help="server limit"
+            "--" + field.name.replace("_", "-"),
+            type=type(field.default),
+            default=field.default,
+            help=f"ServerLimits.{field.name} (default %(default)s)",
         )
 
 
@@ -159,16 +162,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve.add_argument("--port", type=int, default=8000)
     _add_limit_flags(serve)
     args = parser.parse_args(argv)
-    limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # bm25s runs a JAX op when imported; a retrieval server never needs an accelerator, so keep JAX off it.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if args.synthetic is not None:
-        retriever = BM25Retriever.from_rows(_world_rows(args.synthetic))
-    else:
-        retriever = BM25Retriever.from_path(args.corpus or args.index)
-    server = make_server(retriever, args.host, args.port, limits)
+    try:
+        limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+        if args.synthetic is not None:
+            retriever = BM25Retriever.from_rows(_world_rows(args.synthetic))
+        else:
+            retriever = BM25Retriever.from_path(args.corpus or args.index)
+        server = make_server(retriever, args.host, args.port, limits)
+    except (OSError, ValueError) as e:  # a missing or malformed corpus, a bad limit, a port in use
+        serve.error(str(e))
     # The line tests and launch scripts wait for; flushed so a pipe sees it at once.
     print(f"serving {len(retriever.passages)} passages on http://{args.host}:{server.server_port}", flush=True)
     try:
@@ -180,4 +184,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # bm25s runs a JAX op when imported; a retrieval server never needs an accelerator, so keep JAX off it.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     main()
