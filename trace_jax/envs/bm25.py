@@ -17,7 +17,7 @@ from trace_jax.envs.retrieval_base import Passage, doc_json, load_corpus, passag
 
 
 def _bm25s():
-    import bm25s  # (lazy: its import runs a JAX op, see the module docstring)
+    import bm25s  # lazy: its import runs a JAX op, see the module docstring
 
     return bm25s
 

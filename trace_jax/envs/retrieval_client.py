@@ -122,7 +122,7 @@ class HttpRetriever:
       timeout_s: the deadline of one ``search`` call, all attempts, backoff and reads included.
       max_attempts: tries per call (>= 1); between tries it sleeps ``backoff_s * 2**attempt`` (cut to the
         deadline). Refused/reset connections, timeouts, 408/429/5xx and malformed replies are retried;
-        other 4xx statuses (the request itself is wrong) are not.
+        other 4xx statuses (the request itself is wrong) and oversized replies are not.
       max_response_bytes: a longer reply is a failure (it is never read into memory whole).
     Attributes:
       failures: calls that ended in :class:`RetrievalError`.
@@ -202,11 +202,11 @@ class HttpRetriever:
             response = connection.getresponse()
             length = response.getheader("Content-Length")
             if length is not None and length.isdigit() and int(length) > self.max_response_bytes:
-                raise _Failure("too_large", f"the reply has {length} bytes (> {self.max_response_bytes})")
+                raise _Failure("too_large", f"the reply has {length} bytes (> {self.max_response_bytes})", retry=False)
             # With a Content-Length, read() raises IncompleteRead on a short body; read(n) would not.
             data = response.read() if response.length is not None else response.read(self.max_response_bytes + 1)
             if len(data) > self.max_response_bytes:
-                raise _Failure("too_large", f"the reply is longer than {self.max_response_bytes} bytes")
+                raise _Failure("too_large", f"the reply is longer than {self.max_response_bytes} bytes", retry=False)
             if response.status != 200:
                 detail = data[:300].decode("ascii", "replace")
                 raise _Failure(

@@ -229,7 +229,7 @@ class FairBatcher:
             queries = [q for job, start, stop in batch for q in job.queries[start:stop]]
             try:
                 ranked = self.retriever.search(queries, batch[0][0].topk)
-            except Exception as e:  # (handed to the waiting requests, which answer 500)
+            except Exception as e:  # handed to the waiting requests, which answer 500
                 log.exception("retrieval of a batch of %d queries failed", len(queries))
                 self._fail([job for job, _, _ in batch], e)
                 continue
@@ -273,15 +273,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     # -- every reply goes through _reply, which writes the access-log line
     def _reply(self, status: int, body: bytes, extra_headers: Sequence[tuple[str, str]] = ()) -> None:
-        self.connection.settimeout(self.server.limits.request_timeout_s)  # a client that never reads
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        for key, value in extra_headers:
-            self.send_header(key, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+        # Logged before sending, so the line exists once the client has its reply (ms: time to answer).
         log.info(
             "%s %s %s %d queries=%d ms=%.1f",
             self.client_address[0],
@@ -291,6 +283,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._num_queries,
             1000 * (time.monotonic() - self._start),
         )
+        self.connection.settimeout(self.server.limits.request_timeout_s)  # a client that never reads
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in extra_headers:
+            self.send_header(key, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The base class' errors (bad request line, too many headers, unknown method) as JSON too."""
@@ -329,7 +330,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._num_queries = len(request.queries)
         try:
             ranked = self.server.batcher.search(request.queries, request.topk)
-        except Exception as e:  # (the retriever's failure is the client's 500, not a crash)
+        except Exception as e:  # the retriever's failure is the client's 500, not a crash
             self._reply(500, _error_body(f"retrieval failed: {type(e).__name__}"))
             return
         self._reply(200, encode_result(ranked, request.return_scores))
@@ -410,7 +411,7 @@ class RetrievalServer(socketserver.TCPServer):
             request, client_address = item
             try:
                 self.finish_request(request, client_address)
-            except Exception:  # (one connection's failure must not end the worker)
+            except Exception:  # one connection's failure must not end the worker
                 self.handle_error(request, client_address)
             finally:
                 self.shutdown_request(request)

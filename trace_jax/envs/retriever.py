@@ -123,7 +123,7 @@ def build_retriever(config: RetrieverConfig, rows: Rows | None = None) -> Retrie
 def _world_rows(spec: str) -> list[dict[str, str]]:
     """The corpus of the synthetic world given by ``spec``: "" (defaults), a JSON object of WorldConfig
     fields, or a JSON file holding such an object or a run's config.json (its "world" section)."""
-    from trace_jax.config_utils import from_config  # (only the synthetic source needs them)
+    from trace_jax.config_utils import from_config  # only the synthetic source needs them
     from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 
     if spec and pathlib.Path(spec).is_file():
