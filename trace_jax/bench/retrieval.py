@@ -60,8 +60,9 @@ def _latency_stats(latencies_s: list[float]) -> dict[str, float]:
     }
 
 
-def _start_server(corpus_path: pathlib.Path) -> tuple[subprocess.Popen, str]:
+def _start_server(corpus_path: pathlib.Path, server_args: list[str]) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "trace_jax.envs.retriever", "serve", "--corpus", str(corpus_path), "--port", "0"]
+    command += server_args
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = server.stdout.readline()
     match = re.search(r"http://\S+", line)
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests-per-client", type=int, default=200)
     parser.add_argument("--large-queries", type=int, default=10_000)
+    parser.add_argument("--server-args", default="", help='extra serve flags, e.g. "--batch-queries 32"')
     parser.add_argument("--out", default="bench_results/retrieval.json")
     args = parser.parse_args(argv)
 
@@ -165,10 +167,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         corpus_path = pathlib.Path(tmp) / "corpus.jsonl"
         corpus_path.write_text("".join(json.dumps(row) + "\n" for row in corpus))
-        server, url = _start_server(corpus_path)
+        server, url = _start_server(corpus_path, args.server_args.split())
         try:
             results = {
                 "docs": len(corpus),
+                "server_args": args.server_args,
                 "topk": TOPK,
                 "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
                 "concurrent": concurrent_load(url, queries, args.clients, args.requests_per_client),

@@ -65,8 +65,8 @@ class ServerLimits:
     workers: int = 16
     pending_connections: int = 64
     backlog: int = 128
-    batch_queries: int = 64
-    slice_queries: int = 16
+    batch_queries: int = 32
+    slice_queries: int = 8
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -159,7 +159,7 @@ class FairBatcher:
     flight plus its own, whatever else is queued. The retriever is only ever called from this thread.
     """
 
-    def __init__(self, retriever: Retriever, batch_queries: int = 64, slice_queries: int = 16):
+    def __init__(self, retriever: Retriever, batch_queries: int = 32, slice_queries: int = 8):
         self.retriever = retriever
         self.batch_queries = batch_queries
         self.slice_queries = slice_queries
@@ -229,6 +229,8 @@ class FairBatcher:
             queries = [q for job, start, stop in batch for q in job.queries[start:stop]]
             try:
                 ranked = self.retriever.search(queries, batch[0][0].topk)
+                if len(ranked) != len(queries):
+                    raise RuntimeError(f"the retriever answered {len(ranked)} lists for {len(queries)} queries")
             except Exception as e:  # handed to the waiting requests, which answer 500
                 log.exception("retrieval of a batch of %d queries failed", len(queries))
                 self._fail([job for job, _, _ in batch], e)
