@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from trace_jax.envs import retriever as R
@@ -40,6 +41,21 @@ def test_bm25_ranks_the_named_entity_first_and_skips_empty_queries(corpus_file):
     assert titles(ranked)[3][0] == "Quilon"
     assert ranked[0][0].score > ranked[0][1].score > 0
     assert len(bm25.search(["Trask"], topk=50)[0]) == 4  # only the passages that mention it
+
+
+def test_top_k_is_best_first_with_ties_to_the_lower_index():
+    from trace_jax.envs.bm25 import top_k
+
+    scores = np.asarray([1.0, 3.0, 2.0, 3.0, 2.0, 0.0, 2.0], np.float32)
+    for k, expected in [(1, [1]), (2, [1, 3]), (3, [1, 3, 2]), (4, [1, 3, 2, 4]), (7, [1, 3, 2, 4, 6, 0, 5])]:
+        ids, values = top_k(scores, k)
+        assert ids.tolist() == expected and values.tolist() == scores[expected].tolist()
+
+
+def test_bm25_ranks_equal_passages_in_corpus_order():
+    rows = [{"id": str(i), "title": "Quilon", "text": "Quilon is a city."} for i in range(5)]
+    (ranked,) = R.BM25Retriever.from_rows(rows).search(["Quilon"], topk=3)
+    assert [p.id for p in ranked] == ["0", "1", "2"]
 
 
 def test_bm25_index_survives_save_and_load(corpus_file, tmp_path):

@@ -2,7 +2,9 @@
 
 ``bm25s`` is imported inside the functions that use it, never at module import: importing it runs a JAX
 op (it probes ``jax.lax.top_k``), which would initialise a JAX backend before ``jax.distributed.initialize``
-and pin a process that only serves retrieval to the default accelerator. Top-k selection runs in numpy.
+and pin a process that only serves retrieval to the default accelerator. Scores come from bm25s
+(``BM25.get_scores``); the top-k selection is ours, in numpy, in ``jax.lax.top_k``'s order (ties to the
+earlier passage), so search runs no JAX op either and ranks exactly as bm25s' default backend did.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from trace_jax.envs.retrieval_base import Passage, doc_json, load_corpus, passages_from_rows
 
@@ -85,25 +89,35 @@ class BM25Retriever:
         return cls(load_corpus(directory / cls._CORPUS_FILE), index=index)
 
     def search(self, queries: Sequence[str], topk: int) -> list[list[Passage]]:
-        """Top-``topk`` passages with a positive score per query (fewer when fewer match), best first."""
+        """Top-``topk`` passages with a positive score per query (fewer when fewer match), best first;
+        equal scores rank the earlier passage first."""
         k = min(int(topk), len(self.passages))
         out: list[list[Passage]] = [[] for _ in queries]
-        if not out:
+        if not out or k < 1:
             return out
-        # bm25s cannot rank a query with no token it knows; those get no passages.
         known = self.index.vocab_dict
-        tokens = [[t for t in words if t in known] for words in self._tokenize(list(queries))]
-        nonempty = [i for i, words in enumerate(tokens) if words and k > 0]
-        if not nonempty:
-            return out
-        query_tokens = [tokens[i] for i in nonempty]
-        doc_ids, scores = self.index.retrieve(
-            query_tokens, k=k, show_progress=False, backend_selection="numpy", n_threads=0
-        )
-        for row, i in enumerate(nonempty):
+        for i, words in enumerate(self._tokenize(list(queries))):
+            words = [t for t in words if t in known]
+            if not words:  # no word of the corpus: nothing matches
+                continue
+            doc_ids, scores = top_k(self.index.get_scores(words), k)
             out[i] = [
                 dataclasses.replace(self.passages[int(d)], score=float(s))
-                for d, s in zip(doc_ids[row], scores[row], strict=True)
+                for d, s in zip(doc_ids, scores, strict=True)
                 if s > 0
             ]
         return out
+
+
+def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices and values of the ``k`` largest of ``scores [N]``, best first, ties to the lower index.
+
+    The order of ``jax.lax.top_k`` (which bm25s used by default), in O(N) numpy: no accelerator, and the
+    same passages as before for the same corpus.
+    """
+    kth = np.partition(scores, scores.shape[0] - k)[scores.shape[0] - k]
+    above = np.flatnonzero(scores > kth)
+    tied = np.flatnonzero(scores == kth)[: k - above.shape[0]]
+    top = np.concatenate([above, tied])
+    top = top[np.lexsort((top, -scores[top]))]
+    return top, scores[top]
