@@ -155,7 +155,7 @@ def test_a_slow_server_costs_at_most_the_deadline_per_call(respond):
             with pytest.raises(RetrievalError, match=r"deadline 0\.6s"):
                 client.search(["Zorvak"], 1)
             elapsed = time.monotonic() - start
-            assert 0.55 < elapsed < 0.6 + 0.4, elapsed
+            assert 0.55 < elapsed < 0.6 + 0.6, elapsed  # not the 10 s the trickle lasts
         assert client.failures == 2 and set(client.failure_kinds) == {"timeout"}
     finally:
         server.close()

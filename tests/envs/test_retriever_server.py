@@ -29,7 +29,7 @@ LIMITS = ServerLimits(
     max_topk=3,
     max_results=30,
     max_query_chars=50,
-    max_body_bytes=300_000,
+    max_body_bytes=500_000,
     request_timeout_s=0.5,
     workers=2,
     pending_connections=2,
@@ -104,11 +104,11 @@ MALFORMED = {
     "not an object": ([1, 2], 400, "JSON object"),
     "invalid JSON": (b"{not json", 400, "not valid UTF-8 JSON"),
     "invalid UTF-8": (b'{"queries": ["\xff"]}', 400, "not valid UTF-8 JSON"),
-    "200k nested brackets": (b"[" * 100_000 + b"]" * 100_000, 400, "not valid UTF-8 JSON"),
+    "200k nested brackets": (b"[" * 200_000 + b"]" * 200_000, 400, "not valid UTF-8 JSON"),
     "too many queries": ({"queries": ["a"] * 21}, 413, "limit is 20"),
     "a too long query": ({"queries": ["a" * 51]}, 413, "limit is 50"),
     "too many results": ({"queries": ["a"] * 11, "topk": 3}, 413, "exceeds 30 results"),
-    "too large a body": ({"queries": ["a" * 40] * 7000}, 413, "larger than 300000 bytes"),
+    "too large a body": ({"queries": ["a" * 40] * 12_000}, 413, "larger than 500000 bytes"),
 }
 
 
