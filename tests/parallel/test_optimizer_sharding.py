@@ -27,7 +27,7 @@ def report():
 
 
 def test_adam_moments_take_their_parameters_sharding(report):
-    assert report["up_proj_spec"] == "P('fsdp', 'tensor')"  # the premise: the param is split
+    assert report["up_proj_spec"] == "P(None, 'fsdp', 'tensor')"  # the premise: the (stacked) param is split
     assert report["up_proj_mu_spec"] == report["up_proj_spec"]
     assert report["after_init"] == []
 

@@ -110,8 +110,10 @@ class Planner:
         devices = self.devices[: topology.chips]
         state_bytes = num_params(config) * (4 if args.param_dtype == "float32" else 2) * 4 / topology.chips
         out: dict[str, Any] = {"fits": None, "tried": []}
+        fresh = self.compiles + args.max_compiles  # candidates compiled before (memoised) cost nothing
         for candidate, estimate in _train_candidates(config, topology, args.rows, args.seq_len, args.logprob_chunk):
-            if state_bytes + estimate > budget * args.prune or len(out["tried"]) >= args.max_compiles:
+            key = json.dumps(["train", candidate])
+            if state_bytes + estimate > budget * args.prune or (key not in self.memo and self.compiles >= fresh):
                 continue
             build = functools.partial(
                 plan_compile.train_step_memory,
@@ -122,7 +124,7 @@ class Planner:
                 candidate["micro_batches"],
                 args.logprob_chunk,
             )
-            report = self._report(json.dumps(["train", candidate]), build)
+            report = self._report(key, build)
             entry = {**report, "fits": report["peak_gib"] * GIB <= budget}
             out["tried"].append(entry)
             print(_row(entry), flush=True)
@@ -157,13 +159,15 @@ class Planner:
         config = dataclasses.replace(self.config, param_dtype=args.engine_dtype, dtype=args.engine_dtype)
         max_len = args.engine_len or args.seq_len
         out: dict[str, Any] = {"fits": None, "tried": []}
+        fresh = self.compiles + args.max_compiles
         for candidate in _engine_candidates(topology, args.slots):
             mesh = make_mesh(**candidate["mesh"], devices=devices)
             weights = plan_compile.shard_bytes(plan_compile.abstract_params(config, mesh)[1])
-            if weights > budget or len(out["tried"]) >= args.max_compiles:
+            key = json.dumps(["engine", candidate])
+            if weights > budget or (key not in self.memo and self.compiles >= fresh):
                 continue
             report = self._report(
-                json.dumps(["engine", candidate]),
+                key,
                 lambda mesh=mesh: plan_compile.generate_memory(
                     config, mesh, args.slots, max_len, args.steps_per_call, args.engine_dtype
                 ),

@@ -29,6 +29,25 @@ def _cell(part: dict[str, Any]) -> str:
     return f"yes: {mesh}{what}, {chosen['peak_gib']:.1f} GiB"
 
 
+def settle(plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where a plan found nothing within its compile limit, takes the first candidate compiled for the same
+    model and chip count (in any topology's search; search order = preference) whose peak fits this budget."""
+    for part in ("train", "engine"):
+        for p in plans:
+            if p[part]["fits"] is not None:
+                continue
+            pool = [
+                e
+                for q in plans
+                if q["model"] == p["model"] and q["topology"]["chips"] == p["topology"]["chips"]
+                for e in q[part]["tried"]
+            ]
+            fitting = [e for e in pool if e["peak_gib"] <= p["budget_gib"]]
+            if fitting:
+                p[part]["fits"] = {**fitting[0], "fits": True, "from_other_topology": True}
+    return plans
+
+
 def markdown(plans: list[dict[str, Any]]) -> str:
     lines = [
         "| model | topology | chips x GiB | train step (256 x 4,096) | engine (256 slots x 4,096) |",
@@ -63,7 +82,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(plans, f, indent=2)
-    print(markdown(plans))
+    print(markdown(settle(plans)))
     return plans
 
 
