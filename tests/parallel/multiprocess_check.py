@@ -1,0 +1,79 @@
+"""One of two JAX processes on 127.0.0.1 (2 fake CPU devices each); run by tests/parallel/test_multihost.py.
+
+    python -m tests.parallel.multiprocess_check PORT PROCESS_ID WORKDIR
+
+Prints one JSON line with what this process saw; the test compares the two processes' lines.
+"""
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+
+from trace_jax.checkpoint.state import StateCheckpointer
+from trace_jax.parallel import distributed, multihost
+from trace_jax.parallel.mesh import batch_sharding, make_mesh
+
+
+def main(port: int, pid: int, workdir: str) -> None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    distributed.initialize(
+        distributed.DistributedConfig("explicit", f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+    )
+    assert (jax.process_count(), len(jax.devices()), len(jax.local_devices())) == (2, 4, 2)
+    out = {"index": distributed.process_index(), "main": distributed.is_main_process()}
+
+    # Prompts: a disjoint block each.
+    out["prompts"] = multihost.shard_for_process([f"q{i}" for i in range(11)])
+
+    # Host floats: process p contributes p + 2 rows; everyone gets all rows in process order.
+    local = np.asarray([[10.0 * pid + i, pid] for i in range(pid + 2)], np.float32)
+    rows, counts = multihost.allgather_rows(local)
+    out["gathered"], out["counts"] = rows.tolist(), counts.tolist()
+
+    # Global batch from local rows: p0 has 1 real row, p1 has 2; both pad to a common count.
+    n = multihost.common_row_count(pid + 1, multiple=2)
+    tokens = np.zeros((n, 3), np.int32)
+    tokens[: pid + 1] = np.arange(3) + 100 * (pid + 1)
+    mesh = make_mesh(data=1, fsdp=-1, tensor=1)
+    batch = multihost.global_batch({"tokens": tokens}, mesh)
+    row_sums = jax.jit(lambda b: b["tokens"].sum(axis=1), out_shardings=batch_sharding(mesh, 1))(batch)
+    out["global_shape"] = list(batch["tokens"].shape)
+    out["row_sums"] = np.asarray(multihost.to_host(row_sums)).tolist()
+
+    # Scalar metrics: weighted mean by default, sums where asked; a key mismatch is an error everywhere.
+    out["metrics"] = multihost.reduce_metrics(
+        {"reward": float(pid), "tokens": 2.0**40 + pid}, how={"tokens": "sum"}, weight=pid + 1
+    )
+    try:
+        multihost.reduce_metrics({f"only_on_{pid}": 1.0})
+        out["mismatch"] = None
+    except ValueError as e:
+        out["mismatch"] = str(e)
+
+    # Only process 0 creates and writes its log.
+    log = os.path.join(workdir, f"log_from_{pid}.txt")
+    writer = distributed.MainProcessWriter(lambda: open(log, "w"))  # noqa: SIM115 (the writer owns the file)
+    writer.write("hello\n")
+    writer.close()
+    out["writer_active"] = writer.active
+
+    # A checkpoint written by both processes together, restored by both into the same sharding.
+    sharding = batch_sharding(mesh, 2)
+    value = jax.make_array_from_callback((8, 2), sharding, lambda idx: np.arange(16.0).reshape(8, 2)[idx])
+    ckpt = StateCheckpointer(os.path.join(workdir, "checkpoints"))
+    ckpt.save(1, {"w": value}, metadata={"note": "both"})
+    ckpt.close()
+    target = {"w": jax.ShapeDtypeStruct((8, 2), value.dtype, sharding=sharding)}
+    restored = StateCheckpointer(os.path.join(workdir, "checkpoints")).restore_latest(target=target)
+    w = restored.state["w"]
+    out["restored_local"] = [np.asarray(s.data).tolist() for s in w.addressable_shards]
+    out["restored_equal"] = bool((np.asarray(multihost.to_host(w)) == np.arange(16.0).reshape(8, 2)).all())
+    out["restored_sharding_ok"] = w.sharding == sharding
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,168 @@
+"""Host-side data across JAX processes: who owns which prompts, gathered host floats, global batches, metrics.
+
+On a pod each host runs one process with its own local devices. The pieces of an RL step map onto these:
+
+- ``process_slice`` / ``shard_for_process``: every process takes a disjoint, deterministic block of the
+  step's prompts (same answer on every host, no communication);
+- ``allgather_rows``: the few floats per anchor that a whole-batch allocation decision needs (stage 1 across
+  prompts, the stage-2 budget) are gathered in process order, so every host runs the same solver on the
+  same inputs and reaches the same decision, then acts on its own share;
+- ``global_batch``: a ``jax.Array`` over the whole mesh from each process's local train rows
+  (``jax.make_array_from_process_local_data``), after ``common_row_count`` agreed on one padded size;
+- ``reduce_metrics``: scalar metrics combined across processes (weighted mean, sum, max or min);
+- ``to_host``: a whole array as numpy on every process, also when it spans other hosts' devices.
+
+Every function here is collective when ``process_count() > 1``: all processes must call it, in the same
+order, with the same structure (same keys, same trailing shapes). With one process they are cheap no-ops.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from trace_jax.parallel.mesh import batch_sharding
+
+T = TypeVar("T")
+REDUCTIONS = ("mean", "sum", "max", "min")
+
+
+def process_slice(n: int, index: int | None = None, count: int | None = None) -> slice:
+    """The block of ``range(n)`` that process ``index`` (default: this one) of ``count`` owns.
+
+    Blocks are contiguous, disjoint, cover ``range(n)`` in process order, and differ in size by at most one
+    (the first ``n % count`` processes take one more). Deterministic: no communication.
+    """
+    index = jax.process_index() if index is None else index
+    count = jax.process_count() if count is None else count
+    if not 0 <= index < count:
+        raise ValueError(f"process index {index} is not in [0, {count})")
+    base, extra = divmod(n, count)
+    start = index * base + min(index, extra)
+    return slice(start, start + base + (index < extra))
+
+
+def shard_for_process(items: Sequence[T]) -> list[T]:
+    """This process's share of ``items`` (see ``process_slice``); e.g. the prompts it samples this step."""
+    return list(items[process_slice(len(items))])
+
+
+def _gather(x: np.ndarray) -> np.ndarray:
+    """[P, *x.shape]: ``x`` from every process, in process order (one shape and dtype everywhere).
+
+    Exact for every dtype: the bytes travel, so float64 and int64 survive JAX's default 32-bit mode
+    (which would otherwise round them on the way).
+    """
+    x = np.ascontiguousarray(x)
+    if jax.process_count() == 1:
+        return x[None]
+    gathered = np.asarray(multihost_utils.process_allgather(x.reshape(-1).view(np.uint8)))
+    return gathered.view(x.dtype).reshape(jax.process_count(), *x.shape)
+
+
+def allgather_rows(local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenates every process's rows in process order.
+
+    Args:
+      local: [n_local, ...] on this process; n_local may differ between processes, trailing dims and dtype
+        may not.
+    Returns:
+      (rows [sum n_local, ...], counts [P] int64): identical on every process. Rows of process p are
+      ``rows[counts[:p].sum() : counts[:p + 1].sum()]``.
+    """
+    local = np.asarray(local)
+    counts = _gather(np.asarray([local.shape[0]], np.int64))[:, 0]
+    padded = np.zeros((int(counts.max()), *local.shape[1:]), local.dtype)
+    padded[: local.shape[0]] = local
+    gathered = _gather(padded)
+    return np.concatenate([gathered[p, :c] for p, c in enumerate(counts)]), counts
+
+
+def common_row_count(n_local: int, multiple: int = 1) -> int:
+    """The largest ``n_local`` over processes rounded up to ``multiple``: one padded row count for all.
+
+    ``jax.make_array_from_process_local_data`` needs the same number of rows from every process.
+    """
+    largest = int(_gather(np.asarray([n_local], np.int64)).max())
+    return max(multiple, -(-largest // multiple) * multiple)
+
+
+def global_batch(local_rows: Any, mesh: Mesh) -> Any:
+    """A pytree of global ``jax.Array`` [P * n_local, ...] batch-sharded over the mesh from local rows.
+
+    Args:
+      local_rows: pytree of host arrays [n_local, ...], the same ``n_local`` on every process (pad with
+        ``common_row_count``; padded rows should carry a zero loss mask). ``n_local`` must divide over this
+        process's devices along the batch axes.
+      mesh: the training mesh; its batch axes (data, fsdp) must give each process whole rows.
+    Returns:
+      the same pytree of global arrays; the rows a process gave are the ones its devices hold.
+    """
+
+    def one(x: Any) -> jax.Array:
+        x = np.asarray(x)
+        return jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x)
+
+    return jax.tree.map(one, local_rows)
+
+
+def to_host(x: Any) -> np.ndarray:
+    """The whole value of an array as numpy on every process (``np.asarray`` fails on arrays that span
+    other hosts' devices). Collective when ``x`` is not fully addressable; free when it is."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def _key_hash(keys: Sequence[str]) -> int:
+    return zlib.crc32("\0".join(keys).encode())
+
+
+def reduce_metrics(
+    metrics: Mapping[str, float],
+    how: Mapping[str, str] | None = None,
+    default: str = "mean",
+    weight: float = 1.0,
+) -> dict[str, float]:
+    """Combines scalar metrics over processes; every process gets the same dict.
+
+    Args:
+      metrics: this process's scalars; every process must pass the same keys.
+      how: per-key reduction ("mean", "sum", "max", "min"); keys not listed use ``default``.
+      weight: this process's weight in the means (e.g. its number of rollouts), so a mean of per-process
+        means equals the mean over all items.
+    Raises:
+      ValueError on every process when the processes passed different keys (instead of a hang or a
+      silently wrong pairing).
+    """
+    how = dict(how or {})
+    for key, op in [*how.items(), ("<default>", default)]:
+        if op not in REDUCTIONS:
+            raise ValueError(f"reduction {op!r} for {key}: choose one of {REDUCTIONS}")
+    keys = sorted(metrics)
+    shapes = _gather(np.asarray([len(keys), _key_hash(keys)], np.int64))
+    if (shapes != shapes[0]).any():
+        raise ValueError(
+            f"processes report different metric keys (process {jax.process_index()} has {keys}); "
+            "every process must log the same keys"
+        )
+    values = np.asarray([float(metrics[k]) for k in keys] + [float(weight)], np.float64)
+    table = _gather(values)  # [P, K + 1]
+    weights = table[:, -1]
+    if weights.sum() <= 0:
+        raise ValueError(f"reduce_metrics: weights must sum to > 0, got {weights.tolist()}")
+    out = {}
+    for j, key in enumerate(keys):
+        column = table[:, j]
+        op = how.get(key, default)
+        if op == "mean":
+            out[key] = float((column * weights).sum() / weights.sum())
+        else:
+            out[key] = float(getattr(np, op)(column))
+    return out
