@@ -43,6 +43,17 @@ def main(port: int, pid: int, workdir: str) -> None:
     out["global_shape"] = list(batch["tokens"].shape)
     out["row_sums"] = np.asarray(multihost.to_host(row_sums)).tolist()
 
+    # A full copy of a globally sharded array on each process's own devices; then host-local work only.
+    weights = jax.make_array_from_callback(
+        (8, 2), batch_sharding(mesh, 2), lambda idx: np.arange(16.0).reshape(8, 2)[idx]
+    )
+    out["weights_span_both"] = not weights.is_fully_addressable and len(weights.sharding.device_set) == 4
+    local = multihost.local_mesh(data=1, fsdp=-1, tensor=1)
+    copy = multihost.copy_to_each_process({"w": weights}, local, {"w": batch_sharding(local, 2)})["w"]
+    out["copy_addressable"] = copy.is_fully_addressable and len(copy.sharding.device_set) == 2
+    out["copy_value"] = np.asarray(copy).tolist()
+    out["local_result"] = float(jax.jit(lambda w: (w * (pid + 1)).sum())(copy))  # differs per process
+
     # Scalar metrics: weighted mean by default, sums where asked; a key mismatch is an error everywhere.
     out["metrics"] = multihost.reduce_metrics(
         {"reward": float(pid), "tokens": 2.0**40 + pid}, how={"tokens": "sum"}, weight=pid + 1

@@ -6,8 +6,11 @@ import socket
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from trace_jax.parallel import distributed, multihost
 
@@ -76,6 +79,14 @@ def test_global_batch_is_assembled_from_process_local_rows(two_processes):
     assert p0["row_sums"] == p1["row_sums"] == [303, 0, 603, 603]
 
 
+def test_each_process_gets_a_full_copy_on_its_own_devices_and_computes_alone(two_processes):
+    (p0, p1), _ = two_processes
+    assert p0["weights_span_both"] and p1["weights_span_both"]  # premise: the source is split across hosts
+    assert p0["copy_addressable"] and p1["copy_addressable"]
+    assert p0["copy_value"] == p1["copy_value"] == np.arange(16.0).reshape(8, 2).tolist()
+    assert (p0["local_result"], p1["local_result"]) == (120.0, 240.0)  # no collective couples them
+
+
 def test_scalar_metrics_reduce_to_the_same_exact_values_everywhere(two_processes):
     (p0, p1), _ = two_processes
     assert p0["metrics"] == p1["metrics"]
@@ -129,3 +140,10 @@ def test_one_process_is_the_whole_world():
     writer.append(1)  # forwarded to the real object on the main process
     assert writer._writer == [1]
     assert distributed.run_on_main(lambda: 7) == 7
+    mesh = multihost.local_mesh()
+    copy = multihost.copy_to_each_process({"w": jnp.arange(4.0)}, mesh)["w"]
+    np.testing.assert_array_equal(np.asarray(copy), np.arange(4.0))
+    with pytest.raises(ValueError, match="local_mesh"):
+        multihost.copy_to_each_process(
+            {"w": jnp.arange(4.0)}, Mesh(np.asarray(jax.devices()).reshape(1, -1), ("a", "b"))
+        )

@@ -31,8 +31,11 @@ class DistributedConfig:
 
 
 def initialize(config: DistributedConfig) -> None:
-    """Joins this process to the job. Must run before anything touches a device."""
-    if config.mode == "none":
+    """Joins this process to the job. Must run before anything touches a device.
+
+    A no-op when this process has already joined (a wrapper or a notebook initialised it first).
+    """
+    if config.mode == "none" or jax.distributed.is_initialized():
         return
     if config.mode == "auto":
         jax.distributed.initialize()

@@ -10,7 +10,9 @@ On a pod each host runs one process with its own local devices. The pieces of an
 - ``global_batch``: a ``jax.Array`` over the whole mesh from each process's local train rows
   (``jax.make_array_from_process_local_data``), after ``common_row_count`` agreed on one padded size;
 - ``reduce_metrics``: scalar metrics combined across processes (weighted mean, sum, max or min);
-- ``to_host``: a whole array as numpy on every process, also when it spans other hosts' devices.
+- ``to_host``: a whole array as numpy on every process, also when it spans other hosts' devices;
+- ``local_mesh`` / ``copy_to_each_process``: sampling needs no other host: each process gets a full copy of
+  the (globally sharded) weights laid out on its own devices, and runs its engine there independently.
 
 Every function here is collective when ``process_count() > 1``: all processes must call it, in the same
 order, with the same structure (same keys, same trailing shapes). With one process they are cheap no-ops.
@@ -25,12 +27,13 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trace_jax.parallel.mesh import batch_sharding
+from trace_jax.parallel.mesh import MESH_AXES, batch_sharding, make_mesh
 
 T = TypeVar("T")
 REDUCTIONS = ("mean", "sum", "max", "min")
+PROCESS_AXIS = "process"
 
 
 def process_slice(n: int, index: int | None = None, count: int | None = None) -> slice:
@@ -166,3 +169,44 @@ def reduce_metrics(
         else:
             out[key] = float(getattr(np, op)(column))
     return out
+
+
+def _process_devices(index: int) -> list[jax.Device]:
+    return [d for d in jax.devices() if d.process_index == index]
+
+
+def local_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1) -> Mesh:
+    """A (data, fsdp, tensor) mesh over this process's devices only, laid out the same way on every process.
+
+    Arrays on it are fully addressable: a jit over them runs on this host alone (no collective with other
+    processes), which is what per-process sampling needs.
+    """
+    return make_mesh(data, fsdp, tensor, devices=_process_devices(jax.process_index()))
+
+
+def copy_to_each_process(tree: Any, mesh: Mesh, shardings: Any = None) -> Any:
+    """Every process gets the full value of each (global) array of ``tree``, laid out on its own ``mesh``.
+
+    Args:
+      tree: pytree of ``jax.Array`` (e.g. the trainer's FSDP-sharded params over all processes' devices).
+      mesh: this process's ``local_mesh(...)`` (same shape on every process).
+      shardings: pytree like ``tree`` of ``NamedSharding`` over ``mesh`` (e.g. ``state_shardings(params,
+        mesh)`` for tensor-parallel sampling); None replicates each array over the local mesh.
+    Returns:
+      pytree of fully addressable arrays on ``mesh``. Collective: one cross-process reshard per array.
+    """
+    count, me = jax.process_count(), jax.process_index()
+    grids = [np.asarray(_process_devices(p), dtype=object).reshape(mesh.devices.shape) for p in range(count)]
+    if mesh.axis_names != MESH_AXES or not (grids[me] == mesh.devices).all():
+        raise ValueError("copy_to_each_process needs the mesh from local_mesh() (this process's devices in order)")
+    stacked = Mesh(np.stack(grids), (PROCESS_AXIS, *MESH_AXES))
+    if shardings is None:
+        shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), tree)
+
+    def one(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+        # Replicated over the process axis, laid out within each process as ``sharding`` asks.
+        spread = jax.jit(lambda a: a, out_shardings=NamedSharding(stacked, sharding.spec))(x)
+        local = NamedSharding(mesh, sharding.spec)
+        return jax.make_array_from_single_device_arrays(x.shape, local, [s.data for s in spread.addressable_shards])
+
+    return jax.tree.map(one, tree, shardings)
