@@ -5,6 +5,7 @@
 Prints one JSON line with what this process saw; the test compares the two processes' lines.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -12,9 +13,56 @@ import sys
 import jax
 import numpy as np
 
+from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
+from trace_jax.allocation.simulate import Simulator, SimulatorConfig
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.parallel import distributed, multihost
 from trace_jax.parallel.mesh import batch_sharding, make_mesh
+from trace_jax.parallel.sharded_rollouts import ProcessShardedBackend, local_trees
+
+
+class Spy:
+    """The process's own backend, recording which prompts it was asked to sample."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, set()
+
+    def continue_anchors(self, requests):
+        self.seen |= {r.tree.prompt_index for r in requests}
+        return self.inner.continue_anchors(requests)
+
+
+def digest(arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(repr(a).encode() if a is None or np.isscalar(a) else np.ascontiguousarray(np.asarray(a)).tobytes())
+    return h.hexdigest()
+
+
+def tree_digest(trees) -> str:
+    fields = ("parent", "token_ids", "logprobs", "entropies", "observation_ids", "reward", "feature")
+    return digest([getattr(n, f) for t in trees for n in t.nodes for f in fields])
+
+
+def sharded_scheduling(pid: int) -> dict:
+    """Two TRACE steps on the simulator, each process sampling its own prompts with its own random stream."""
+    config = SimulatorConfig(num_prompts=64)
+    pool = Simulator(config, seed=3)  # the same batches on both processes
+    sampler = Simulator(config, seed=3)  # the same world ...
+    sampler.rng = np.random.default_rng([3, 1, pid])  # ... sampled differently by each process
+    spy = Spy(sampler)
+    scheduler = TreeScheduler(ProcessShardedBackend(spy), SchedulerConfig(policy="trace", rollouts_per_prompt=4.0))
+    out = {"owned": [], "trees": [], "rollouts": []}
+    for _ in range(2):
+        result = scheduler.run(pool.sample_batch(8))
+        out["owned"] += sorted(t.prompt_index for t in local_trees(result.trees))
+        out["trees"].append(tree_digest(result.trees))
+        out["rollouts"].append(result.stats.rollouts)
+        out["leaves"] = sum(len(t.leaves()) for t in result.trees)
+    out["owned"] = sorted(set(out["owned"]))
+    out["seen"] = sorted(spy.seen)
+    out["predictor"] = digest(jax.tree.leaves(scheduler.predictor.state_dict()))
+    return out
 
 
 def main(port: int, pid: int, workdir: str) -> None:
@@ -83,6 +131,7 @@ def main(port: int, pid: int, workdir: str) -> None:
     out["restored_local"] = [np.asarray(s.data).tolist() for s in w.addressable_shards]
     out["restored_equal"] = bool((np.asarray(multihost.to_host(w)) == np.arange(16.0).reshape(8, 2)).all())
     out["restored_sharding_ok"] = w.sharding == sharding
+    out["scheduling"] = sharded_scheduling(pid)
     print(json.dumps(out), flush=True)
 
 

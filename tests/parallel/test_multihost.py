@@ -87,6 +87,17 @@ def test_each_process_gets_a_full_copy_on_its_own_devices_and_computes_alone(two
     assert (p0["local_result"], p1["local_result"]) == (120.0, 240.0)  # no collective couples them
 
 
+def test_sharded_rollouts_keep_every_tree_and_the_predictor_identical_across_processes(two_processes):
+    (p0, p1), _ = two_processes
+    s0, s1 = p0["scheduling"], p1["scheduling"]
+    # Each process's own backend sampled exactly the prompts it owns, and the owners are disjoint.
+    assert s0["seen"] == s0["owned"] and s1["seen"] == s1["owned"] and s0["owned"] and s1["owned"]
+    assert not set(s0["owned"]) & set(s1["owned"])
+    # Yet both hold the same trees (turns from both processes), the same spent budget and the same predictor.
+    assert s0["trees"] == s1["trees"] and s0["predictor"] == s1["predictor"]
+    assert s0["rollouts"] == s1["rollouts"] == [32, 32] and s0["leaves"] == 32
+
+
 def test_scalar_metrics_reduce_to_the_same_exact_values_everywhere(two_processes):
     (p0, p1), _ = two_processes
     assert p0["metrics"] == p1["metrics"]
