@@ -16,9 +16,11 @@ import numpy as np
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
 from trace_jax.checkpoint.state import StateCheckpointer
+from trace_jax.evaluate import evaluate
 from trace_jax.parallel import distributed, multihost
 from trace_jax.parallel.mesh import batch_sharding, make_mesh
 from trace_jax.parallel.sharded_rollouts import ProcessShardedBackend, local_trees
+from trace_jax.rollout.backend import RolloutStats
 
 
 class Spy:
@@ -42,6 +44,30 @@ def digest(arrays) -> str:
 def tree_digest(trees) -> str:
     fields = ("parent", "token_ids", "logprobs", "entropies", "observation_ids", "reward", "feature")
     return digest([getattr(n, f) for t in trees for n in t.nodes for f in fields])
+
+
+class Answerer:
+    """A deterministic backend: sample j of task i answers "a" when (i + j) % 3 else "b" (gold is "a")."""
+
+    def continue_anchors(self, requests):
+        for r in requests:
+            for j in range(r.k):
+                answer = "a" if (r.tree.prompt_index + j) % 3 else "b"
+                r.tree.add_turn(r.node_id, [7], reward=float(answer == "a"), info={"answer": answer})
+        return RolloutStats(rollouts=sum(r.k for r in requests), generated_tokens=sum(r.k for r in requests))
+
+
+class PromptEnv:
+    def prompt_ids(self, task):
+        return [1, task["hops"]]
+
+
+def sharded_evaluation() -> dict:
+    tasks = [{"hops": 1 + i % 3, "golden_answers": ["a"]} for i in range(10)]
+    spy = Spy(Answerer())
+    rows = evaluate(ProcessShardedBackend(spy), PromptEnv(), tasks, samples=2).rows
+    reference = evaluate(Answerer(), PromptEnv(), tasks, samples=2).rows  # one process does all the work
+    return {"rows": rows, "equals_one_process": rows == reference, "answered": sorted(spy.seen)}
 
 
 def sharded_scheduling(pid: int) -> dict:
@@ -132,6 +158,7 @@ def main(port: int, pid: int, workdir: str) -> None:
     out["restored_equal"] = bool((np.asarray(multihost.to_host(w)) == np.arange(16.0).reshape(8, 2)).all())
     out["restored_sharding_ok"] = w.sharding == sharding
     out["scheduling"] = sharded_scheduling(pid)
+    out["evaluation"] = sharded_evaluation()
     print(json.dumps(out), flush=True)
 
 

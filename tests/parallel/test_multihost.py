@@ -98,6 +98,14 @@ def test_sharded_rollouts_keep_every_tree_and_the_predictor_identical_across_pro
     assert s0["rollouts"] == s1["rollouts"] == [32, 32] and s0["leaves"] == 32
 
 
+def test_evaluation_splits_its_questions_and_every_process_gets_the_one_process_scores(two_processes):
+    (p0, p1), _ = two_processes
+    e0, e1 = p0["evaluation"], p1["evaluation"]
+    assert e0["answered"] and e1["answered"] and not set(e0["answered"]) & set(e1["answered"])
+    assert sorted(e0["answered"] + e1["answered"]) == list(range(10))
+    assert e0["rows"] == e1["rows"] and e0["equals_one_process"] and e1["equals_one_process"]
+
+
 def test_scalar_metrics_reduce_to_the_same_exact_values_everywhere(two_processes):
     (p0, p1), _ = two_processes
     assert p0["metrics"] == p1["metrics"]

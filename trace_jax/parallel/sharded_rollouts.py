@@ -14,7 +14,9 @@ model are the same everywhere without further communication. What travels is eac
 log-probs, entropies, observation ids, anchor feature, reward): exact, and small next to sampling it.
 
 The train batch is then built from ``local_trees(trees)`` on each process and assembled with
-``multihost.global_batch``. With one process the wrapper only forwards.
+``multihost.global_batch``. Evaluation needs no other change: ``evaluate(ProcessShardedBackend(runner), env,
+tasks)`` splits the questions across processes and every process computes the same (one-process) scores.
+With one process the wrapper only forwards.
 """
 
 from __future__ import annotations
