@@ -127,6 +127,9 @@ def main(port: int, pid: int, workdir: str) -> None:
     out["copy_addressable"] = copy.is_fully_addressable and len(copy.sharding.device_set) == 2
     out["copy_value"] = np.asarray(copy).tolist()
     out["local_result"] = float(jax.jit(lambda w: (w * (pid + 1)).sum())(copy))  # differs per process
+    one_device = make_mesh(devices=[jax.local_devices()[1]])  # a subset of the source's devices
+    single = multihost.copy_to_each_process({"w": weights}, one_device)["w"]
+    out["single_device_copy"] = np.asarray(single).tolist() if single.devices() == {jax.local_devices()[1]} else None
 
     # Scalar metrics: weighted mean by default, sums where asked; a key mismatch is an error everywhere.
     out["metrics"] = multihost.reduce_metrics(

@@ -85,6 +85,7 @@ def test_each_process_gets_a_full_copy_on_its_own_devices_and_computes_alone(two
     assert p0["copy_addressable"] and p1["copy_addressable"]
     assert p0["copy_value"] == p1["copy_value"] == np.arange(16.0).reshape(8, 2).tolist()
     assert (p0["local_result"], p1["local_result"]) == (120.0, 240.0)  # no collective couples them
+    assert p0["single_device_copy"] == p1["single_device_copy"] == p0["copy_value"]  # onto one local device
 
 
 def test_sharded_rollouts_keep_every_tree_and_the_predictor_identical_across_processes(two_processes):
@@ -162,7 +163,7 @@ def test_one_process_is_the_whole_world():
     mesh = multihost.local_mesh()
     copy = multihost.copy_to_each_process({"w": jnp.arange(4.0)}, mesh)["w"]
     np.testing.assert_array_equal(np.asarray(copy), np.arange(4.0))
-    with pytest.raises(ValueError, match="local_mesh"):
+    with pytest.raises(ValueError, match="this process's devices"):
         multihost.copy_to_each_process(
             {"w": jnp.arange(4.0)}, Mesh(np.asarray(jax.devices()).reshape(1, -1), ("a", "b"))
         )

@@ -189,24 +189,43 @@ def copy_to_each_process(tree: Any, mesh: Mesh, shardings: Any = None) -> Any:
 
     Args:
       tree: pytree of ``jax.Array`` (e.g. the trainer's FSDP-sharded params over all processes' devices).
-      mesh: this process's ``local_mesh(...)`` (same shape on every process).
+      mesh: a mesh over this process's devices, e.g. ``local_mesh(...)``; every process must pass the mesh
+        over the same local positions (same shape, same order).
       shardings: pytree like ``tree`` of ``NamedSharding`` over ``mesh`` (e.g. ``state_shardings(params,
         mesh)`` for tensor-parallel sampling); None replicates each array over the local mesh.
     Returns:
-      pytree of fully addressable arrays on ``mesh``. Collective: one cross-process reshard per array.
+      pytree of fully addressable arrays on ``mesh``. Collective: one cross-process reshard per array
+      (``tree`` must live on all of the job's devices). When ``mesh`` covers only some of this process's
+      devices, every local device briefly holds a full copy on the way.
     """
     count, me = jax.process_count(), jax.process_index()
-    grids = [np.asarray(_process_devices(p), dtype=object).reshape(mesh.devices.shape) for p in range(count)]
-    if mesh.axis_names != MESH_AXES or not (grids[me] == mesh.devices).all():
-        raise ValueError("copy_to_each_process needs the mesh from local_mesh() (this process's devices in order)")
-    stacked = Mesh(np.stack(grids), (PROCESS_AXIS, *MESH_AXES))
+    mine = _process_devices(me)
+    if mesh.axis_names != MESH_AXES or not all(d in mine for d in mesh.devices.flat):
+        raise ValueError("copy_to_each_process needs a (data, fsdp, tensor) mesh of this process's devices")
     if shardings is None:
         shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), tree)
+    # A cross-host reshard keeps the device set: first onto every process's devices (replicated across
+    # processes), then, if ``mesh`` is a subset of this process's devices, a host-local move onto it.
+    positions = [mine.index(d) for d in mesh.devices.flat]
+    whole = sorted(positions) == list(range(len(mine)))
+    if whole:  # lay each copy out directly as asked, on the same local positions on every process
+        grids = [
+            np.asarray(_process_devices(p), dtype=object)[positions].reshape(mesh.devices.shape) for p in range(count)
+        ]
+        stacked = Mesh(np.stack(grids), (PROCESS_AXIS, *MESH_AXES))
+    else:
+        stacked = Mesh(np.asarray([_process_devices(p) for p in range(count)], dtype=object), (PROCESS_AXIS, "local"))
+        everything_here = Mesh(np.asarray(mine, dtype=object), ("local",))
 
     def one(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-        # Replicated over the process axis, laid out within each process as ``sharding`` asks.
-        spread = jax.jit(lambda a: a, out_shardings=NamedSharding(stacked, sharding.spec))(x)
-        local = NamedSharding(mesh, sharding.spec)
-        return jax.make_array_from_single_device_arrays(x.shape, local, [s.data for s in spread.addressable_shards])
+        target = NamedSharding(mesh, sharding.spec)
+        spread = jax.device_put(x, NamedSharding(stacked, sharding.spec if whole else PartitionSpec()))
+        shards = [s.data for s in spread.addressable_shards]
+        if whole:
+            return jax.make_array_from_single_device_arrays(x.shape, target, shards)
+        here = jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(everything_here, PartitionSpec()), shards
+        )
+        return jax.device_put(here, target)  # host-local: no other process takes part
 
     return jax.tree.map(one, tree, shardings)
