@@ -1,6 +1,8 @@
 """One of two JAX processes on 127.0.0.1 (2 fake CPU devices each); run by tests/parallel/test_multihost.py.
 
-    python -m tests.parallel.multiprocess_check PORT PROCESS_ID WORKDIR
+    python -m tests.parallel.multiprocess_check PORT PROCESS_ID WORKDIR [restore]
+
+With ``restore`` it only reads back the checkpoint an earlier pair of processes wrote (a rerun).
 
 Prints one JSON line with what this process saw; the test compares the two processes' lines.
 """
@@ -91,13 +93,30 @@ def sharded_scheduling(pid: int) -> dict:
     return out
 
 
-def main(port: int, pid: int, workdir: str) -> None:
+def restore(workdir: str, mesh) -> dict:
+    sharding = batch_sharding(mesh, 2)
+    target = {"w": jax.ShapeDtypeStruct((8, 2), np.float32, sharding=sharding)}
+    restored = StateCheckpointer(os.path.join(workdir, "checkpoints")).restore_latest(target=target)
+    w = restored.state["w"]
+    return {
+        "step": restored.step,
+        "metadata": restored.metadata,
+        "local": [np.asarray(s.data).tolist() for s in w.addressable_shards],
+        "equal": bool((multihost.to_host(w) == np.arange(16.0).reshape(8, 2)).all()),
+        "sharding_ok": w.sharding == sharding,
+    }
+
+
+def main(port: int, pid: int, workdir: str, mode: str = "all") -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     distributed.initialize(
         distributed.DistributedConfig("explicit", f"127.0.0.1:{port}", num_processes=2, process_id=pid)
     )
     assert (jax.process_count(), len(jax.devices()), len(jax.local_devices())) == (2, 4, 2)
     out = {"index": distributed.process_index(), "main": distributed.is_main_process()}
+    if mode == "restore":
+        print(json.dumps({**out, "restored": restore(workdir, make_mesh(data=1, fsdp=-1, tensor=1))}), flush=True)
+        return
 
     # Prompts: a disjoint block each.
     out["prompts"] = multihost.shard_for_process([f"q{i}" for i in range(11)])
@@ -154,16 +173,11 @@ def main(port: int, pid: int, workdir: str) -> None:
     ckpt = StateCheckpointer(os.path.join(workdir, "checkpoints"))
     ckpt.save(1, {"w": value}, metadata={"note": "both"})
     ckpt.close()
-    target = {"w": jax.ShapeDtypeStruct((8, 2), value.dtype, sharding=sharding)}
-    restored = StateCheckpointer(os.path.join(workdir, "checkpoints")).restore_latest(target=target)
-    w = restored.state["w"]
-    out["restored_local"] = [np.asarray(s.data).tolist() for s in w.addressable_shards]
-    out["restored_equal"] = bool((np.asarray(multihost.to_host(w)) == np.arange(16.0).reshape(8, 2)).all())
-    out["restored_sharding_ok"] = w.sharding == sharding
+    out["restored"] = restore(workdir, mesh)
     out["scheduling"] = sharded_scheduling(pid)
     out["evaluation"] = sharded_evaluation()
     print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:])

@@ -23,9 +23,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("two_processes")
+def _run_pair(workdir, *mode):
+    """Two processes of multiprocess_check on a free port; their JSON outputs in process order."""
     env = dict(
         os.environ,
         XLA_FLAGS="--xla_force_host_platform_device_count=2",
@@ -35,7 +34,7 @@ def two_processes(tmp_path_factory):
     port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.parallel.multiprocess_check", str(port), str(pid), str(workdir)],
+            [sys.executable, "-m", "tests.parallel.multiprocess_check", str(port), str(pid), str(workdir), *mode],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -55,7 +54,13 @@ def two_processes(tmp_path_factory):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return outputs, workdir
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("two_processes")
+    return _run_pair(workdir), workdir
 
 
 def test_each_process_takes_a_disjoint_block_of_the_prompts(two_processes):
@@ -122,14 +127,24 @@ def test_only_the_main_process_writes(two_processes):
     assert not (workdir / "log_from_1.txt").exists()
 
 
+def _assert_restored(r0, r1):
+    assert r0["step"] == r1["step"] == 1 and r0["metadata"] == r1["metadata"] == {"note": "both"}
+    assert r0["equal"] and r1["equal"] and r0["sharding_ok"] and r1["sharding_ok"]
+    assert r0["local"] != r1["local"]  # each process holds its own rows
+    rows = np.concatenate([np.asarray(r0["local"]), np.asarray(r1["local"])]).reshape(8, 2)
+    np.testing.assert_array_equal(rows, np.arange(16.0).reshape(8, 2))
+
+
 def test_a_checkpoint_written_by_both_processes_restores_into_the_same_sharding(two_processes):
     (p0, p1), workdir = two_processes
     assert (workdir / "checkpoints" / "1").is_dir()
-    assert p0["restored_equal"] and p1["restored_equal"]
-    assert p0["restored_sharding_ok"] and p1["restored_sharding_ok"]
-    assert p0["restored_local"] != p1["restored_local"]  # each process holds its own rows
-    rows = np.concatenate([np.asarray(p0["restored_local"]), np.asarray(p1["restored_local"])]).reshape(8, 2)
-    np.testing.assert_array_equal(rows, np.arange(16.0).reshape(8, 2))
+    _assert_restored(p0["restored"], p1["restored"])
+
+
+def test_a_rerun_with_the_same_number_of_processes_resumes_from_that_checkpoint(two_processes):
+    _, workdir = two_processes
+    r0, r1 = _run_pair(workdir, "restore")
+    _assert_restored(r0["restored"], r1["restored"])
 
 
 # ------------------------------------------------------------------------------ one process (this one)
