@@ -116,6 +116,12 @@ ensure_slice() {
 launch() {
   [ -n "$WORKDIR" ] || fail "--workdir gs://BUCKET/RUN is required: every worker writes checkpoints into it"
   [[ "$WORKDIR" == gs://* ]] || fail "--workdir $WORKDIR: a pod's workdir must be a gs:// bucket path all workers share"
+  # The workers run from the shipped checkout: the config file must be part of it (relative paths work there).
+  local config_path="${CONFIG%%:*}"
+  if [[ "$config_path" == /* ]]; then
+    [[ "$config_path" == "$PWD"/* ]] || fail "--config $CONFIG: the config file must be inside this checkout (it ships with the code)"
+    CONFIG="${CONFIG#"$PWD"/}"
+  fi
   local overrides=(--config.distributed.mode=auto ${EXTRA[@]+"${EXTRA[@]}"})
   if [ "$CHECK" = 1 ]; then
     # Runs under --dry-run too: a bad override is cheapest to find here, before a slice is paid for.

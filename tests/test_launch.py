@@ -95,6 +95,11 @@ def test_tpu_pod_checks_overrides_against_the_chosen_config_file():
     assert "--config=configs/ablation.py:uniform" in done.stdout
     done = launch("tpu_pod.sh", "--dry-run", *POD, "--config", "configs/nope.py")
     assert done.returncode == 2 and "cannot load configs/nope.py" in done.stderr
+    done = launch("tpu_pod.sh", "--dry-run", *POD, "--config", "/etc/elsewhere.py")
+    assert done.returncode == 2 and "must be inside this checkout" in done.stderr
+    done = launch("tpu_pod.sh", "--dry-run", *POD, "--config", str(ROOT / "configs" / "ablation.py") + ":uniform")
+    assert done.returncode == 0, done.stderr
+    assert "--config=configs/ablation.py:uniform" in done.stdout  # made relative: it runs from the shipped copy
 
 
 def test_tpu_pod_queued_spot_slice_and_the_other_actions():
