@@ -4,9 +4,9 @@ On a pod each host runs one process with its own local devices. The pieces of an
 
 - ``process_slice`` / ``shard_for_process``: every process takes a disjoint, deterministic block of the
   step's prompts (same answer on every host, no communication);
-- ``allgather_rows``: the few floats per anchor that a whole-batch allocation decision needs (stage 1 across
-  prompts, the stage-2 budget) are gathered in process order, so every host runs the same solver on the
-  same inputs and reaches the same decision, then acts on its own share;
+- ``allgather_rows``: host rows of any dtype (e.g. per-anchor floats, or the pickled new turns that
+  ``sharded_rollouts.ProcessShardedBackend`` shares) gathered exactly and in process order, so every host
+  runs the same allocation solver on the same inputs and reaches the same decision;
 - ``global_batch``: a ``jax.Array`` over the whole mesh from each process's local train rows
   (``jax.make_array_from_process_local_data``), after ``common_row_count`` agreed on one padded size;
 - ``reduce_metrics``: scalar metrics combined across processes (weighted mean, sum, max or min);
