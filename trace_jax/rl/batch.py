@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from trace_jax.buckets import bucket, round_up
 from trace_jax.rl.advantages import NodeAdvantages, compute_advantages
 from trace_jax.rollout.tree import RolloutTree
 
@@ -106,17 +107,12 @@ class BatchConfig:
             raise ValueError(f"row_multiple must be >= 1, got {self.row_multiple}")
 
 
-def _bucket(size: int, buckets: Sequence[int] | None) -> int:
-    if not buckets:
-        return size
-    for bucket in buckets:
-        if bucket >= size:
-            return bucket
-    return size
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
+def _row_count(n: int, config: BatchConfig) -> int:
+    """Padded row count: the row bucket (past the largest, a multiple of it), then a multiple of ``row_multiple``."""
+    buckets = config.row_buckets
+    if buckets:
+        n = bucket(n, buckets, "rows") if n <= buckets[-1] else round_up(n, buckets[-1])
+    return round_up(n, config.row_multiple)
 
 
 class _Row(NamedTuple):
@@ -187,8 +183,8 @@ def build_batch(
             f"a row has {longest} tokens, more than the largest length bucket {config.length_buckets[-1]}; "
             "add a larger bucket to length_buckets or lower the rollout token limits"
         )
-    t = _bucket(longest, config.length_buckets)
-    b = _round_up(_bucket(len(rows), config.row_buckets), config.row_multiple)
+    t = bucket(longest, config.length_buckets, "row length")
+    b = _row_count(len(rows), config)
 
     tokens = np.full((b, t), config.pad_id, np.int32)
     floats = {k: np.zeros((b, t), np.float32) for k in ("weights", "advantages", "old_logprobs")}
