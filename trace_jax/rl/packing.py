@@ -82,8 +82,10 @@ def _preorder(children: list[list[int]], start: int) -> list[int]:
 def tree_pieces(tree: RolloutTree, capacity: int) -> list[Piece]:
     """The tree's kept nodes cut into pieces of at most ``capacity`` tokens, each node trained in one piece.
 
-    A subtree that fits (with the path above it as context) is one piece; otherwise its top node goes with
-    as many whole child subtrees as fit, and each remaining child is placed the same way one level down.
+    A subtree that fits (with the path above it as context) is one piece. Otherwise its top node ``y`` is
+    split off: the child subtrees that fit beside the path down to ``y`` are grouped first-fit decreasing
+    into as few pieces as possible, each repeating that path as context (``y`` trains in the first), and
+    each child that does not fit is placed the same way one level down.
     """
     if not tree.leaves():
         return []
@@ -99,23 +101,20 @@ def tree_pieces(tree: RolloutTree, capacity: int) -> list[Piece]:
         if context_len + subtree[y] <= capacity:
             pieces.append([(c, False) for c in context] + [(n, True) for n in _preorder(children, y)])
             return
-        length = context_len + size[y]
-        if length > capacity:
+        base = context_len + size[y]
+        if base > capacity:
             raise ValueError(
                 f"a root-to-leaf path has more than {capacity} tokens, the row capacity; add a larger length "
                 "bucket to BatchConfig.length_buckets or lower the rollout token limits"
             )
-        piece = [(c, False) for c in context] + [(y, True)]
-        rest = []
+        fitting = [c for c in children[y] if base + subtree[c] <= capacity]
+        groups = pack_rows([subtree[c] for c in fitting], capacity - base) or [[]]
+        for i, group in enumerate(groups):
+            piece = [(c, False) for c in context] + [(y, i == 0)]
+            pieces.append(piece + [(n, True) for g in group for n in _preorder(children, fitting[g])])
         for c in children[y]:
-            if length + subtree[c] <= capacity:
-                piece += [(n, True) for n in _preorder(children, c)]
-                length += subtree[c]
-            else:
-                rest.append(c)
-        pieces.append(piece)
-        for c in rest:
-            place(c, [*context, y], context_len + size[y])
+            if base + subtree[c] > capacity:
+                place(c, [*context, y], base)
 
     place(ROOT, [], 0)
     return pieces
