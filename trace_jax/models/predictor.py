@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from trace_jax.buckets import power_of_two
 from trace_jax.registry import Registry
 from trace_jax.rollout.tree import RolloutTree
 
@@ -254,8 +255,8 @@ def _predict(graphdef, params, inputs):
 
 
 def _bucket(n: int) -> int:
-    """Pads prediction batches to powers of two so a run compiles a handful of programs."""
-    return max(64, 1 << (max(n, 1) - 1).bit_length())
+    """Pads prediction batches to powers of two (at least 64) so a run compiles a handful of programs."""
+    return power_of_two(n, minimum=64)
 
 
 class MLPPredictor:
