@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from trace_jax.models.predictor import AnchorBatch, SuccessPredictor, gather_anchors
+from trace_jax.allocation.anchors import AnchorBatch, gather_anchors
+from trace_jax.models.predictor import SuccessPredictor
 from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend, RolloutStats
 from trace_jax.rollout.tree import RolloutTree
 
