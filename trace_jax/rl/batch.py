@@ -228,12 +228,14 @@ def build_batch(
     check_objective(None, loss, config)
     if len(trees) != len(advantages):
         raise ValueError(f"{len(trees)} trees but {len(advantages)} advantage sets")
-    kept = [
-        i
-        for i, (tree, adv) in enumerate(zip(trees, advantages, strict=True))
-        if tree.leaves() and not (config.skip_zero_advantage and not np.any(adv.advantages[adv.weights > 0]))
-    ]
-    skipped = sum(1 for i, (t, a) in enumerate(zip(trees, advantages, strict=True)) if i not in kept and t.leaves())
+    kept, skipped = [], 0
+    for i, (tree, adv) in enumerate(zip(trees, advantages, strict=True)):
+        if not tree.leaves():
+            continue
+        if config.skip_zero_advantage and not np.any(adv.advantages[adv.weights > 0]):
+            skipped += 1
+            continue
+        kept.append(i)
     if not kept:
         raise ValueError(
             f"no rows to train: {len(trees)} trees, {skipped} skipped for zero advantage, the rest without a leaf"

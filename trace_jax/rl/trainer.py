@@ -40,7 +40,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax.optim import guarded_update
 from trace_jax.parallel.mesh import batch_sharding
-from trace_jax.registry import Registry
 from trace_jax.rl.batch import TrainBatch
 from trace_jax.rl.logprobs import DEFAULT_CHUNK, behaviour_logprobs, policy_logprobs
 from trace_jax.rl.losses import (
@@ -53,8 +52,8 @@ from trace_jax.rl.losses import (
 )
 from trace_jax.rollout.sampling import SamplingConfig
 
-# How the behaviour ("old") log-probs of PPO's ratio are obtained, by name.
-BEHAVIOUR_LOGPROBS = Registry("behaviour log-probs", {"sampler": "sampler", "recompute": "recompute"})
+# Where the behaviour ("old") log-probs of PPO's ratio come from (see ``UpdateConfig``).
+BEHAVIOUR_LOGPROBS = ("sampler", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +87,7 @@ class UpdateConfig:
             raise ValueError(f"ppo_epochs and mini_batches must be >= 1, got {self.ppo_epochs}, {self.mini_batches}")
         if self.behaviour_logprobs not in BEHAVIOUR_LOGPROBS:
             raise ValueError(
-                f"unknown behaviour_logprobs {self.behaviour_logprobs!r}; choose one of {sorted(BEHAVIOUR_LOGPROBS)}"
+                f"unknown behaviour_logprobs {self.behaviour_logprobs!r}; choose one of {BEHAVIOUR_LOGPROBS}"
             )
 
 
