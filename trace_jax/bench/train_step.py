@@ -32,7 +32,7 @@ from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import create_sharded, make_mesh
 from trace_jax.rl.batch import TrainBatch
 from trace_jax.rl.losses import LossConfig
-from trace_jax.rl.trainer import RLTrainer
+from trace_jax.rl.trainer import RLTrainer, UpdateConfig
 
 BENCH_MODEL = ModelConfig(32000, 512, 1536, 10, 8, 4, 64, 1e6, 1e-6, True, False, True, 4096)
 
@@ -40,15 +40,19 @@ BENCH_MODEL = ModelConfig(32000, 512, 1536, 10, 8, 4, 64, 1e6, 1e-6, True, False
 def synthetic_batch(rows: int, seq_len: int, vocab: int, seed: int = 0) -> TrainBatch:
     """Random ids, every token trained with weight 1 and a random advantage (a fully busy step)."""
     rng = np.random.default_rng(seed)
+    advantages = rng.standard_normal((rows, seq_len)).astype(np.float32)
     known = {
         "tokens": rng.integers(0, vocab, (rows, seq_len)).astype(np.int32),
         "weights": np.ones((rows, seq_len), np.float32),
-        "advantages": rng.standard_normal((rows, seq_len)).astype(np.float32),
+        "adv_pos": np.maximum(advantages, 0),
+        "adv_neg": np.minimum(advantages, 0),
+        "predecessor": np.broadcast_to(np.maximum(np.arange(seq_len, dtype=np.int32) - 1, 0), (rows, seq_len)).copy(),
+        "visible_end": np.full((rows, seq_len), seq_len, np.int32),
+        "paths": np.ones((rows,), np.float32),
         "old_logprobs": np.full((rows, seq_len), -np.log(vocab), np.float32),
         "segment_ids": np.ones((rows, seq_len), np.int32),
         "lengths": np.full((rows,), seq_len, np.int32),
         "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)).copy(),
-        "kv_visible_end": np.full((rows, seq_len), seq_len, np.int32),
     }
     fields = {name: known.get(name) for name in TrainBatch._fields if name != "ref_logprobs"}
     missing = [name for name, value in fields.items() if value is None]
@@ -88,7 +92,9 @@ def run(rows: int, seq_len: int, steps: int, chunk: int, remat: str, dtype: str,
     model = create_sharded(lambda: Qwen(config, rngs=nnx.Rngs(0)), mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     optimizer = make_optimizer(learning_rate=1e-5, schedule="constant")
-    trainer = RLTrainer(graphdef, optimizer, LossConfig(), mesh=mesh, logprob_chunk=chunk)
+    # One optimizer step per train_step call (one epoch, one mini-batch): the FLOPs below are one step's.
+    update = UpdateConfig(ppo_epochs=1, mini_batches=1)
+    trainer = RLTrainer(graphdef, optimizer, LossConfig(), mesh=mesh, logprob_chunk=chunk, update=update)
     state = trainer.init_state(params, jax.random.key(0))
     batch = synthetic_batch(rows, seq_len, config.vocab_size)
     start = time.perf_counter()

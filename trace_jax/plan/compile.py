@@ -94,18 +94,19 @@ def _compile(program: str, fn: Any, args: tuple, mesh: Mesh, settings: dict, by_
 
 
 # ---------------------------------------------------------------------------------------- train step
-_FLOAT_FIELDS = ("weights", "advantages")  # plus every field whose name contains "logprob"
+_FLOAT_FIELDS = ("weights", "advantages", "adv_pos", "adv_neg", "paths")  # and every "*logprob*" field
+_ROW_FIELDS = ("lengths", "paths")  # [rows]; every other field is [rows, seq_len]
 
 
 def abstract_batch(rows: int, seq_len: int, mesh: Mesh, with_ref: bool) -> TrainBatch:
-    """A ``TrainBatch`` of ``ShapeDtypeStruct`` split over the batch axes: [rows] for ``lengths``, else
-    [rows, seq_len]; float32 for weights / advantages / log-probs, int32 for ids, segments and positions."""
+    """A ``TrainBatch`` of ``ShapeDtypeStruct`` split over the batch axes: [rows] for per-row fields, else
+    [rows, seq_len]; float32 for weights / advantages / log-probs / paths, int32 for ids and positions."""
     fields = {}
     for name in TrainBatch._fields:
         if name == "ref_logprobs" and not with_ref:
             fields[name] = None
             continue
-        shape = (rows,) if name == "lengths" else (rows, seq_len)
+        shape = (rows,) if name in _ROW_FIELDS else (rows, seq_len)
         dtype = jnp.float32 if name in _FLOAT_FIELDS or "logprob" in name else jnp.int32
         fields[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.batch_sharding(mesh, len(shape)))
     return TrainBatch(**fields)
