@@ -141,8 +141,11 @@ def test_real_engine_records_the_policy_logprobs_and_features_teacher_forcing_re
         max_len=48,
         steps_per_call=6,
         max_turn_tokens=4,
-        min_bucket=48,
+        length_buckets=(48,),
+        row_buckets=(2,),
         sampling=SamplingConfig(temperature=1.3, top_k=20),
+        weight_dtype=None,  # teacher forcing below runs the fp32 weights
+        page_size=8,
     )
     engine = Engine.for_model(config, engine_config)
     env = ToyEnv(max_turns=2, truncation_ends=False)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -82,7 +83,7 @@ class EngineConfig:
       are padded up to one of these (``()``: ``min_bucket * 4**i``, then ``max_len``).
     row_buckets: rows of an append / fork call (``()``: ``max_slots // 4`` and ``max_slots``).
     page_size: KV positions per page (``0``: ``max_len``, the contiguous cache); must divide ``max_len``.
-    num_pages: pages in the pool (``0``: enough for every slot at ``max_len``, plus the trash page).
+    num_pages: pages in the pool (``0``: every slot at ``max_len`` plus one page per slot).
     max_stop_sequences, max_stop_len, max_eos: capacity of the stop tables.
     sampling: temperature / top-k / top-p (``SamplingConfig.make_greedy()`` for greedy).
     weight_dtype: dtype of the engine's copy of the weights (``None``: as given).
@@ -121,7 +122,9 @@ class EngineConfig:
 
     @property
     def pool_pages(self) -> int:
-        return self.num_pages or self.max_slots * self.pages_per_slot + 1
+        # Default: every slot at max_len plus one page per slot of slack (the trash page, kept prefixes); a
+        # multiple of max_slots, so the pool splits evenly wherever the slots do.
+        return self.num_pages or self.max_slots * (self.pages_per_slot + 1)
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -288,6 +291,13 @@ class PendingGenerate:
         return self._out
 
 
+def _cast_floating(params: Any, dtype: str | None) -> Any:
+    """Floating leaves of ``params`` cast to ``dtype`` (``None``: unchanged); under jit, with the sampling
+    layout's output shardings, this is the once-per-step reshard from the training layout."""
+    convert = lambda x: x.astype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.tree.map(convert, params)
+
+
 def _as_float(x: jax.Array) -> jax.Array:
     """int32 -> float32 bit pattern, so ints travel exactly inside the one packed float32 result array."""
     return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
@@ -357,13 +367,12 @@ class Engine:
         return self.params
 
     def _convert(self, params: nnx.State) -> nnx.State:
-        dtype = self.config.weight_dtype
-        if self.layout is not None:
-            return self.layout.reshard(params, dtype)
-        if dtype is None:
+        if self.layout is None and self.config.weight_dtype is None:
             return params
-        cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-        return jax.jit(lambda p: jax.tree.map(cast, p))(params)
+        if "reshard" not in self.programs:  # its output shardings follow the weights' tree
+            placed = {} if self.layout is None else {"out_shardings": self.layout.param_shardings(params)}
+            self.programs.define("reshard", functools.partial(_cast_floating, dtype=self.config.weight_dtype), **placed)
+        return self.programs("reshard", params)
 
     def _weights(self, params: Any) -> Any:
         return self.params if params is None else params
@@ -371,39 +380,43 @@ class Engine:
     # ---------------------------------------------------------------------------------------- state
     def init_decode_state(self, stop_sequences: Sequence[Sequence[int]] = (), eos_ids: Sequence[int] = ()) -> SlotState:
         """Empty slots (all ``IDLE``) with the stop tables every turn is checked against."""
+        cfg = self.config
+        tables = self._stop_tables(stop_sequences, eos_ids)
+        # Born with its shardings (each device allocates only its shards), never built on one device first.
+        out = None if self.layout is None else self.layout.state_shardings(self)
+        device = jax.jit(lambda: self._build_state(*tables), out_shardings=out)()
+        pool = pages.PagePool(cfg.pool_pages, cfg.page, cfg.max_slots, cfg.pages_per_slot)
+        zeros = np.zeros(cfg.max_slots, np.int32)
+        return SlotState(device, pool, zeros, zeros.astype(bool), zeros.astype(bool), list(range(cfg.max_slots))[::-1])
+
+    def state_shapes(self) -> DecodeState:
+        """``jax.ShapeDtypeStruct`` of every ``DecodeState`` field (no memory)."""
+        return jax.eval_shape(lambda: self._build_state(*self._stop_tables((), ())))
+
+    def _build_state(self, stops: np.ndarray, stop_len: np.ndarray, eos: np.ndarray) -> DecodeState:
         cfg, mc = self.config, self.model_config
-        stops, stop_len, eos = self._stop_tables(stop_sequences, eos_ids)
         b, width = cfg.max_slots, cfg.max_stop_len
         pool_shape = (mc.num_layers, cfg.pool_pages, cfg.page, mc.num_kv_heads, mc.head_dim)
         dtype = jnp.dtype(cfg.cache_dtype) if cfg.cache_dtype else mc.compute_dtype
-
-        def build() -> DecodeState:
-            return DecodeState(
-                k_pages=jnp.zeros(pool_shape, dtype),
-                v_pages=jnp.zeros(pool_shape, dtype),
-                lengths_b=jnp.zeros((b,), jnp.int32),
-                logits_bv=jnp.zeros((b, mc.vocab_size), jnp.float32),
-                hidden_bd=jnp.zeros((b, mc.hidden_size), jnp.float32),
-                keys_bk=jnp.zeros((b, self._key_size), jnp.uint32),
-                sampled_b=jnp.zeros((b,), jnp.int32),
-                turn_tokens_b=jnp.zeros((b,), jnp.int32),
-                turn_limit_b=jnp.zeros((b,), jnp.int32),
-                stop_reason_b=jnp.full((b,), StopReason.IDLE, jnp.int32),
-                greedy_b=jnp.zeros((b,), jnp.bool_),
-                recent_bw=jnp.full((b, width), -1, jnp.int32),
-                stops_sw=jnp.asarray(stops),
-                stop_len_s=jnp.asarray(stop_len),
-                eos_e=jnp.asarray(eos),
-                bank_logits_rv=jnp.zeros((b, mc.vocab_size), jnp.float32),
-                bank_hidden_rd=jnp.zeros((b, mc.hidden_size), jnp.float32),
-            )
-
-        # Born with its shardings (each device allocates only its shards), never built on one device first.
-        out = None if self.layout is None else self.layout.state_shardings(self)
-        device = jax.jit(build, out_shardings=out)()
-        pool = pages.PagePool(cfg.pool_pages, cfg.page, b, cfg.pages_per_slot)
-        zeros = np.zeros(b, np.int32)
-        return SlotState(device, pool, zeros, zeros.astype(bool), zeros.astype(bool), list(range(b))[::-1])
+        return DecodeState(
+            k_pages=jnp.zeros(pool_shape, dtype),
+            v_pages=jnp.zeros(pool_shape, dtype),
+            lengths_b=jnp.zeros((b,), jnp.int32),
+            logits_bv=jnp.zeros((b, mc.vocab_size), jnp.float32),
+            hidden_bd=jnp.zeros((b, mc.hidden_size), jnp.float32),
+            keys_bk=jnp.zeros((b, self._key_size), jnp.uint32),
+            sampled_b=jnp.zeros((b,), jnp.int32),
+            turn_tokens_b=jnp.zeros((b,), jnp.int32),
+            turn_limit_b=jnp.zeros((b,), jnp.int32),
+            stop_reason_b=jnp.full((b,), StopReason.IDLE, jnp.int32),
+            greedy_b=jnp.zeros((b,), jnp.bool_),
+            recent_bw=jnp.full((b, width), -1, jnp.int32),
+            stops_sw=jnp.asarray(stops),
+            stop_len_s=jnp.asarray(stop_len),
+            eos_e=jnp.asarray(eos),
+            bank_logits_rv=jnp.zeros((b, mc.vocab_size), jnp.float32),
+            bank_hidden_rd=jnp.zeros((b, mc.hidden_size), jnp.float32),
+        )
 
     def _stop_tables(self, stop_sequences, eos_ids):
         cfg = self.config

@@ -65,6 +65,9 @@ class ProgramSet:
         """Registers ``fn`` (pure; static arguments are passed as ``static=`` at call time)."""
         self._definitions[name] = _Definition(fn, jit_kwargs)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._definitions
+
     def compile(self, name: str, *args: Any, static: tuple = ()) -> Any:
         """The executable for ``name`` at these arguments' signature, compiling it if new."""
         key = (name, static, signature(args))
