@@ -32,8 +32,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trace_jax.optim import guarded_update
-from trace_jax.parallel.mesh import batch_sharding
+from trace_jax.optim import guarded_update, init_sharded
+from trace_jax.parallel.mesh import batch_sharding, traced_under
 from trace_jax.rl.batch import TrainBatch
 from trace_jax.rl.losses import LossConfig, LossInputs, compute_loss, finalize_metrics, loss_denominator
 
@@ -168,7 +168,8 @@ class RLTrainer:
         else:
             self.token_stats = lambda params, tokens: chunked_token_logprobs(graphdef, params, tokens, logprob_chunk)
         self._step_fn: Any = None
-        self._logprobs_fn = jax.jit(lambda params, tokens: self.token_stats(params, tokens)[0])
+        logprobs = lambda params, tokens: self.token_stats(params, tokens)[0]
+        self._logprobs_fn = jax.jit(logprobs if mesh is None else traced_under(mesh, logprobs))
 
     # ------------------------------------------------------------------------------------ placement
     @property
@@ -197,15 +198,13 @@ class RLTrainer:
         The state takes ownership of ``params``: ``train_step`` donates them, so use ``state.params`` afterwards
         (e.g. ``nnx.merge(graphdef, state.params)`` for the rollout engine), never the arrays passed here.
         """
-        opt_state = jax.jit(self.optimizer.init)(params)
         replicated = self._replicated()
-        if replicated is not None:
-            # Moments inherit the params' shardings; leaves that do not depend on params (step counts) land on
-            # one device: replicate those over the mesh so the whole state lives on one device set.
-            mesh_devices = set(self.mesh.devices.flat)
-            opt_state = jax.tree.map(
-                lambda x: x if set(x.sharding.device_set) == mesh_devices else jax.device_put(x, replicated), opt_state
-            )
+        if replicated is None:
+            opt_state = jax.jit(self.optimizer.init)(params)
+        else:
+            # Born sharded: each moment takes its parameter's sharding (no whole-model copy on any device);
+            # leaves that do not mirror params (step counts) are replicated over the mesh.
+            opt_state = init_sharded(self.optimizer, params, replicated)
         scalar = (lambda x: jax.device_put(x, replicated)) if replicated is not None else jnp.asarray
         return TrainState(
             params=params,
@@ -306,7 +305,9 @@ class RLTrainer:
         # Inputs arrive placed (params by their logical axes, batch by _put_batch); pin the outputs to the
         # same layout so the state keeps its shardings step after step.
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
-        return jax.jit(self._step, out_shardings=(state_shardings, self._replicated()), donate_argnums=0)
+        # Traced under the mesh so the model's activation constraints (parallel.mesh.constrain) apply.
+        step = traced_under(self.mesh, self._step)
+        return jax.jit(step, out_shardings=(state_shardings, self._replicated()), donate_argnums=0)
 
     def train_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
         """One optimizer update on ``batch`` (host or device arrays; see ``prepare`` for ref/old log-probs).
