@@ -82,7 +82,7 @@ class EngineConfig:
     min_bucket: smallest length bucket. length_buckets: ids per append row and cache windows of ``generate``
       are padded up to one of these (``()``: ``min_bucket * 4**i``, then ``max_len``).
     row_buckets: rows of an append / fork call (``()``: ``max_slots // 4`` and ``max_slots``).
-    page_size: KV positions per page (``0``: ``max_len``, the contiguous cache); must divide ``max_len``.
+    page_size: KV positions per page (``0`` or >= ``max_len``: the contiguous cache); must divide ``max_len``.
     num_pages: pages in the pool (``0``: every slot at ``max_len`` plus one page per slot).
     max_stop_sequences, max_stop_len, max_eos: capacity of the stop tables.
     sampling: temperature / top-k / top-p (``SamplingConfig.make_greedy()`` for greedy).
@@ -97,7 +97,7 @@ class EngineConfig:
     min_bucket: int = 16
     length_buckets: tuple[int, ...] = ()
     row_buckets: tuple[int, ...] = ()
-    page_size: int = 0
+    page_size: int = 16
     num_pages: int = 0
     max_stop_sequences: int = 4
     max_stop_len: int = 8
@@ -114,7 +114,7 @@ class EngineConfig:
 
     @property
     def page(self) -> int:
-        return self.page_size or self.max_len
+        return min(self.page_size, self.max_len) if self.page_size else self.max_len
 
     @property
     def pages_per_slot(self) -> int:

@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,9 @@ class ProgramSet:
         self.compilations: collections.Counter[str] = collections.Counter()
         self.late: list[tuple[str, str]] = []  # (program, shapes) compiled after mark_warm
         self.warm = False
+        # Profiling (benchmarks): when on, each call waits for its outputs and its seconds are added here.
+        self.timed = False
+        self.seconds: collections.Counter[str] = collections.Counter()
         self._definitions: dict[str, _Definition] = {}
         self._executables: dict[tuple, Any] = {}
 
@@ -87,7 +91,13 @@ class ProgramSet:
         return executable
 
     def __call__(self, name: str, *args: Any, static: tuple = ()) -> Any:
-        return self.compile(name, *args, static=static)(*args)
+        executable = self.compile(name, *args, static=static)
+        if not self.timed:
+            return executable(*args)
+        start = time.perf_counter()
+        out = jax.block_until_ready(executable(*args))
+        self.seconds[name] += time.perf_counter() - start
+        return out
 
     def mark_warm(self) -> None:
         """From now on every compile is a warning (the set was meant to be complete)."""
