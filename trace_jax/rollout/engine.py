@@ -26,6 +26,10 @@ Weights: ``set_params`` makes the engine's own copy, cast to ``weight_dtype`` an
 layout (``trace_jax.rollout.layout``) once per policy update; every program takes them as an argument, so new
 weights compile nothing. One engine serves sampling and greedy evaluation (greedy is a per-slot flag).
 
+KV cache: a page pool with a page table per slot (``trace_jax.rollout.pages``); the model runs on a
+``PagedKVCache`` and reads / writes each layer through the tables (``page_size = max_len`` is the contiguous
+cache). The types the calls take and return live in ``trace_jax.rollout.slots``.
+
 Randomness: a sequence's draws depend only on the seed it was started with and the number of tokens it has
 sampled, never on its slot or batch mates: a fork of k slots reproduces k independent runs with those seeds.
 """
@@ -34,41 +38,37 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trace_jax.models.qwen import KVCache, ModelConfig, abstract_model
+from trace_jax.buckets import bucket
+from trace_jax.models.qwen import ModelConfig, abstract_model
 from trace_jax.rollout import pages
 from trace_jax.rollout.programs import ProgramSet
+from trace_jax.rollout.slots import (
+    AppendItem,
+    AppendResult,
+    DecodeState,
+    GenerateOutput,
+    PendingGenerate,
+    Prefix,
+    SlotState,
+    StopReason,
+)
+
+__all__ = [
+    "AppendItem", "AppendResult", "DecodeState", "Engine", "EngineConfig", "GenerateOutput", "PendingGenerate",
+    "Prefix", "SlotState", "StopReason",
+]  # fmt: skip
 from trace_jax.rollout.sampling import SamplingConfig, sample
 
 _GREEDY = SamplingConfig.make_greedy()
-
-
-class StopReason(enum.IntEnum):
-    """Why a slot's turn ended (``RUNNING`` while it goes on; ``IDLE`` for a free slot)."""
-
-    RUNNING = 0
-    STOP_SEQUENCE = 1
-    EOS = 2
-    TURN_LIMIT = 3
-    CONTEXT_FULL = 4
-    IDLE = 5
-
-
-def bucket(n: int, buckets: Sequence[int], what: str = "size") -> int:
-    """Smallest of ``buckets`` (sorted ascending) that is >= ``n``."""
-    for size in buckets:
-        if n <= size:
-            return size
-    raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,149 +148,6 @@ class EngineConfig:
         return bucket(n, self.lengths, what)
 
 
-class DecodeState(NamedTuple):
-    """Everything the decode slots carry between calls (device pytree; donated by every program).
-
-    k_pages / v_pages: the KV page pool [layers, pages, page_size, kv_heads, head_dim].
-    lengths_b: int32 [B] valid cache positions of each slot.
-    logits_bv: float32 [B, V] next-token logits of each slot (from its last forward).
-    hidden_bd: float32 [B, D] final hidden state at each slot's last token.
-    keys_bk: uint32 [B, key_size] raw PRNG key data of each slot's sequence.
-    sampled_b: int32 [B] tokens sampled since the sequence started (the step of its key stream).
-    turn_tokens_b / turn_limit_b: int32 [B] tokens sampled in the current turn / its limit.
-    stop_reason_b: int32 [B] ``StopReason`` of the current turn. greedy_b: bool [B] argmax decoding.
-    recent_bw: int32 [B, W] the turn's last W sampled ids (-1 before the turn's first), for stop matching.
-    stops_sw: int32 [S, W] stop sequences right-aligned, left-padded with -1; stop_len_s: int32 [S] (0 unused).
-    eos_e: int32 [E] EOS ids (-1 unused).
-    bank_logits_rv / bank_hidden_rd: float32 [R, V] / [R, D] next-token logits and hidden state of kept
-      prefixes (``Prefix``), the rows forks start from; R = max_slots.
-    """
-
-    k_pages: jax.Array
-    v_pages: jax.Array
-    lengths_b: jax.Array
-    logits_bv: jax.Array
-    hidden_bd: jax.Array
-    keys_bk: jax.Array
-    sampled_b: jax.Array
-    turn_tokens_b: jax.Array
-    turn_limit_b: jax.Array
-    stop_reason_b: jax.Array
-    greedy_b: jax.Array
-    recent_bw: jax.Array
-    stops_sw: jax.Array
-    stop_len_s: jax.Array
-    eos_e: jax.Array
-    bank_logits_rv: jax.Array
-    bank_hidden_rd: jax.Array
-
-
-@dataclasses.dataclass
-class SlotState:
-    """The engine's state as the host holds it: the device pytree plus host bookkeeping that never needs a
-    device->host copy (lengths and running flags are updated from ``generate``'s one packed result)."""
-
-    device: DecodeState
-    pool: pages.PagePool
-    lengths: np.ndarray  # int32 [B]
-    running: np.ndarray  # bool [B]
-    active: np.ndarray  # bool [B]: holds a sequence (not freed)
-    bank_free: list[int] = dataclasses.field(default_factory=list)  # unused prefix bank rows
-
-
-@dataclasses.dataclass
-class Prefix:
-    """A kept prefix (host handle): its bank row, its held KV pages and its length. Fork from it any number of
-    times, while or after its slot decodes on; ``Engine.drop_prefix`` gives its pages and row back."""
-
-    row: int
-    pages: list[int]
-    length: int
-
-
-class AppendResult(NamedTuple):
-    """hidden: float32 [k, D] device array, row i the final hidden state at ``items[i]``'s last id;
-    prefixes: the ``Prefix`` of each item appended with ``keep=True`` (``None`` for the others)."""
-
-    hidden: jax.Array
-    prefixes: list[Prefix | None]
-
-
-@dataclasses.dataclass(frozen=True)
-class AppendItem:
-    """Append ``ids`` to ``slot``; ``reset`` starts a fresh sequence there with PRNG ``seed``; ``keep`` keeps
-    the resulting history as a ``Prefix`` to fork from."""
-
-    slot: int
-    ids: Sequence[int] | np.ndarray
-    reset: bool = False
-    seed: int = 0
-    greedy: bool = False
-    turn_limit: int | None = None
-    keep: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateOutput:
-    """Host copy of one ``generate`` call. Row b's tokens of this call are ``tokens[b, :num_tokens[b]]``.
-
-    tokens: int32 [B, N]; logprobs (untempered policy), sample_logprobs, entropies: float32 [B, N].
-    num_tokens: int32 [B] tokens each slot sampled in this call. stop_reason: int32 [B] ``StopReason``
-    after the call (``RUNNING``: the turn goes on at the next call). hidden: float32 [B, D] final hidden
-    state at each slot's last token. steps: decode steps the loop ran.
-    """
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    sample_logprobs: np.ndarray
-    entropies: np.ndarray
-    num_tokens: np.ndarray
-    stop_reason: np.ndarray
-    hidden: np.ndarray
-    steps: int
-
-    @classmethod
-    def unpack(cls, packed: np.ndarray, hidden_size: int) -> GenerateOutput:
-        """Reads the ``[B, 4N + 3 + D]`` float32 array ``generate`` returns (ints travel as bit patterns)."""
-        packed = np.asarray(packed, np.float32)
-        as_int = packed.view(np.int32)
-        n = (packed.shape[1] - 3 - hidden_size) // 4
-        return cls(
-            tokens=as_int[:, :n].copy(),
-            logprobs=packed[:, n : 2 * n].copy(),
-            sample_logprobs=packed[:, 2 * n : 3 * n].copy(),
-            entropies=packed[:, 3 * n : 4 * n].copy(),
-            num_tokens=as_int[:, 4 * n].copy(),
-            stop_reason=as_int[:, 4 * n + 1].copy(),
-            hidden=packed[:, 4 * n + 3 :].copy(),
-            steps=int(as_int[0, 4 * n + 2]),
-        )
-
-
-class PendingGenerate:
-    """A dispatched ``generate`` call; ``result()`` fetches its one packed array and updates the host state."""
-
-    def __init__(self, engine: Engine, state: SlotState, packed: jax.Array):
-        self._engine, self._state, self._packed = engine, state, packed
-        self.decoded = state.running.copy()  # bool [B]: the slots this call decodes
-        self._out: GenerateOutput | None = None
-
-    def result(self) -> GenerateOutput:
-        """The call's output; host lengths and running flags of the slots it decoded are updated. Slots
-        appended to or forked while it ran keep their new state (its output rows for them are stale)."""
-        if self._out is None:
-            out = GenerateOutput.unpack(np.asarray(self._packed), self._engine.hidden_size)
-            state, decoded = self._state, self.decoded
-            state.lengths[decoded] += out.num_tokens[decoded]
-            state.running[decoded] &= out.stop_reason[decoded] == StopReason.RUNNING
-            out.stop_reason[~state.active] = StopReason.IDLE
-            counters = self._engine.counters
-            counters["decode_steps"] += out.steps
-            counters["decode_tokens"] += int(out.num_tokens.sum())
-            self._out, self._packed = out, None
-        return self._out
-
-
 def _cast_floating(params: Any, dtype: str | None) -> Any:
     """Floating leaves of ``params`` cast to ``dtype`` (``None``: unchanged); under jit, with the sampling
     layout's output shardings, this is the once-per-step reshard from the training layout."""
@@ -335,6 +192,8 @@ class Engine:
         state_out = None if layout is None else layout.state_shardings(self)
         out = lambda *o: {} if layout is None else {"out_shardings": o[0] if len(o) == 1 else o}
         replicated = None if layout is None else layout.replicated
+        # The state is born with its shardings (each device allocates only its shards, never all on one).
+        self.programs.define("init", self._build_state, **out(state_out))
         self.programs.define("append", self._append_impl, donate_argnums=(1,), **out(state_out, replicated))
         self.programs.define("fork", self._fork_impl, donate_argnums=(0,), **out(state_out))
         self.programs.define("generate", self._generate_impl, donate_argnums=(1,), **out(state_out, replicated))
@@ -382,12 +241,11 @@ class Engine:
         """Empty slots (all ``IDLE``) with the stop tables every turn is checked against."""
         cfg = self.config
         tables = self._stop_tables(stop_sequences, eos_ids)
-        # Born with its shardings (each device allocates only its shards), never built on one device first.
-        out = None if self.layout is None else self.layout.state_shardings(self)
-        device = jax.jit(lambda: self._build_state(*tables), out_shardings=out)()
+        device = self.programs("init", *(self._put(table) for table in tables))
         pool = pages.PagePool(cfg.pool_pages, cfg.page, cfg.max_slots, cfg.pages_per_slot)
         zeros = np.zeros(cfg.max_slots, np.int32)
-        return SlotState(device, pool, zeros, zeros.astype(bool), zeros.astype(bool), list(range(cfg.max_slots))[::-1])
+        bank = list(range(cfg.max_slots))[::-1]
+        return SlotState(device, pool, zeros, zeros.astype(bool), zeros.astype(bool), bank, tables)
 
     def state_shapes(self) -> DecodeState:
         """``jax.ShapeDtypeStruct`` of every ``DecodeState`` field (no memory)."""
@@ -396,7 +254,7 @@ class Engine:
     def _build_state(self, stops: np.ndarray, stop_len: np.ndarray, eos: np.ndarray) -> DecodeState:
         cfg, mc = self.config, self.model_config
         b, width = cfg.max_slots, cfg.max_stop_len
-        pool_shape = (mc.num_layers, cfg.pool_pages, cfg.page, mc.num_kv_heads, mc.head_dim)
+        pool_shape = (mc.num_layers, mc.num_kv_heads, cfg.pool_pages, cfg.page, mc.head_dim)
         dtype = jnp.dtype(cfg.cache_dtype) if cfg.cache_dtype else mc.compute_dtype
         return DecodeState(
             k_pages=jnp.zeros(pool_shape, dtype),
@@ -444,18 +302,16 @@ class Engine:
         state, self._parked = self._parked, None
         if state is None:
             return self.init_decode_state(stop_sequences, eos_ids)
-        stops, stop_len, eos = self._stop_tables(stop_sequences, eos_ids)
-        if not (
-            np.array_equal(stops, state.device.stops_sw)
-            and np.array_equal(stop_len, state.device.stop_len_s)
-            and np.array_equal(eos, state.device.eos_e)
-        ):
+        tables = self._stop_tables(stop_sequences, eos_ids)
+        if not all(np.array_equal(new, old) for new, old in zip(tables, state.stop_tables, strict=True)):
             device = state.device
             put = lambda new, old: jax.device_put(new, old.sharding)
+            stops, stop_len, eos = tables
             state.device = device._replace(
                 stops_sw=put(stops, device.stops_sw), stop_len_s=put(stop_len, device.stop_len_s),
                 eos_e=put(eos, device.eos_e),
             )  # fmt: skip
+            state.stop_tables = tables
         return state
 
     def release_state(self, state: SlotState) -> None:
@@ -538,24 +394,10 @@ class Engine:
         rows_k = jnp.minimum(slot_k, cfg.max_slots - 1)  # padding rows compute on a copy, then drop
         reset_k = reset_k > 0
         lengths_k = jnp.where(reset_k, 0, state.lengths_b[rows_k])
-        # The gather-based reference read: the named slots' whole cache rows through their page tables.
-        positions_ks = jnp.broadcast_to(jnp.arange(cfg.max_len), (k, cfg.max_len))
-        view = KVCache(
-            pages.gather_positions(state.k_pages, table_kp, positions_ks, cfg.page),
-            pages.gather_positions(state.v_pages, table_kp, positions_ks, cfg.page),
-            lengths_k,
-        )
-        hidden_ktd, view = model.hidden(tokens_kt, view, num_new_k)
-        # Write back only the appended positions (the rest of the view is what was read).
-        index_t = jnp.arange(width)
-        new_kt = jnp.where(index_t[None] < num_new_k[:, None], lengths_k[:, None] + index_t[None], -1)
-        k_pages, v_pages = (
-            pages.scatter_positions(pool, table_kp, new_kt, taken, cfg.page)
-            for pool, taken in (
-                (state.k_pages, view.k[:, jnp.arange(k)[:, None], jnp.clip(new_kt, 0)]),
-                (state.v_pages, view.v[:, jnp.arange(k)[:, None], jnp.clip(new_kt, 0)]),
-            )
-        )
+        # The model writes the new keys / values straight into the named slots' pages and reads their whole
+        # history through the page tables (padding rows' tables point at the trash page).
+        cache = pages.PagedKVCache(state.k_pages, state.v_pages, table_kp, lengths_k, jnp.arange(cfg.max_len))
+        hidden_ktd, cache = model.hidden(tokens_kt, cache, num_new_k)
         last_kd = hidden_ktd[jnp.arange(k), jnp.maximum(num_new_k - 1, 0)]
         grown_k1 = (num_new_k > 0)[:, None]
         hidden_kd = jnp.where(grown_k1, last_kd.astype(jnp.float32), state.hidden_bd[rows_k])
@@ -564,9 +406,9 @@ class Engine:
         put = lambda dst, src: dst.at[slot_k].set(src.astype(dst.dtype), mode="drop")
         zeros = jnp.zeros_like(slot_k)
         state = state._replace(
-            k_pages=k_pages,
-            v_pages=v_pages,
-            lengths_b=put(state.lengths_b, lengths_k + num_new_k),
+            k_pages=cache.k_pages,
+            v_pages=cache.v_pages,
+            lengths_b=put(state.lengths_b, cache.lengths),
             logits_bv=put(state.logits_bv, logits_kv),
             hidden_bd=put(state.hidden_bd, hidden_kd),
             keys_bk=put(state.keys_bk, jnp.where(reset_k[:, None], new_keys_kk, state.keys_bk[rows_k])),
@@ -700,9 +542,9 @@ class Engine:
 
         The loop ends early when no slot is running, or once ``refill_after`` turns have ended in this call
         (so a host loop can refill freed slots at once; default: never early). Each sampled token is also
-        run through the model (so the cache holds the whole turn, stop sequence included). The loop reads a
-        window of each slot's first ``W`` positions, ``W`` the length bucket of the longest running slot +
-        ``steps_per_call``, through the page table.
+        run through the model (so the cache holds the whole turn, stop sequence included). Attention reads
+        each slot's first ``W`` positions through its page table, ``W`` the length bucket of the longest
+        running slot + ``steps_per_call``.
         """
         state, pending = self.generate_async(params, state, refill_after)
         return state, pending.result()
@@ -716,16 +558,11 @@ class Engine:
         reason_b = state.stop_reason_b
         idle_b = ~host_running_b & (reason_b == StopReason.RUNNING)
         state = state._replace(stop_reason_b=jnp.where(idle_b, StopReason.IDLE, reason_b))
-        positions_bw = jnp.broadcast_to(jnp.arange(window), (b, window))
-        start_b = state.lengths_b
-        view = KVCache(
-            pages.gather_positions(state.k_pages, table_bp, positions_bw, cfg.page),
-            pages.gather_positions(state.v_pages, table_bp, positions_bw, cfg.page),
-            start_b,
-        )
+        # Attention reads each slot's first ``window`` positions through its page table, layer by layer.
+        cache = pages.PagedKVCache(state.k_pages, state.v_pages, table_bp, state.lengths_b, jnp.arange(window))
 
         def step_fn(carry):
-            step, st, view, out, num_b, ended = carry
+            step, st, cache, out, num_b, ended = carry
             running_b = st.stop_reason_b == StopReason.RUNNING
             keys_b = jax.vmap(lambda data, i: jax.random.fold_in(jax.random.wrap_key_data(data), i))(
                 st.keys_bk, st.sampled_b
@@ -735,7 +572,7 @@ class Engine:
                 best = sample(st.logits_bv, keys_b, _GREEDY)
                 drawn = jax.tree.map(lambda g, d: jnp.where(st.greedy_b, g, d), best, drawn)
             token_b = jnp.where(running_b, drawn.tokens, 0)
-            hidden_b1d, view = model.hidden(token_b[:, None], view, running_b.astype(jnp.int32))
+            hidden_b1d, cache = model.hidden(token_b[:, None], cache, running_b.astype(jnp.int32))
             logits_bv = model.logits(hidden_b1d[:, 0])
             columns = (token_b, drawn.logprobs, drawn.sample_logprobs, drawn.entropies)
             out = tuple(buf.at[:, step].set(col.astype(buf.dtype)) for buf, col in zip(out, columns, strict=True))
@@ -748,13 +585,13 @@ class Engine:
             stop_b = jnp.any(matches_bs & (st.stop_len_s[None] > 0), axis=-1)
             eos_b = jnp.any(token_b[:, None] == st.eos_e[None], axis=-1)
             reason_b = jnp.select(
-                [stop_b, eos_b, turn_tokens_b >= st.turn_limit_b, view.lengths >= max_len],
+                [stop_b, eos_b, turn_tokens_b >= st.turn_limit_b, cache.lengths >= max_len],
                 [StopReason.STOP_SEQUENCE, StopReason.EOS, StopReason.TURN_LIMIT, StopReason.CONTEXT_FULL],
                 StopReason.RUNNING,
             )
             running_col = running_b[:, None]
             st = st._replace(
-                lengths_b=view.lengths,
+                lengths_b=cache.lengths,
                 logits_bv=jnp.where(running_col, logits_bv, st.logits_bv),
                 hidden_bd=jnp.where(running_col, hidden_b1d[:, 0].astype(jnp.float32), st.hidden_bd),
                 sampled_b=st.sampled_b + grow_b,
@@ -763,7 +600,7 @@ class Engine:
                 recent_bw=recent_bw,
             )
             ended = ended + jnp.sum(running_b & (reason_b != StopReason.RUNNING))
-            return step + 1, st, view, out, num_b + grow_b, ended
+            return step + 1, st, cache, out, num_b + grow_b, ended
 
         def keep_going(carry):
             step, st, _, _, _, ended = carry
@@ -775,18 +612,13 @@ class Engine:
             jnp.zeros((b, n), jnp.float32),
             jnp.zeros((b, n), jnp.float32),
         )
-        carry = (jnp.int32(0), state, view, out, jnp.zeros((b,), jnp.int32), jnp.int32(0))
-        steps, state, view, (tokens, logprobs, sample_logprobs, entropies), num_b, _ = jax.lax.while_loop(
+        # The pools travel in the loop carry (as the cache), so XLA updates them in place.
+        carry = (jnp.int32(0), state._replace(k_pages=None, v_pages=None), cache, out, jnp.zeros((b,), jnp.int32))
+        carry = (*carry, jnp.int32(0))
+        steps, state, cache, (tokens, logprobs, sample_logprobs, entropies), num_b, _ = jax.lax.while_loop(
             keep_going, step_fn, carry
         )
-        # Write back only the positions this call filled: at most steps_per_call per slot.
-        index_n = jnp.arange(n)
-        new_bn = jnp.where(index_n[None] < num_b[:, None], start_b[:, None] + index_n[None], -1)
-        taken = lambda cache: cache[:, jnp.arange(b)[:, None], jnp.clip(new_bn, 0, window - 1)]
-        state = state._replace(
-            k_pages=pages.scatter_positions(state.k_pages, table_bp, new_bn, taken(view.k), cfg.page),
-            v_pages=pages.scatter_positions(state.v_pages, table_bp, new_bn, taken(view.v), cfg.page),
-        )
+        state = state._replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
         packed = jnp.concatenate(
             [
                 _as_float(tokens),

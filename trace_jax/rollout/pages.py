@@ -13,15 +13,17 @@ that page). A slot only ever writes at positions >= its length, i.e. into its ow
 a full page with count > 1 is never written. Releasing a slot decrements its pages; a page at 0 returns to the
 free list. ``page_size = max_len`` is the contiguous cache: one page per slot, a fork copies the whole row.
 
-Device side: ``gather_positions`` reads slots' positions through the table into a contiguous
-``[layers, b, s, kv_heads, head_dim]`` view (the gather-based reference path that works on every backend);
-``scatter_positions`` writes a view's positions back. Both take per-position page / offset indices, so any
+Device side: ``PagedKVCache`` is the cache type the model runs on (``write_layer`` / ``read_layer`` behind
+``trace_jax.models.attention.attend_cached``): a layer's new keys and values are scattered straight into
+their pages, and attention reads a slot's positions through its table, one layer at a time (the gather-
+based reference path, every backend), or with the TPU Pallas paged-attention kernel where it applies. Any
 page size, contiguous included, is the same code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -131,28 +133,106 @@ class PagePool:
 # ------------------------------------------------------------------------------------------- device
 def position_index(table_bp: jax.Array, positions_bs: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
     """Page and offset int32 [b, s] of each slot's positions; positions outside the table map to page
-    ``num_pages`` (out of bounds: a scatter drops them, a gather clamps and the caller masks)."""
+    ``int32 max`` (out of bounds: a scatter drops them; a gather clamps and attention masks them)."""
     columns_bs = positions_bs // page_size
     inside_bs = (positions_bs >= 0) & (columns_bs < table_bp.shape[1])
     pages_bs = jnp.take_along_axis(table_bp, jnp.clip(columns_bs, 0, table_bp.shape[1] - 1), axis=1)
     return jnp.where(inside_bs, pages_bs, jnp.iinfo(jnp.int32).max), positions_bs % page_size
 
 
-def gather_positions(pool_lpske: jax.Array, table_bp: jax.Array, positions_bs: jax.Array, page_size: int) -> jax.Array:
-    """``[layers, b, s, kv_heads, head_dim]``: slot b's positions ``positions_bs[b]`` read through the table."""
-    pages_bs, offsets_bs = position_index(table_bp, positions_bs, page_size)
-    return pool_lpske[:, jnp.minimum(pages_bs, pool_lpske.shape[1] - 1), offsets_bs]
+def copy_pages(pool_lkpze: jax.Array, source_n: jax.Array, dest_n: jax.Array) -> jax.Array:
+    """Copies pages ``source_n[i] -> dest_n[i]`` in every layer (the fork's copy of a partly filled page)."""
+    return pool_lkpze.at[:, :, dest_n].set(pool_lkpze[:, :, source_n])
 
 
-def scatter_positions(
-    pool_lpske: jax.Array, table_bp: jax.Array, positions_bs: jax.Array, values_lbske: jax.Array, page_size: int
-) -> jax.Array:
-    """Writes ``values_lbske[:, b, i]`` at slot b's position ``positions_bs[b, i]``; out-of-table positions
-    are dropped. Donate the pool so XLA writes in place."""
-    pages_bs, offsets_bs = position_index(table_bp, positions_bs, page_size)
-    return pool_lpske.at[:, pages_bs, offsets_bs].set(values_lbske.astype(pool_lpske.dtype), mode="drop")
+class PagedKVCache(NamedTuple):
+    """The KV cache the model sees when it runs on engine slots: the page pools plus the slots' page tables.
+
+    k_pages / v_pages: [layers, kv_heads, pages, page_size, head_dim] (the layout of the Pallas paged-
+    attention kernel); table_bp: int32 [B, pages per slot]; lengths: int32 [B] valid positions per slot;
+    window_w: int32 [W] = 0..W-1, the positions attention reads (its length is the static window).
+
+    It has the two methods ``trace_jax.models.attention.attend_cached`` needs (``write_layer``,
+    ``read_layer``: the gather-based reference path, any backend) and ``attend_layer``, which runs the TPU
+    Pallas paged-attention kernel where it applies (one new token per slot) and the reference otherwise.
+    """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    table_bp: jax.Array
+    lengths: jax.Array
+    window_w: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[3]
+
+    @property
+    def max_len(self) -> int:
+        return self.window_w.shape[0]
+
+    def write_layer(self, layer: jax.Array, positions_bt: jax.Array, k_btke: jax.Array, v_btke: jax.Array):
+        """Stores one layer's new keys / values at each slot's positions, through its page table (positions
+        past the table, i.e. padding past ``max_len``, are dropped)."""
+        pages_bt, offsets_bt = position_index(self.table_bp, positions_bt, self.page_size)
+        # Every index an array broadcasting to [B, T, K]: the written block is [B, T, K, E] whether ``layer``
+        # is a traced scalar or a Python int.
+        heads_11k = jnp.arange(self.k_pages.shape[1])[None, None, :]
+        index = (layer, heads_11k, pages_bt[..., None], offsets_bt[..., None])
+        write = lambda pool, new_btke: pool.at[index].set(new_btke.astype(pool.dtype), mode="drop")
+        return self._replace(k_pages=write(self.k_pages, k_btke), v_pages=write(self.v_pages, v_btke))
+
+    def read_layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """One layer's keys and values of the window's positions, [B, W, kv_heads, head_dim] each, read
+        through the page table (the gather-based reference path)."""
+        positions_bw = jnp.broadcast_to(self.window_w, (self.table_bp.shape[0], self.max_len))
+        pages_bw, offsets_bw = position_index(self.table_bp, positions_bw, self.page_size)
+        pages_bw = jnp.minimum(pages_bw, self.k_pages.shape[2] - 1)  # out-of-table positions: masked anyway
+        read = lambda pool: jnp.moveaxis(pool[layer][:, pages_bw, offsets_bw], 0, 2)
+        return read(self.k_pages), read(self.v_pages)
+
+    def attend_layer(
+        self, layer: jax.Array, q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array, positions_bt, implementation
+    ):
+        """``attend_cached`` for this cache: write, then the Pallas kernel on TPU for single-token decoding,
+        else the gather-based reference path."""
+        from trace_jax.models import attention as attention_lib
+
+        cache = self.write_layer(layer, positions_bt, k_btke, v_btke)
+        if q_bthe.shape[1] == 1 and _pallas_paged_attention_applies(implementation):
+            return cache._pallas_decode(layer, q_bthe, positions_bt), cache
+        keys_bske, values_bske = cache.read_layer(layer)
+        dtype = q_bthe.dtype
+        out = attention_lib.attention(
+            q_bthe, keys_bske.astype(dtype), values_bske.astype(dtype), positions_bt, implementation=implementation
+        )
+        return out, cache
+
+    def _pallas_decode(self, layer: jax.Array, q_bthe: jax.Array, positions_bt: jax.Array) -> jax.Array:
+        """TPU only, untested here (no TPU on the development machines): one query per slot against its pages.
+        Heads must be whole inside the call (wrap in ``shard_map`` when they are split over ``tensor``)."""
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+        b, _, h, e = q_bthe.shape
+        pages_per_slot = self.table_bp.shape[1]
+        block = max(d for d in (8, 4, 2, 1) if pages_per_slot % d == 0)
+        out_bhe = paged_attention(
+            (q_bthe[:, 0] / jnp.sqrt(jnp.float32(e))).astype(q_bthe.dtype),
+            self.k_pages[layer],
+            self.v_pages[layer],
+            positions_bt[:, 0] + 1,  # the new token sees itself and every earlier position
+            self.table_bp,
+            pages_per_compute_block=block,
+        )
+        return out_bhe.reshape(b, 1, h, e).astype(q_bthe.dtype)
 
 
-def copy_pages(pool_lpske: jax.Array, source_k: jax.Array, dest_k: jax.Array) -> jax.Array:
-    """Copies pages ``source_k[i] -> dest_k[i]`` (the fork's copy-on-write of a partly filled page)."""
-    return pool_lpske.at[:, dest_k].set(pool_lpske[:, source_k])
+def _pallas_paged_attention_applies(implementation: str) -> bool:
+    """On TPU, unless a specific non-TPU implementation was asked for, and only if the kernel imports."""
+    if jax.default_backend() != "tpu" or implementation not in ("auto", "splash"):
+        return False
+    try:
+        from jax.experimental.pallas.ops.tpu import paged_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True

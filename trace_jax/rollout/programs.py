@@ -77,9 +77,7 @@ class ProgramSet:
         key = (name, static, signature(args))
         executable = self._executables.get(key)
         if executable is None:
-            definition = self._definitions[name]
-            fn = functools.partial(definition.fn, *static) if static else definition.fn
-            executable = jax.jit(fn, **definition.jit_kwargs).lower(*args).compile()
+            executable = self.jitted(name, static).lower(*args).compile()
             self._executables[key] = executable
             self.compilations[name] += 1
             shapes = f"{name}{list(static) if static else ''}({describe_signature(args)})"
@@ -89,6 +87,13 @@ class ProgramSet:
             else:
                 log.info("%s compiled %s", self.owner, shapes)
         return executable
+
+    def jitted(self, name: str, static: tuple = ()) -> Any:
+        """The ``jax.jit`` of program ``name`` with its static arguments bound (for AOT tools such as the
+        memory planner; calls go through ``__call__`` so they are counted)."""
+        definition = self._definitions[name]
+        fn = functools.partial(definition.fn, *static) if static else definition.fn
+        return jax.jit(fn, **definition.jit_kwargs)
 
     def __call__(self, name: str, *args: Any, static: tuple = ()) -> Any:
         executable = self.compile(name, *args, static=static)
