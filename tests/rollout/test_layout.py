@@ -28,11 +28,11 @@ def test_weights_are_bf16_split_over_tensor_and_never_over_fsdp(layout_run):
     for name, w in weights.items():
         assert "fsdp" not in w["spec"] and "data" not in w["spec"], name
         assert w["dtype"] == "bfloat16", name
-    # q_proj [embed 64, heads 4, head_dim 16]: heads over tensor=2, embed replicated.
+    # q_proj [layers 2, embed 64, heads 4, head_dim 16]: heads over tensor=2, embed replicated.
     q = next(w for name, w in weights.items() if ".q_proj." in name)
-    assert q["shape"] == [64, 4, 16] and q["shard"] == [64, 2, 16]
+    assert q["shape"] == [2, 64, 4, 16] and q["shard"] == [2, 64, 2, 16]
     up = next(w for name, w in weights.items() if ".up_proj." in name)
-    assert up["shard"] == [64, 64]  # mlp 128 over tensor
+    assert up["shard"] == [2, 64, 64]  # mlp 128 over tensor
     embed = next(w for name, w in weights.items() if name.startswith("embed"))
     assert embed["shard"] == [64, 64]  # vocab 128 over tensor, hidden whole
 
