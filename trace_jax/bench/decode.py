@@ -1,4 +1,5 @@
-"""Decode benchmark: our engine against transformers ``generate`` on the same weights, plus tree-vs-flat cost.
+"""Decode benchmark: our engine against transformers ``generate`` and a bare jit loop on the same weights, plus
+tree-vs-flat cost.
 
 ``python -m trace_jax.bench.decode [--quick] [--out bench_results/decode.json]`` prints JSON (also written to
 ``--out``) and a markdown table.
@@ -6,8 +7,9 @@
 Part 1, throughput. For each model (``qwen3-tiny``: 2 layers, hidden 64, vocab 512; ``qwen3-20m``), batch and
 number of new tokens, both sides decode the same random prompts (lengths 8..32) greedily with the same weights
 (ours saved with ``save_hf`` and loaded by ``transformers``), end to end from host token ids to host token
-ids: ours = ``prefill_many`` + ``insert_rows`` + one ``generate``; transformers = batched left-padded
-``generate``. Each side runs once to warm up (our first call, compile included, is reported separately),
+ids: ours = one ``insert`` of all prompts + one ``generate``; transformers = batched left-padded
+``generate``; the bare loop = one jit'd prefill + ``fori_loop`` of argmax steps (no slots, stops or
+log-probs: the floor to beat on a CPU). Each side runs once to warm up (our first call, compile included, is reported separately),
 then ``--repeats`` times (at most 3 for the 20M model), alternating ours / theirs so that load from other
 processes hits both alike; the best time gives tokens/s (batch x new tokens / time), and
 ``speedup_of_medians`` is reported too. ``greedy_match`` is the share of rows whose tokens agree exactly.
