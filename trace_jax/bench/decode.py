@@ -9,9 +9,9 @@ number of new tokens, both sides decode the same random prompts (lengths 8..32) 
 (ours saved with ``save_hf`` and loaded by ``transformers``), end to end from host token ids to host token
 ids: ours = one ``insert`` of all prompts + one ``generate``; transformers = batched left-padded
 ``generate``; the bare loop = one jit'd prefill + ``fori_loop`` of argmax steps (no slots, stops or
-log-probs: the floor to beat on a CPU). Each side runs once to warm up (our first call, compile included, is reported separately),
-then ``--repeats`` times (at most 3 for the 20M model), alternating ours / theirs so that load from other
-processes hits both alike; the best time gives tokens/s (batch x new tokens / time), and
+log-probs: the floor to beat on a CPU). Each side runs once to warm up (our first call, compile included, is
+reported separately), then ``--repeats`` times (at most 3 for the 20M model), alternating the sides so that
+load from other processes hits all alike; the best time gives tokens/s (batch x new tokens / time), and
 ``speedup_of_medians`` is reported too. ``greedy_match`` is the share of rows whose tokens agree exactly.
 ``compilations`` counts the programs our engine traced for the whole row. transformers runs with
 ``--torch-threads`` (default 1: on a loaded 2-core machine, 2 OpenMP threads ran 10-30x slower).
