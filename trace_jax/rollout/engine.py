@@ -49,7 +49,9 @@ from flax import nnx
 
 from trace_jax.buckets import bucket
 from trace_jax.models.qwen import ModelConfig, abstract_model
+from trace_jax.parallel.mesh import make_mesh
 from trace_jax.rollout import pages
+from trace_jax.rollout.layout import SamplingLayout
 from trace_jax.rollout.programs import ProgramSet
 from trace_jax.rollout.slots import (
     AppendItem,
@@ -167,7 +169,7 @@ class Engine:
       graphdef: ``nnx`` graph definition of the model (``nnx.split(model, nnx.Param)[0]``).
       model_config: the model's ``ModelConfig``.
       config: engine sizes and sampling.
-      layout: a ``SamplingLayout`` (mesh + shardings of weights, slots and cache); ``None``: one device.
+      layout: a ``SamplingLayout`` (mesh + shardings of weights, slots and cache); ``None``: the first device.
     """
 
     def __init__(
@@ -180,7 +182,10 @@ class Engine:
         self.graphdef = graphdef
         self.model_config = model_config
         self.config = config or EngineConfig()
-        self.layout = layout
+        # Without a layout: the sampling layout on one device, so every program's outputs are pinned to the
+        # inputs' placement (otherwise XLA may hand back another sharding object and the next call recompiles).
+        self.layout = layout or SamplingLayout(make_mesh(devices=jax.devices()[:1]))
+        layout = self.layout
         self.params: Any = None
         self._params_source: Any = None
         self.counters: collections.Counter[str] = collections.Counter()
@@ -189,9 +194,9 @@ class Engine:
         # The decode state (its KV pool above all) is donated by every program, so XLA updates it in place;
         # without donation each call would hold two pools and copy between them.
         # With a layout, outputs keep the state's shardings, so each program's inputs never change signature.
-        state_out = None if layout is None else layout.state_shardings(self)
-        out = lambda *o: {} if layout is None else {"out_shardings": o[0] if len(o) == 1 else o}
-        replicated = None if layout is None else layout.replicated
+        state_out = layout.state_shardings(self)
+        out = lambda *o: {"out_shardings": o[0] if len(o) == 1 else o}
+        replicated = layout.replicated
         # The state is born with its shardings (each device allocates only its shards, never all on one).
         self.programs.define("init", self._build_state, **out(state_out))
         self.programs.define("append", self._append_impl, donate_argnums=(1,), **out(state_out, replicated))
@@ -226,10 +231,8 @@ class Engine:
         return self.params
 
     def _convert(self, params: nnx.State) -> nnx.State:
-        if self.layout is None and self.config.weight_dtype is None:
-            return params
         if "reshard" not in self.programs:  # its output shardings follow the weights' tree
-            placed = {} if self.layout is None else {"out_shardings": self.layout.param_shardings(params)}
+            placed = {"out_shardings": self.layout.param_shardings(params)}
             self.programs.define("reshard", functools.partial(_cast_floating, dtype=self.config.weight_dtype), **placed)
         return self.programs("reshard", params)
 
@@ -322,7 +325,7 @@ class Engine:
 
     def _put(self, array: np.ndarray) -> jax.Array:
         """A host array (copied: the caller may reuse its buffer) on the engine's devices, replicated."""
-        sharding = None if self.layout is None else self.layout.replicated
+        sharding = self.layout.replicated
         return jax.device_put(np.array(array), sharding)
 
     # --------------------------------------------------------------------------------------- append
