@@ -643,7 +643,7 @@ class Engine:
         next ``generate`` gets the host's running flags, so a freed slot is never decoded until refilled.
         Do not free a slot an in-flight ``generate_async`` decodes."""
         for slot in [slots] if isinstance(slots, int | np.integer) else slots:
-            state.pool.release(int(slot))
+            state.pool.release(int(slot), int(state.lengths[slot]))
             state.lengths[slot] = 0
             state.active[slot] = state.running[slot] = False
         return state

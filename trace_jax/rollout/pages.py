@@ -40,6 +40,7 @@ class PageStats:
     peak_in_use: int = 0
     fork_copies: int = 0
     shared_by_forks: int = 0
+    unwritten: int = 0  # pages reserved ahead of decoding that were released holding no position
 
 
 class PagePool:
@@ -87,8 +88,11 @@ class PagePool:
             self.table[slot, column] = self._take()
         self.owned[slot] = max(self.owned[slot], need)
 
-    def release(self, slot: int) -> None:
-        """Drops every page reference of ``slot`` (a page nobody references returns to the free list)."""
+    def release(self, slot: int, length: int | None = None) -> None:
+        """Drops every page reference of ``slot`` (a page nobody references returns to the free list);
+        ``length`` (the slot's filled positions) lets the stats count reserved pages never written."""
+        if length is not None:
+            self.stats.unwritten += max(int(self.owned[slot]) - self.pages_for(length), 0)
         for page in self.table[slot, : self.owned[slot]]:
             self.refcount[page] -= 1
             if self.refcount[page] == 0:
