@@ -23,8 +23,8 @@ from trace_jax.envs.react import ReActConfig, ReActEnv
 from trace_jax.envs.retriever import RetrieverConfig, build_retriever
 from trace_jax.models.qwen import ModelConfig
 from trace_jax.rollout.engine import Engine, EngineConfig
+from trace_jax.rollout.layout import SamplingLayout
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
-from trace_jax.rollout.sampling import SamplingConfig
 from trace_jax.sft import SFTConfig, run_sft
 
 CONFIG_FILE = "config.json"
@@ -54,22 +54,33 @@ def build_world(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Wor
     return World(world, tokenizer, env)
 
 
+def build_engine(
+    config: ml_collections.ConfigDict, model_config: ModelConfig, params: nnx.State | None = None, *, mesh=None
+) -> Engine:
+    """The one decode engine of a run (rollouts and evaluation share it, and its KV pool). With a ``mesh`` it
+    decodes in the sampling layout (``trace_jax.rollout.layout``); ``params`` become its weights."""
+    layout = None if mesh is None else SamplingLayout(mesh)
+    engine = Engine.for_model(model_config, from_config(EngineConfig, config.engine), layout)
+    if params is not None:
+        engine.set_params(params)
+    return engine
+
+
 def build_runner(
     config: ml_collections.ConfigDict,
     model_config: ModelConfig,
-    params: nnx.State,
+    params: nnx.State | None,
     world: World,
     *,
     greedy: bool = False,
     seed: int | None = None,
+    engine: Engine | None = None,
 ) -> RolloutRunner:
-    """An engine + runner for the policy; ``greedy`` swaps the sampling settings for argmax decoding."""
-    engine_config = from_config(EngineConfig, config.engine)
-    if greedy:
-        engine_config = dataclasses.replace(engine_config, sampling=SamplingConfig.make_greedy())
-    engine = Engine.for_model(model_config, engine_config)
+    """A runner for the policy on ``engine`` (default: a new one); ``greedy`` decodes by argmax (evaluation).
+    ``params`` (``None``: the engine's current weights) are handed to the engine."""
+    engine = engine or build_engine(config, model_config)
     eos_id = world.tokenizer.eos_token_id
-    overrides: dict[str, Any] = {"eos_ids": () if eos_id is None else (eos_id,)}
+    overrides: dict[str, Any] = {"eos_ids": () if eos_id is None else (eos_id,), "greedy": greedy}
     if seed is not None:
         overrides["seed"] = seed
     return RolloutRunner(engine, params, world.env, from_config(RunnerConfig, config.runner, **overrides))

@@ -97,8 +97,9 @@ class Training:
         self.batch_config = from_config(
             BatchConfig, config.batch, row_multiple=self.trainer.row_multiple, pad_id=self.world.tokenizer.pad_token_id
         )
-        self.runner = recipe.build_runner(config, self.model_config, self.state.params, self.world, seed=config.seed)
-        self.eval_runner = recipe.build_runner(config, self.model_config, self.state.params, self.world, greedy=True)
+        engine = recipe.build_engine(config, self.model_config, self.state.params, mesh=self.mesh)
+        self.runner = recipe.build_runner(config, self.model_config, None, self.world, seed=config.seed, engine=engine)
+        self.eval_runner = recipe.build_runner(config, self.model_config, None, self.world, greedy=True, engine=engine)
         self.scheduler = recipe.build_scheduler(config, self.runner)
         self.prompts = PromptStream(self.world.world.questions("train"), config.rl.prompts_per_step, config.seed)
         self.checkpointer = StateCheckpointer(

@@ -20,8 +20,7 @@ from trace_jax.rollout.mock import (
 def test_mock_generate_is_hand_computable_and_stops_like_the_engine():
     engine = MockEngine(EngineConfig(max_slots=3, max_len=64, steps_per_call=10, max_turn_tokens=6))
     state = engine.init_decode_state(stop_sequences=[[9, 9]], eos_ids=[0])
-    prefix = engine.prefill_many(None, [[1, 2], [30]])
-    state = engine.insert_rows(prefix, state, [0, 1], [0, 2], [5, 2])
+    state, _ = engine.insert(None, state, [[1, 2], [30]], [0, 2], [5, 2])
     state, out = engine.generate(None, state)
     # slot 0: history [1, 2], seed 5 -> tokens (sum + 5) % 32: 8, 16, 0 (EOS)
     assert out.tokens[0, : out.num_tokens[0]].tolist() == [8, 16, 0]

@@ -35,9 +35,13 @@ class RecordingMockEngine(MockEngine):
         self.calls = []
         self.inserted = 0
 
-    def insert_rows(self, prefix, state, rows, slots, seeds, turn_limit=None):
-        self.inserted += len(slots)
-        return super().insert_rows(prefix, state, rows, slots, seeds, turn_limit)
+    def append(self, params, state, items):
+        self.inserted += sum(item.reset for item in items)
+        return super().append(params, state, items)
+
+    def fork(self, state, sources, children, seeds, **kwargs):
+        self.inserted += len(children)
+        return super().fork(state, sources, children, seeds, **kwargs)
 
     def generate(self, params, state, refill_after=None):
         busy = sum(s is not None and s.reason == 0 for s in state.slots)
@@ -83,7 +87,7 @@ def test_root_rollouts_build_the_hand_computed_trees():
     prompt_tokens = sum(len(t.root.token_ids) for t in trees)
     assert stats.rollouts == 8 and stats.generated_tokens == 8 * 2 * 3
     assert stats.forward_tokens == prompt_tokens + 8 * 2 * 3 + 8 * 2
-    assert engine.counters["prefill_sequences"] == 2
+    assert engine.counters["started_sequences"] == 2
 
 
 def test_slots_are_refilled_while_continuations_are_queued():
@@ -100,9 +104,9 @@ def test_fork_at_a_turn_prefix_prefills_it_once_and_backs_up_values():
     tree = _trees(env, [2])[0]
     runner.continue_anchors([ContinuationRequest(tree, ROOT, 2)])  # seeds 0, 1: rewards bit 1 -> 0, 0
     anchor = tree.path(tree.leaves()[0])[1]
-    prefills_before = engine.counters["prefill_sequences"]
+    started_before = engine.counters["started_sequences"]
     stats = runner.continue_anchors([ContinuationRequest(tree, anchor, 3)])  # seeds 2, 3, 4
-    assert engine.counters["prefill_sequences"] == prefills_before + 1
+    assert engine.counters["started_sequences"] == started_before + 1
     new_leaves = tree[anchor].children[1:]
     assert [tree[c].reward for c in new_leaves] == [float((s >> 1) & 1) for s in (2, 3, 4)]
     assert tree.leaf_counts()[anchor] == 4
@@ -137,8 +141,11 @@ def test_real_engine_records_the_policy_logprobs_and_features_teacher_forcing_re
         max_len=48,
         steps_per_call=6,
         max_turn_tokens=4,
-        min_bucket=48,
+        length_buckets=(48,),
+        row_buckets=(2,),
         sampling=SamplingConfig(temperature=1.3, top_k=20),
+        weight_dtype=None,  # teacher forcing below runs the fp32 weights
+        page_size=8,
     )
     engine = Engine.for_model(config, engine_config)
     env = ToyEnv(max_turns=2, truncation_ends=False)

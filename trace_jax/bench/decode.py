@@ -1,4 +1,5 @@
-"""Decode benchmark: our engine against transformers ``generate`` on the same weights, plus tree-vs-flat cost.
+"""Decode benchmark: our engine against transformers ``generate`` and a bare jit loop on the same weights, plus
+tree-vs-flat cost.
 
 ``python -m trace_jax.bench.decode [--quick] [--out bench_results/decode.json]`` prints JSON (also written to
 ``--out``) and a markdown table.
@@ -6,10 +7,11 @@
 Part 1, throughput. For each model (``qwen3-tiny``: 2 layers, hidden 64, vocab 512; ``qwen3-20m``), batch and
 number of new tokens, both sides decode the same random prompts (lengths 8..32) greedily with the same weights
 (ours saved with ``save_hf`` and loaded by ``transformers``), end to end from host token ids to host token
-ids: ours = ``prefill_many`` + ``insert_rows`` + one ``generate``; transformers = batched left-padded
-``generate``. Each side runs once to warm up (our first call, compile included, is reported separately),
-then ``--repeats`` times (at most 3 for the 20M model), alternating ours / theirs so that load from other
-processes hits both alike; the best time gives tokens/s (batch x new tokens / time), and
+ids: ours = one ``insert`` of all prompts + one ``generate``; transformers = batched left-padded
+``generate``; the bare loop = one jit'd prefill + ``fori_loop`` of argmax steps (no slots, stops or
+log-probs: the floor to beat on a CPU). Each side runs once to warm up (our first call, compile included, is
+reported separately), then ``--repeats`` times (at most 3 for the 20M model), alternating the sides so that
+load from other processes hits all alike; the best time gives tokens/s (batch x new tokens / time), and
 ``speedup_of_medians`` is reported too. ``greedy_match`` is the share of rows whose tokens agree exactly.
 ``compilations`` counts the programs our engine traced for the whole row. transformers runs with
 ``--torch-threads`` (default 1: on a loaded 2-core machine, 2 OpenMP threads ran 10-30x slower).
@@ -32,10 +34,11 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trace_jax.models.qwen import ModelConfig, Qwen, num_params
+from trace_jax.models.qwen import KVCache, ModelConfig, Qwen, abstract_model, num_params
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
 from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.mock import ToyEnv
@@ -61,10 +64,9 @@ def _interleaved(fns: dict[str, Any], repeats: int) -> dict[str, tuple[list[floa
 
 
 class Ours:
-    """Our engine, sized for one (batch, new tokens) setting."""
+    """Our engine, sized for one (batch, new tokens) setting: one ``insert`` of all prompts + one ``generate``."""
 
     def __init__(self, config: ModelConfig, params: nnx.State, batch: int, new_tokens: int):
-        self.params = params
         self.engine = Engine.for_model(
             config,
             EngineConfig(
@@ -72,19 +74,54 @@ class Ours:
                 max_len=32 + new_tokens,
                 steps_per_call=new_tokens,
                 max_turn_tokens=new_tokens,
-                min_bucket=32,
+                length_buckets=(32, 32 + new_tokens),
+                row_buckets=(batch,),
                 sampling=SamplingConfig.make_greedy(),
+                weight_dtype=None,  # the same fp32 weights transformers runs
             ),
         )
-
+        self.engine.set_params(params)
         self.state = self.engine.init_decode_state()  # slots persist across calls, as in a serving loop
 
     def __call__(self, prompts: list[list[int]]) -> np.ndarray:
         engine, n = self.engine, len(prompts)
-        prefix = engine.prefill_many(self.params, prompts)
-        self.state = engine.insert_rows(prefix, self.state, list(range(n)), list(range(n)), [0] * n)
-        self.state, out = engine.generate(self.params, self.state)
+        self.state, _ = engine.insert(None, self.state, prompts, list(range(n)), [0] * n)
+        self.state, out = engine.generate(None, self.state)
+        self.state = engine.free_resource(self.state, range(n))
         return out.tokens[:n]
+
+
+class BareLoop:
+    """The floor: one jit'd function, prefill then a ``fori_loop`` of greedy steps on a contiguous cache, no
+    slots, stops, log-probs or host bookkeeping. Same model code, same weights."""
+
+    def __init__(self, config: ModelConfig, params: nnx.State, batch: int, new_tokens: int, width: int = 32):
+        graphdef = abstract_model(config)[0]
+        self.params, self.width = params, width
+
+        def run(params, tokens_bt, lengths_b):
+            model = nnx.merge(graphdef, params)
+            cache = KVCache.init(config, batch=batch, max_len=width + new_tokens)
+            hidden_btd, cache = model.hidden(tokens_bt, cache, lengths_b)
+            first_b = jnp.argmax(model.logits(hidden_btd[jnp.arange(batch), lengths_b - 1]), -1).astype(jnp.int32)
+
+            def step(i, carry):
+                cache, token_b, out_bn = carry
+                out_bn = out_bn.at[:, i].set(token_b)
+                hidden_b1d, cache = model.hidden(token_b[:, None], cache)
+                return cache, jnp.argmax(model.logits(hidden_b1d[:, 0]), -1).astype(jnp.int32), out_bn
+
+            out = jnp.zeros((batch, new_tokens), jnp.int32)
+            return jax.lax.fori_loop(0, new_tokens, step, (cache, first_b, out))[2]
+
+        self._run = jax.jit(run)
+
+    def __call__(self, prompts: list[list[int]]) -> np.ndarray:
+        tokens = np.zeros((len(prompts), self.width), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+        lengths = np.asarray([len(p) for p in prompts], np.int32)
+        return np.asarray(self._run(self.params, tokens, lengths))
 
 
 class Transformers:
@@ -132,15 +169,22 @@ def throughput_rows(preset: str, batches, lengths, repeats: int, seed: int = 0) 
             for new_tokens in lengths:
                 prompts = _prompts(rng, batch, config.vocab_size)
                 ours = Ours(config, params, batch, new_tokens)
+                bare = BareLoop(config, params, batch, new_tokens)
                 start = time.perf_counter()
                 ours(prompts)
                 compile_s = time.perf_counter() - start
                 reference(prompts, new_tokens)  # warm-up
+                bare(prompts)
                 timed = _interleaved(
-                    {"ours": lambda o=ours, p=prompts: o(p), "hf": lambda p=prompts, n=new_tokens: reference(p, n)},
+                    {
+                        "ours": lambda o=ours, p=prompts: o(p),
+                        "hf": lambda p=prompts, n=new_tokens: reference(p, n),
+                        "bare": lambda b=bare, p=prompts: b(p),
+                    },
                     repeats,
                 )
                 (ours_times, our_tokens), (hf_times, hf_tokens) = timed["ours"], timed["hf"]
+                bare_times, bare_tokens = timed["bare"]
                 tokens = batch * new_tokens
                 rows.append(
                     {
@@ -150,13 +194,18 @@ def throughput_rows(preset: str, batches, lengths, repeats: int, seed: int = 0) 
                         "new_tokens": new_tokens,
                         "ours_tokens_per_s": round(tokens / min(ours_times)),
                         "transformers_tokens_per_s": round(tokens / min(hf_times)),
+                        "bare_loop_tokens_per_s": round(tokens / min(bare_times)),
                         "speedup": round(min(hf_times) / min(ours_times), 2),
+                        "vs_bare_loop": round(min(bare_times) / min(ours_times), 2),
                         "speedup_of_medians": round(statistics.median(hf_times) / statistics.median(ours_times), 2),
                         "ours_s": [round(t, 4) for t in ours_times],
                         "transformers_s": [round(t, 4) for t in hf_times],
                         "ours_first_call_s": round(compile_s, 2),
                         "greedy_match": float(
                             np.mean([(a == b).all() for a, b in zip(our_tokens, hf_tokens, strict=True)])
+                        ),
+                        "bare_loop_greedy_match": float(
+                            np.mean([(a == b).all() for a, b in zip(our_tokens, bare_tokens, strict=True)])
                         ),
                         "compilations": dict(ours.engine.compilations),
                     }
@@ -169,7 +218,9 @@ def tree_vs_flat(prompts: int, roots_k: int, anchors_per_tree: int, fork_k: int,
     """Forward tokens of a two-stage tree rollout against regenerating each of its leaves flat."""
     config = ModelConfig.preset("qwen3-tiny")
     params = nnx.split(Qwen(config, rngs=nnx.Rngs(seed)), nnx.Param)[1]
-    engine_config = EngineConfig(max_slots=16, max_len=256, steps_per_call=32, max_turn_tokens=24)
+    engine_config = EngineConfig(
+        max_slots=16, max_len=256, steps_per_call=32, max_turn_tokens=24, length_buckets=(64, 256), row_buckets=(16,)
+    )
     engine = Engine.for_model(config, engine_config)
     env = ToyEnv(max_turns=3, truncation_ends=False)
     runner = RolloutRunner(engine, params, env, RunnerConfig(seed=seed))
@@ -203,12 +254,16 @@ def tree_vs_flat(prompts: int, roots_k: int, anchors_per_tree: int, fork_k: int,
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = "| model | params | batch | new tokens | ours tok/s | transformers tok/s | speedup | greedy match |"
-    lines = [head, "|" + "---|" * 8]
+    head = (
+        "| model | params | batch | new tokens | ours tok/s | transformers tok/s | bare loop tok/s | vs transformers "
+        "| vs bare loop | greedy match |"
+    )
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['params_m']}M | {r['batch']} | {r['new_tokens']} | {r['ours_tokens_per_s']:,} | "
-            f"{r['transformers_tokens_per_s']:,} | {r['speedup']}x | {r['greedy_match']:.2f} |"
+            f"{r['transformers_tokens_per_s']:,} | {r['bare_loop_tokens_per_s']:,} | {r['speedup']}x | "
+            f"{r['vs_bare_loop']}x | {r['greedy_match']:.2f} |"
         )
     return "\n".join(lines)
 

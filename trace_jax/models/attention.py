@@ -203,6 +203,9 @@ def attend_cached(
     ``read_layer(layer) -> (keys_bske, values_bske)`` where key s of slot b sits at position s (a paged cache
     gathers its pages into that view). Returns ``(out_bthe, updated cache)``.
     """
+    attend_layer = getattr(cache, "attend_layer", None)
+    if attend_layer is not None:  # a cache with its own kernel (paged attention) decides where it applies
+        return attend_layer(layer, q_bthe, k_btke, v_btke, positions_bt, implementation)
     cache = cache.write_layer(layer, positions_bt, k_btke, v_btke)
     keys_bske, values_bske = cache.read_layer(layer)
     dtype = q_bthe.dtype

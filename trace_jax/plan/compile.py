@@ -20,17 +20,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trace_jax.models.qwen import KVCache, ModelConfig, abstract_model
+from trace_jax.models.qwen import ModelConfig, abstract_model
 from trace_jax.optim import make_optimizer, optimizer_shardings
 from trace_jax.parallel import mesh as mesh_lib
 from trace_jax.rl.batch import TrainBatch
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLTrainer, TrainState
-from trace_jax.rollout.engine import DecodeState, Engine, EngineConfig
+from trace_jax.rollout.engine import Engine, EngineConfig
+from trace_jax.rollout.layout import SamplingLayout
 
 GIB = 1 << 30
 
@@ -156,34 +156,22 @@ def train_step_memory(
 
 
 # --------------------------------------------------------------------------------------- engine
-def _decode_state_shardings(state: DecodeState, mesh: Mesh) -> DecodeState:
-    """Slots split over the batch axes (the cache too, its kv heads over tensor); stop tables replicated."""
-    cache_axes = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
-    cache_sharding = mesh_lib.logical_sharding(mesh, cache_axes, state.cache.k.shape)
-    per_slot = lambda x: mesh_lib.logical_sharding(mesh, ("batch",) + (None,) * (x.ndim - 1), x.shape)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    shardings = jax.tree.map(per_slot, state)
-    return shardings._replace(
-        cache=KVCache(cache_sharding, cache_sharding, per_slot(state.cache.lengths)),
-        stops_sw=replicated,
-        stop_len_s=replicated,
-        eos_e=replicated,
-    )
-
-
 def generate_memory(
     config: ModelConfig, mesh: Mesh, slots: int, max_len: int, steps_per_call: int = 64, cache_dtype: str = "bfloat16"
 ) -> MemoryReport:
-    """Compiles ``Engine.generate`` (the jitted decode loop) for ``slots`` slots of ``max_len`` positions,
-    at the widest cache window, and returns its per-device memory."""
+    """Compiles ``Engine.generate`` (the jitted decode loop) in the sampling layout for ``slots`` slots of
+    ``max_len`` positions, at the widest cache window, and returns its per-device memory."""
     engine_config = EngineConfig(
-        max_slots=slots, max_len=max_len, steps_per_call=steps_per_call, cache_dtype=cache_dtype
-    )
-    engine = Engine.for_model(config, engine_config)
-    params = abstract_params(config, mesh)[1]
-    state = jax.eval_shape(engine.init_decode_state)
-    state = _with_shardings(state, _decode_state_shardings(state, mesh))
-    by_kind = {"weights": shard_bytes(params), "kv_cache": shard_bytes(state.cache), "decode_state": 0}
+        max_slots=slots, max_len=max_len, steps_per_call=steps_per_call, cache_dtype=cache_dtype,
+        weight_dtype=config.param_dtype,
+    )  # fmt: skip
+    layout = SamplingLayout(mesh)
+    engine = Engine.for_model(config, engine_config, layout)
+    params = abstract_model(config)[1]
+    params = _with_shardings(params, layout.param_shardings(params))
+    state = _with_shardings(engine.state_shapes(), layout.state_shardings(engine))
+    pool = (state.k_pages, state.v_pages)
+    by_kind = {"weights": shard_bytes(params), "kv_cache": shard_bytes(pool)}
     by_kind["decode_state"] = shard_bytes(state) - by_kind["kv_cache"]
     settings = {
         "slots": slots,
@@ -191,7 +179,9 @@ def generate_memory(
         "steps_per_call": steps_per_call,
         "cache_dtype": cache_dtype,
         "param_dtype": config.param_dtype,
+        "page_size": engine_config.page,
     }
-    # The widest window (a static argument) is the worst case: the loop scans every cache position.
-    args = (params, state, np.int32(slots + 1), max_len)
-    return _compile("generate", engine._generate, args, mesh, settings, by_kind)
+    host = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout.replicated)
+    # The widest window (a static argument) is the worst case: the loop reads every cache position.
+    args = (params, state, host((slots, engine_config.pages_per_slot)), host((slots + 1,)))
+    return _compile("generate", engine.programs.jitted("generate", static=(max_len,)), args, mesh, settings, by_kind)

@@ -1,7 +1,7 @@
 """A hand-computable mock engine and a toy environment, for testing the runner without a model.
 
-``MockEngine`` has the host API of ``trace_jax.rollout.engine.Engine`` (prefill / insert / bulk_insert /
-extend / generate / free_resource, the same stop rules and ``GenerateOutput``) but its "model" is a plain
+``MockEngine`` has the host API of ``trace_jax.rollout.engine.Engine`` (append / insert / extend / fork /
+generate / generate_async / free_resource, the same stop rules and ``GenerateOutput``) but its "model" is a plain
 Python ``policy(history, turn, seed) -> token``, every token's log-probabilities are fixed constants and the
 "hidden state" after a history is ``[len(history), sum(history)]``. A test can therefore predict every
 token, every stop and every anchor feature by hand.
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from trace_jax.envs.base import TurnResult
-from trace_jax.rollout.engine import EngineConfig, GenerateOutput, StopReason
+from trace_jax.rollout.engine import AppendItem, AppendResult, EngineConfig, GenerateOutput, StopReason
 
 Policy = Callable[[np.ndarray, list[int], int], int]
 
@@ -42,14 +42,6 @@ def mock_hidden(history: Sequence[int]) -> np.ndarray:
 
 
 @dataclasses.dataclass
-class MockPrefix:
-    """Prefilled rows (host lists) and their hidden states float32 [n, 2]."""
-
-    rows: list[list[int]]
-    hidden_nd: np.ndarray
-
-
-@dataclasses.dataclass
 class _Slot:
     history: list[int]
     seed: int
@@ -64,6 +56,25 @@ class MockState:
     stop_sequences: list[list[int]]
     eos_ids: list[int]
 
+    @property
+    def running(self) -> np.ndarray:
+        return np.asarray([s is not None and s.reason == StopReason.RUNNING for s in self.slots])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.asarray([0 if s is None else len(s.history) for s in self.slots], np.int32)
+
+
+@dataclasses.dataclass
+class _Done:
+    """An already finished ``generate_async`` (the mock decodes synchronously)."""
+
+    decoded: np.ndarray
+    out: GenerateOutput
+
+    def result(self) -> GenerateOutput:
+        return self.out
+
 
 class MockEngine:
     """Host-only engine with ``Engine``'s API and stop rules; see the module docstring."""
@@ -71,6 +82,7 @@ class MockEngine:
     def __init__(self, config: EngineConfig | None = None, policy: Policy = sum_policy):
         self.config = config or EngineConfig(max_slots=4, max_len=256, steps_per_call=8, max_turn_tokens=16)
         self.policy = policy
+        self.params: Any = None
         self.counters: collections.Counter[str] = collections.Counter()
 
     @property
@@ -81,47 +93,60 @@ class MockEngine:
     def hidden_size(self) -> int:
         return 2
 
+    def set_params(self, params: Any) -> Any:
+        self.params = params
+        return params
+
     def init_decode_state(self, stop_sequences: Sequence[Sequence[int]] = (), eos_ids: Sequence[int] = ()) -> MockState:
         return MockState([None] * self.config.max_slots, [list(s) for s in stop_sequences], list(eos_ids))
 
-    def prefill(self, params: Any, tokens: Sequence[int], true_length: int | None = None) -> MockPrefix:
-        tokens = list(tokens)[: len(tokens) if true_length is None else true_length]
-        return self.prefill_many(params, [tokens])
+    def acquire_state(self, stop_sequences: Sequence[Sequence[int]] = (), eos_ids: Sequence[int] = ()) -> MockState:
+        return self.init_decode_state(stop_sequences, eos_ids)
 
-    def prefill_many(self, params: Any, sequences: Sequence[Sequence[int]]) -> MockPrefix:
-        rows = [[int(t) for t in seq] for seq in sequences]
-        if any(len(r) > self.config.max_len for r in rows):
-            raise ValueError(f"prefill sequence longer than EngineConfig.max_len={self.config.max_len}")
-        self.counters["prefill_calls"] += 1
-        self.counters["prefill_sequences"] += len(rows)
-        self.counters["prefill_tokens"] += sum(len(r) for r in rows)
-        return MockPrefix(rows, np.stack([mock_hidden(r) for r in rows]))
+    def release_state(self, state: MockState) -> None:
+        if any(s is not None for s in state.slots):
+            raise ValueError("slots are still active; free them first")
 
-    def insert(self, prefix: MockPrefix, state: MockState, slot: int, seed: int = 0, turn_limit=None) -> MockState:
-        return self.insert_rows(prefix, state, [0], [slot], [seed], turn_limit)
+    def append(self, params: Any, state: MockState, items: Sequence[AppendItem]) -> tuple[MockState, AppendResult]:
+        hidden = np.zeros((len(items), 2), np.float32)
+        kept = []  # a kept prefix is its history
+        for row, item in enumerate(items):
+            ids = [int(t) for t in item.ids]
+            limit = self.config.max_turn_tokens if item.turn_limit is None else item.turn_limit
+            if item.reset:
+                state.slots[item.slot] = _Slot(ids, int(item.seed), turn_limit=limit)
+                self.counters["started_sequences"] += 1
+            else:
+                current = state.slots[item.slot]
+                current.history += ids
+                current.turn, current.reason, current.turn_limit = [], StopReason.RUNNING, limit
+            if len(state.slots[item.slot].history) > self.config.max_len:
+                raise ValueError(f"slot {item.slot} longer than EngineConfig.max_len={self.config.max_len}")
+            hidden[row] = mock_hidden(state.slots[item.slot].history)
+            kept.append(list(state.slots[item.slot].history) if item.keep else None)
+            self.counters["append_tokens"] += len(ids)
+        self.counters["append_calls"] += 1
+        return state, AppendResult(hidden, kept)
 
-    def bulk_insert(self, prefix: MockPrefix, state: MockState, slots, seeds=None, turn_limit=None) -> MockState:
-        seeds = list(range(len(slots))) if seeds is None else seeds
-        return self.insert_rows(prefix, state, [0] * len(slots), slots, seeds, turn_limit)
+    def insert(self, params, state, sequences, slots, seeds, *, greedy=False, turn_limit=None):
+        items = [
+            AppendItem(sl, seq, True, sd, greedy, turn_limit)
+            for seq, sl, sd in zip(sequences, slots, seeds, strict=True)
+        ]
+        return self.append(params, state, items)
 
-    def insert_rows(self, prefix, state, rows, slots, seeds, turn_limit=None) -> MockState:
+    def extend(self, params, state, tokens_by_slot: Mapping[int, Sequence[int]], turn_limit=None):
+        return self.append(
+            params, state, [AppendItem(s, ids, turn_limit=turn_limit) for s, ids in tokens_by_slot.items()]
+        )
+
+    def fork(self, state: MockState, sources, children, seeds, *, greedy=False, turn_limit=None) -> MockState:
         limit = self.config.max_turn_tokens if turn_limit is None else turn_limit
-        for row, slot, seed in zip(rows, slots, seeds, strict=True):
-            state.slots[slot] = _Slot(list(prefix.rows[row]), int(seed), turn_limit=limit)
+        for source, child, seed in zip(sources, children, seeds, strict=True):
+            state.slots[child] = _Slot(list(source), int(seed), turn_limit=limit)
+        self.counters["fork_calls"] += 1
+        self.counters["forked_sequences"] += len(children)
         return state
-
-    def extend(
-        self, params: Any, state: MockState, tokens_by_slot: Mapping[int, Sequence[int]], turn_limit=None
-    ) -> tuple[MockState, np.ndarray]:
-        hidden = np.zeros((self.config.max_slots, 2), np.float32)
-        for slot, ids in tokens_by_slot.items():
-            current = state.slots[slot]
-            current.history += [int(t) for t in ids]
-            current.turn, current.reason = [], StopReason.RUNNING
-            current.turn_limit = self.config.max_turn_tokens if turn_limit is None else turn_limit
-            hidden[slot] = mock_hidden(current.history)
-            self.counters["extend_tokens"] += len(ids)
-        return state, hidden
 
     def _end_reason(self, state: MockState, slot: _Slot) -> int:
         if any(len(s) <= len(slot.turn) and slot.turn[-len(s) :] == s for s in state.stop_sequences):
@@ -133,6 +158,11 @@ class MockEngine:
         if len(slot.history) >= self.config.max_len:
             return StopReason.CONTEXT_FULL
         return StopReason.RUNNING
+
+    def generate_async(self, params: Any, state: MockState, refill_after: int | None = None):
+        decoded = state.running
+        state, out = self.generate(params, state, refill_after)
+        return state, _Done(decoded, out)
 
     def generate(
         self, params: Any, state: MockState, refill_after: int | None = None
@@ -155,6 +185,7 @@ class MockEngine:
                 slot.reason = self._end_reason(state, slot)
                 ended += slot.reason != StopReason.RUNNING
             steps += 1
+        self.counters["generate_calls"] += 1
         self.counters["decode_tokens"] += int(num.sum())
         reasons = [StopReason.IDLE if s is None else s.reason for s in state.slots]
         hidden = np.stack([np.zeros(2, np.float32) if s is None else mock_hidden(s.history) for s in state.slots])
@@ -165,8 +196,12 @@ class MockEngine:
         )  # fmt: skip
         return state, out
 
-    def free_resource(self, state: MockState, slot: int) -> MockState:
-        state.slots[slot] = None
+    def drop_prefix(self, state: MockState, prefix: list[int]) -> MockState:
+        return state
+
+    def free_resource(self, state: MockState, slots) -> MockState:
+        for slot in [slots] if isinstance(slots, int) else slots:
+            state.slots[slot] = None
         return state
 
 

@@ -2,18 +2,24 @@
 
 Given requests "continue anchor A of tree T k times" (roots included), the runner
 
-1. prefills each distinct anchor history once (several per call) and forks it into k slots
-   (``insert_rows``: one prefix row into many slots, on device);
-2. runs ``generate`` for all live slots; a slot's turn ends on a stop sequence, EOS, the per-turn token
+1. starts each distinct anchor history once in a free slot and forks it into the other k - 1 slots
+   (shared KV pages, nothing recomputed); all new histories and all pending observations of one refill go
+   to the engine in one ``append`` call, all forks in one ``fork`` call;
+2. runs ``generate`` for the live slots; a slot's turn ends on a stop sequence, EOS, the per-turn token
    limit or a full cache;
 3. hands every finished turn to the environment: ``done`` makes the turn a leaf with its reward and frees
-   the slot; otherwise the observation ids are appended to the slot (``extend``) and a new turn starts;
-4. refills freed slots with the next queued continuation at once (continuous batching), until every
-   continuation has reached a leaf.
+   the slot; otherwise the observation ids are appended to the slot at the next refill and a new turn starts;
+4. refills freed slots with the next queued continuations (continuous batching), until every continuation
+   has reached a leaf.
+
+With ``overlap_env`` (default), step 3 runs while the device already decodes the next ``generate`` call for
+the slots still mid-turn: the environment's work (retrieval, rewards) hides behind decoding, and the
+refill is queued on the device behind that call. The host syncs with the device once per ``generate``
+(its packed output); the anchor features of appended histories are fetched once, at the end of a batch.
 
 Turn nodes carry the sampled ids with their untempered / sampling log-probabilities and entropies, the
 observation ids (loss mask 0) and, as anchor feature, the policy's final hidden state at the last token of
-the history that ends with the node (after its observation). The root's feature is set from its prefill.
+the history that ends with the node (after its observation). The root's feature is set when it is started.
 
 Seeds: the i-th continuation this runner starts (counting across calls, in request order) samples with
 seed ``RunnerConfig.seed + i``; the engine derives each sequence's randomness from its seed alone.
@@ -23,17 +29,24 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
+import jax
 import numpy as np
 
 from trace_jax.envs.base import AgentEnv
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
-from trace_jax.rollout.engine import EngineConfig, GenerateOutput, StopReason
+from trace_jax.rollout.engine import AppendItem, EngineConfig, GenerateOutput, StopReason
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 _TRUNCATED = (StopReason.TURN_LIMIT, StopReason.CONTEXT_FULL)
+
+
+class PendingOutput(Protocol):
+    decoded: np.ndarray  # bool [B]: slots the call decodes
+
+    def result(self) -> GenerateOutput: ...
 
 
 class DecodeEngine(Protocol):
@@ -41,19 +54,21 @@ class DecodeEngine(Protocol):
 
     config: EngineConfig
 
-    def init_decode_state(self, stop_sequences: Sequence[Sequence[int]] = (), eos_ids: Sequence[int] = ()) -> Any: ...
+    def set_params(self, params: Any) -> Any: ...
 
-    def prefill_many(self, params: Any, sequences: Sequence[Sequence[int]]) -> Any: ...
+    def acquire_state(self, stop_sequences: Sequence[Sequence[int]] = (), eos_ids: Sequence[int] = ()) -> Any: ...
 
-    def insert_rows(self, prefix: Any, state: Any, rows, slots, seeds, turn_limit: int | None = None) -> Any: ...
+    def release_state(self, state: Any) -> None: ...
 
-    def extend(
-        self, params: Any, state: Any, tokens_by_slot: Mapping[int, Sequence[int]], turn_limit: int | None = None
-    ) -> tuple[Any, np.ndarray]: ...
+    def append(self, params: Any, state: Any, items: Sequence[AppendItem]) -> tuple[Any, Any]: ...
 
-    def generate(self, params: Any, state: Any, refill_after: int | None = None) -> tuple[Any, GenerateOutput]: ...
+    def fork(self, state: Any, sources, children, seeds, *, greedy: bool = False, turn_limit=None) -> Any: ...
 
-    def free_resource(self, state: Any, slot: int) -> Any: ...
+    def drop_prefix(self, state: Any, prefix: Any) -> Any: ...
+
+    def generate_async(self, params: Any, state: Any, refill_after: int | None = None) -> tuple[Any, Any]: ...
+
+    def free_resource(self, state: Any, slots: Sequence[int]) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +80,18 @@ class RunnerConfig:
     refill_after: a ``generate`` call returns to the host once this many turns have ended, so their slots
       are refilled / extended at once (1 = most eager; larger = fewer host round trips).
     eos_ids: token ids that end a turn (and, by the environment's rules, usually the rollout).
+    greedy: argmax decoding (evaluation) on an engine that otherwise samples.
+    overlap_env: judge finished turns while the device decodes the others (see the module docstring).
+    warmup: compile the engine's whole program set before the first rollout (``Engine.warmup``).
     """
 
     seed: int = 0
     max_turn_tokens: int | None = None
     refill_after: int = 1
     eos_ids: tuple[int, ...] = ()
+    greedy: bool = False
+    overlap_env: bool = True
+    warmup: bool = True
 
 
 @dataclasses.dataclass
@@ -98,27 +119,46 @@ class _Continuation:
         return turn
 
 
+@dataclasses.dataclass
+class _Batch:
+    """Bookkeeping of one ``continue_anchors`` call."""
+
+    pending: collections.deque  # (anchor key, tree, node id, seed)
+    histories: dict[tuple[int, int], np.ndarray]
+    remaining: collections.Counter  # anchor key -> continuations not yet started
+    prefixes: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)  # kept while some remain
+    live: dict[int, _Continuation] = dataclasses.field(default_factory=dict)
+    free: list[int] = dataclasses.field(default_factory=list)
+    observations: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # slot -> ids to append
+    # (device hidden [k, D] of one append, [(tree, node id, row)]): anchor features fetched at the end
+    features: list[tuple[Any, list[tuple[RolloutTree, int, int]]]] = dataclasses.field(default_factory=list)
+    stats: RolloutStats = dataclasses.field(default_factory=RolloutStats)
+
+
 class RolloutRunner:
     """Implements ``RolloutBackend`` on a decode engine and an ``AgentEnv``.
 
+    Several runners (sampling and greedy evaluation) may share one engine: its weights and its one slot
+    state (KV pool) are shared; each runner keeps its own seed sequence and decoding mode.
+
     Args:
       engine: an ``Engine`` (or ``MockEngine``).
-      params: the policy parameters passed to every engine call (replace with ``set_params``).
+      params: policy parameters handed to ``engine.set_params`` (``None``: the engine already has them).
       env: the environment judging turns.
       config: turn-loop knobs.
     """
 
     def __init__(self, engine: DecodeEngine, params: Any, env: AgentEnv, config: RunnerConfig | None = None):
         self.engine = engine
-        self.params = params
         self.env = env
         self.config = config or RunnerConfig()
         self._next_seed = self.config.seed
-        self._state = engine.init_decode_state([list(s) for s in env.stop_sequences], list(self.config.eos_ids))
+        if params is not None:
+            engine.set_params(params)
 
     def set_params(self, params: Any) -> None:
-        """New policy weights for the next rollouts (same shapes: nothing recompiles)."""
-        self.params = params
+        """New policy weights for the next rollouts: the engine reshards them once (nothing recompiles)."""
+        self.engine.set_params(params)
 
     def state_dict(self) -> dict[str, int]:
         """What a resumed run needs to draw the same seeds: the next continuation's seed."""
@@ -132,126 +172,167 @@ class RolloutRunner:
         """Sets every featureless root's anchor feature from batched prefills, so stage 1 of the allocation
         predicts from the prompt itself (the scheduler calls this before it allocates roots)."""
         todo = [tree for tree in trees if tree.root.feature is None]
+        if not todo:
+            return
+        state = self._acquire()
         chunk = self.engine.config.max_slots
+        fetched = []
         for start in range(0, len(todo), chunk):
             batch = todo[start : start + chunk]
-            prefix = self.engine.prefill_many(self.params, [tree.prefix_ids(ROOT) for tree in batch])
-            hidden = np.asarray(prefix.hidden_nd)
+            slots = list(range(len(batch)))
+            items = [
+                AppendItem(slot, tree.prefix_ids(ROOT), reset=True) for slot, tree in zip(slots, batch, strict=True)
+            ]
+            state, result = self.engine.append(None, state, items)
+            state = self.engine.free_resource(state, slots)
+            fetched.append((batch, result.hidden))
+        for batch, hidden in jax.device_get(fetched):
             for row, tree in enumerate(batch):
-                tree.root.feature = hidden[row].astype(np.float32)
+                tree.root.feature = np.asarray(hidden[row], np.float32)
+        self.engine.release_state(state)
 
     def continue_anchors(self, requests: Sequence[ContinuationRequest]) -> RolloutStats:
         """Samples every request to completion, adding turns and leaves to the requests' trees."""
-        stats = RolloutStats()
-        pending, remaining, histories = self._enqueue(requests)
-        prefixes: dict[tuple[int, int], tuple[Any, int]] = {}  # key -> (prefix, row), dropped when used up
-        live: dict[int, _Continuation] = {}
-        free = list(range(self.engine.config.max_slots))[::-1]
-        while pending or live:
-            if pending and free:
-                self._fill(pending, free, live, prefixes, remaining, histories, stats)
-            self._state, out = self.engine.generate(self.params, self._state, refill_after=self.config.refill_after)
-            decoded = int(out.num_tokens[list(live)].sum())
-            stats.generated_tokens += decoded
-            stats.forward_tokens += decoded
-            extends: dict[int, np.ndarray] = {}
-            for slot, rollout in list(live.items()):
-                rollout.add(out, slot)
-                reason = int(out.stop_reason[slot])
-                if reason == StopReason.RUNNING:
-                    continue
-                observation = self._finish_turn(rollout, reason)
-                if observation is None:
-                    del live[slot]
-                    free.append(slot)
-                    self._state = self.engine.free_resource(self._state, slot)
-                    stats.rollouts += 1
-                else:
-                    extends[slot] = observation
-            if extends:
-                self._state, hidden = self.engine.extend(
-                    self.params, self._state, extends, turn_limit=self.config.max_turn_tokens
-                )
-                for slot, observation in extends.items():
-                    rollout = live[slot]
-                    rollout.length += len(observation)
-                    stats.forward_tokens += len(observation)
-                    rollout.tree[rollout.parent].feature = np.asarray(hidden[slot], np.float32)
-        return stats
+        batch = self._enqueue(requests)
+        batch.free = list(range(self.engine.config.max_slots))[::-1]
+        state = self._acquire()
+        handle = None
+        while batch.pending or batch.live:
+            if handle is None:
+                state = self._refill(state, batch)
+                state, handle = self.engine.generate_async(None, state, refill_after=self.config.refill_after)
+            out = handle.result()
+            finished = self._collect(batch, out, handle.decoded)
+            handle = None
+            if self.config.overlap_env and state.running.any():
+                # The device decodes the slots mid-turn while the host judges the finished ones below.
+                state, handle = self.engine.generate_async(None, state, refill_after=self.config.refill_after)
+            for slot, reason in finished:
+                state = self._finish_turn(state, batch, slot, reason)
+            if handle is not None and (batch.observations or (batch.pending and batch.free)):
+                state = self._refill(state, batch)  # queued on the device behind the running call
+        self._resolve_features(batch)
+        self.engine.release_state(state)
+        return batch.stats
 
     # -------------------------------------------------------------------------------------- internals
-    def _enqueue(self, requests: Sequence[ContinuationRequest]):
+    def _acquire(self) -> Any:
+        state = self.engine.acquire_state([list(s) for s in self.env.stop_sequences], list(self.config.eos_ids))
+        warmup = getattr(self.engine, "warmup", None)
+        if self.config.warmup and warmup is not None and not self.engine.programs.warm:
+            warmup(None, state)
+        return state
+
+    def _enqueue(self, requests: Sequence[ContinuationRequest]) -> _Batch:
         """One queue entry (anchor key, tree, node, seed) per continuation; each anchor's history once."""
         max_len = self.engine.config.max_len
-        histories: dict[tuple[int, int], np.ndarray] = {}
-        pending: collections.deque[tuple[tuple[int, int], RolloutTree, int, int]] = collections.deque()
-        remaining: collections.Counter[tuple[int, int]] = collections.Counter()
+        batch = _Batch(collections.deque(), {}, collections.Counter())
         for request in requests:
             if request.tree[request.node_id].is_leaf:
                 raise ValueError(f"node {request.node_id} is a leaf; only anchors can be continued")
             key = (id(request.tree), request.node_id)
-            if key not in histories:
-                histories[key] = request.tree.prefix_ids(request.node_id)
-                if len(histories[key]) >= max_len:
+            if key not in batch.histories:
+                history = request.tree.prefix_ids(request.node_id)
+                if len(history) >= max_len:
                     raise ValueError(
-                        f"anchor {request.node_id} has a {len(histories[key])}-token history; it does not fit "
+                        f"anchor {request.node_id} has a {len(history)}-token history; it does not fit "
                         f"EngineConfig.max_len={max_len} with room to generate; raise max_len"
                     )
+                batch.histories[key] = history
             for _ in range(request.k):
-                pending.append((key, request.tree, request.node_id, self._next_seed))
+                batch.pending.append((key, request.tree, request.node_id, self._next_seed))
+                batch.remaining[key] += 1
                 self._next_seed += 1
-                remaining[key] += 1
-        return pending, remaining, histories
+        return batch
 
-    def _fill(self, pending, free, live, prefixes, remaining, histories, stats: RolloutStats) -> None:
-        """Moves queued continuations into free slots, prefilling each anchor history not yet prefilled."""
-        batch = [pending.popleft() for _ in range(min(len(free), len(pending)))]
-        new_keys = list(dict.fromkeys(key for key, *_ in batch if key not in prefixes))
-        if new_keys:
-            prefix = self.engine.prefill_many(self.params, [histories[k] for k in new_keys])
-            hidden = np.asarray(prefix.hidden_nd)
-            for row, key in enumerate(new_keys):
-                prefixes[key] = (prefix, row)
-                stats.forward_tokens += len(histories[key])
-            for key, tree, node_id, _ in batch:
-                if key in new_keys and tree[node_id].feature is None:  # roots get their feature here
-                    tree[node_id].feature = hidden[new_keys.index(key)].astype(np.float32)
-        by_prefix: dict[int, tuple[Any, list[int], list[int], list[int]]] = {}
-        for key, tree, node_id, seed in batch:
-            prefix, row = prefixes[key]
-            slot = free.pop()
-            entry = by_prefix.setdefault(id(prefix), (prefix, [], [], []))
-            entry[1].append(row)
-            entry[2].append(slot)
-            entry[3].append(seed)
-            live[slot] = _Continuation(tree, node_id, len(histories[key]))
-            remaining[key] -= 1
-            if remaining[key] == 0:
-                del prefixes[key]  # the last fork of this anchor: let its prefix buffers go
-        for prefix, rows, slots, seeds in by_prefix.values():
-            self._state = self.engine.insert_rows(
-                prefix, self._state, rows, slots, seeds, turn_limit=self.config.max_turn_tokens
-            )
+    def _refill(self, state: Any, batch: _Batch) -> Any:
+        """One ``append`` (pending observations + one fresh slot per new anchor history) and one ``fork`` (the
+        anchors' other continuations) for as many queued continuations as there are free slots.
 
-    def _finish_turn(self, rollout: _Continuation, reason: int) -> np.ndarray | None:
-        """Judges the ended turn, adds its node; returns the observation to append, or None for a leaf."""
+        An anchor history is computed once: it is kept as a prefix (shared KV pages) until its last
+        continuation has been forked from it, across refills if the free slots run out."""
+        cfg = self.config
+        items = [AppendItem(slot, ids, turn_limit=cfg.max_turn_tokens) for slot, ids in batch.observations.items()]
+        targets = [(batch.live[s].tree, batch.live[s].parent) for s in batch.observations]
+        batch.stats.forward_tokens += sum(len(ids) for ids in batch.observations.values())
+        batch.observations = {}
+        started: dict[tuple[int, int], int] = {}  # new anchor key -> its append row
+        forks: list[tuple[tuple[int, int], int, int]] = []  # (anchor key, child slot, seed)
+        while batch.pending and batch.free:
+            key, tree, node_id, seed = batch.pending.popleft()
+            slot = batch.free.pop()
+            batch.live[slot] = _Continuation(tree, node_id, len(batch.histories[key]))
+            batch.remaining[key] -= 1
+            if key in batch.prefixes or key in started:
+                forks.append((key, slot, seed))
+                continue
+            started[key] = len(items)
+            keep = batch.remaining[key] > 0
+            items.append(AppendItem(slot, batch.histories[key], True, seed, cfg.greedy, cfg.max_turn_tokens, keep))
+            targets.append((tree, node_id) if tree[node_id].feature is None else (None, 0))
+            batch.stats.forward_tokens += len(batch.histories[key])
+        if items:
+            state, result = self.engine.append(None, state, items)
+            rows = [(tree, node, row) for row, (tree, node) in enumerate(targets) if tree is not None]
+            batch.features.append((result.hidden, rows))
+            for key, row in started.items():
+                if result.prefixes[row] is not None:
+                    batch.prefixes[key] = result.prefixes[row]
+        if forks:
+            sources = [batch.prefixes[key] for key, _, _ in forks]
+            children, seeds = [slot for _, slot, _ in forks], [seed for _, _, seed in forks]
+            state = self.engine.fork(state, sources, children, seeds, greedy=cfg.greedy, turn_limit=cfg.max_turn_tokens)
+        for key in {key for key, _, _ in forks}:
+            if batch.remaining[key] == 0:
+                state = self.engine.drop_prefix(state, batch.prefixes.pop(key))
+        return state
+
+    def _collect(self, batch: _Batch, out: GenerateOutput, decoded: np.ndarray) -> list[tuple[int, int]]:
+        """Adds the call's tokens to the live rollouts it decoded; returns (slot, reason) of ended turns."""
+        finished = []
+        for slot, rollout in batch.live.items():
+            if not decoded[slot]:
+                continue
+            rollout.add(out, slot)
+            decoded_tokens = int(out.num_tokens[slot])
+            batch.stats.generated_tokens += decoded_tokens
+            batch.stats.forward_tokens += decoded_tokens
+            if out.stop_reason[slot] != StopReason.RUNNING:
+                finished.append((slot, int(out.stop_reason[slot])))
+        return finished
+
+    def _finish_turn(self, state: Any, batch: _Batch, slot: int, reason: int) -> Any:
+        """Judges the ended turn and adds its node: a leaf frees the slot, otherwise the observation waits
+        for the next refill."""
+        rollout = batch.live[slot]
         tokens, logprobs, sample_logprobs, entropies = rollout.take_turn()
         tree, parent = rollout.tree, rollout.parent
         depth = tree[parent].depth + 1
         result = self.env.step(tree.task, depth, tokens, truncated=reason in _TRUNCATED)
         turn = dict(logprobs=logprobs, sample_logprobs=sample_logprobs, entropies=entropies)
         info = dict(result.info, stop_reason=StopReason(reason).name.lower())
-        if result.done:
-            tree.add_turn(parent, tokens, **turn, reward=result.reward, info=info)
-            return None
         observation = np.asarray(result.observation_ids, np.int32)
         forced = None
-        if depth >= self.env.max_turns:
+        if not result.done and depth >= self.env.max_turns:
             forced = "max_turns"  # the environment broke its contract; end the rollout rather than loop
-        elif rollout.length + len(observation) >= self.engine.config.max_len:
+        elif not result.done and rollout.length + len(observation) >= self.engine.config.max_len:
             forced = "context_exhausted"
-        if forced:
-            tree.add_turn(parent, tokens, **turn, reward=0.0, info=dict(info, forced_end=forced))
-            return None
+        if result.done or forced:
+            reward = result.reward if result.done else 0.0
+            tree.add_turn(parent, tokens, **turn, reward=reward, info=dict(info, forced_end=forced) if forced else info)
+            del batch.live[slot]
+            batch.free.append(slot)
+            batch.stats.rollouts += 1
+            return self.engine.free_resource(state, [slot])
         rollout.parent = tree.add_turn(parent, tokens, **turn, observation_ids=observation, info=info)
-        return observation
+        rollout.length += len(observation)
+        batch.observations[slot] = observation
+        return state
+
+    @staticmethod
+    def _resolve_features(batch: _Batch) -> None:
+        """Anchor features of every appended history, fetched from the device in one copy."""
+        fetched = jax.device_get([hidden for hidden, _ in batch.features])
+        for rows, (_, targets) in zip(fetched, batch.features, strict=True):
+            for tree, node_id, row in targets:
+                tree[node_id].feature = np.asarray(rows[row], np.float32)

@@ -1,0 +1,114 @@
+"""Paged KV: the page pool's reference counts, and paged decoding with forks at several depths against the
+contiguous cache (one page per slot)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from trace_jax.models.qwen import ModelConfig, Qwen, abstract_model
+from trace_jax.rollout.engine import AppendItem, Engine, EngineConfig
+from trace_jax.rollout.pages import TRASH_PAGE, PagePool
+from trace_jax.rollout.sampling import SamplingConfig
+
+
+def test_a_fork_shares_full_pages_and_copies_only_the_partial_one():
+    pool = PagePool(num_pages=16, page_size=4, max_slots=3, pages_per_slot=4)
+    pool.reserve(0, 10)  # pages for positions 0..9: three pages, the last partly filled
+    assert pool.owned[0] == 3 and pool.in_use == 3
+    held = pool.hold(0, 10)
+    copy_from, copy_to = pool.fork(held, 1, 10)
+    assert pool.table[1, :2].tolist() == pool.table[0, :2].tolist()  # full pages shared
+    assert copy_from == pool.table[0, 2] and copy_to == pool.table[1, 2] != copy_from
+    assert pool.in_use == 4 and pool.stats.fork_copies == 1
+    assert pool.fork(held, 2, 8) == (TRASH_PAGE, TRASH_PAGE)  # a page-aligned prefix copies nothing
+    pool.release(0)
+    assert pool.in_use == 4, "the held prefix and the children keep the pages alive"
+    pool.drop(held)
+    pool.release(1)
+    pool.release(2)
+    assert pool.in_use == 0 and (pool.refcount[1:] == 0).all()
+    with pytest.raises(RuntimeError, match="num_pages"):
+        PagePool(num_pages=3, page_size=4, max_slots=1, pages_per_slot=4).reserve(0, 16)
+
+
+CONFIG = ModelConfig.preset("qwen3-tiny", vocab_size=96)
+
+
+def _tree_rollout(page_size: int):
+    """Forks at depth 0 (the prompt), 1 and 2 (after observations), one of them after its source was freed.
+    Returns per-slot (tokens, logprobs) of every turn, the page stats and the bytes of one page."""
+    params = nnx.split(Qwen(CONFIG, rngs=nnx.Rngs(3)), nnx.Param)[1]
+    params["embed"].value = params["embed"].value * 0.05  # unit-variance tied embeddings give peaky argmaxes
+    engine_config = EngineConfig(
+        max_slots=6, max_len=32, steps_per_call=4, max_turn_tokens=4, length_buckets=(32,), row_buckets=(6,),
+        page_size=page_size, sampling=SamplingConfig.make_greedy(), weight_dtype=None,
+    )  # fmt: skip
+    engine = Engine(abstract_model(CONFIG)[0], CONFIG, engine_config)
+    engine.set_params(params)
+    turns: dict[int, list] = {slot: [] for slot in range(6)}
+
+    def decode(state):
+        state, out = engine.generate(None, state)
+        for slot in np.flatnonzero(out.num_tokens):
+            n = out.num_tokens[slot]
+            turns[int(slot)].append((out.tokens[slot, :n].tolist(), out.logprobs[slot, :n]))
+        return state
+
+    state = engine.init_decode_state()
+    state, first = engine.insert(None, state, [[5, 17, 3, 9, 42, 8, 1]], [0], [0], keep=True)
+    state = engine.fork(state, [first.prefixes[0]] * 2, [1, 2], [1, 2])
+    state = decode(state)
+    state = engine.free_resource(state, [0])
+    items = [AppendItem(1, [40, 41, 42], keep=True), AppendItem(2, [50, 51], keep=True)]
+    state, second = engine.append(None, state, items)
+    state = engine.fork(state, [*second.prefixes, first.prefixes[0]], [3, 4, 0], [3, 4, 5])
+    state = decode(state)
+    state, third = engine.append(None, state, [AppendItem(3, [60], keep=True)])
+    state = engine.fork(state, third.prefixes, [5], [6])
+    state = decode(state)
+    page_bytes = 2 * CONFIG.num_layers * page_size * CONFIG.num_kv_heads * CONFIG.head_dim * 4
+    return turns, state.pool.stats, page_bytes, engine, params, state
+
+
+@pytest.fixture(scope="module")
+def paged_and_contiguous():
+    return _tree_rollout(4), _tree_rollout(32)
+
+
+def test_paged_decode_equals_the_contiguous_engine_for_forks_at_several_depths(paged_and_contiguous):
+    (paged, *_), (contiguous, *_) = paged_and_contiguous
+    assert sum(len(t) for t in paged.values()) == 3 + 5 + 2 and paged.keys() == contiguous.keys()
+    assert len({tuple(paged[s][-1][0]) for s in range(6)}) > 2, "premise: the forks decode different things"
+    for slot in paged:
+        for (tokens_p, logprobs_p), (tokens_c, logprobs_c) in zip(paged[slot], contiguous[slot], strict=True):
+            assert tokens_p == tokens_c
+            np.testing.assert_allclose(logprobs_p, logprobs_c, atol=1e-5)
+
+
+def test_paged_forks_match_teacher_forcing_of_each_history(paged_and_contiguous):
+    _, _, _, _, params, state = paged_and_contiguous[0]
+    # Slot 5 was forked at depth 2; its last turn's log-probs must be those of its whole history, recomputed.
+    model = nnx.merge(abstract_model(CONFIG)[0], params)
+    history = [5, 17, 3, 9, 42, 8, 1]
+    turns = paged_and_contiguous[0][0]
+    history += turns[1][0][0] + [40, 41, 42] + turns[3][0][0] + [60]
+    last = turns[5][-1]
+    ids = jnp.asarray([history + last[0]])
+    logp = np.asarray(jax.nn.log_softmax(model(ids).logits_btv[0], -1))
+    start = len(history)
+    expected = logp[np.arange(start - 1, start + len(last[0]) - 1), last[0]]
+    np.testing.assert_allclose(last[1], expected, atol=1e-5)
+    assert state.lengths[5] == len(history) + len(last[0])
+
+
+def test_a_fork_copies_at_most_one_partial_page_per_child(paged_and_contiguous):
+    (_, paged, paged_page, *_), (_, contiguous, contiguous_page, *_) = paged_and_contiguous
+    children = 2 + 3 + 1
+    assert paged.fork_copies <= children and paged.shared_by_forks > 0
+    copied_paged = paged.fork_copies * paged_page
+    copied_contiguous = contiguous.fork_copies * contiguous_page
+    assert copied_paged <= children * paged_page
+    assert copied_paged * 4 <= copied_contiguous  # the contiguous cache copies whole rows (8x the page here)
+    assert paged.allocated * paged_page < contiguous.allocated * contiguous_page

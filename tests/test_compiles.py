@@ -1,0 +1,47 @@
+"""A 5-step main job compiles nothing after its first step: not the engine, not the trainer."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_train import TINY
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def compiles(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("compiles")
+    command = [sys.executable, "-m", "tests.compile_check", str(workdir), "5", *TINY]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_engine_compiles_its_program_set_in_the_first_step_only(compiles):
+    programs = compiles["engine_programs"]
+    assert programs[0] > 0, "premise: the engine compiled during the first step"
+    assert programs == [programs[0]] * 5 and not compiles["engine_late"]
+
+
+def _late(compiles, watched):
+    first, later = compiles["per_step"][0], compiles["per_step"][1:]
+    assert any(w in name for name in first for w in watched), f"premise: {watched} compiled in step 1"
+    return [(step + 2, name) for step, names in enumerate(later) for name in names if any(w in name for w in watched)]
+
+
+def test_no_engine_program_compiles_after_the_first_step_by_jax_count(compiles):
+    assert _late(compiles, ("_append_impl", "_fork_impl", "_generate_impl")) == []
+
+
+# The trainer's jit'd step compiles once per (rows, length) batch bucket it meets, so later steps with a new
+# bucket compile again (steps 2, 3 and 5 here). Fixing that is the trainer's / batch builder's job (a fixed
+# batch shape set compiled ahead); strict: this starts failing, as a reminder to drop the mark, once it holds.
+@pytest.mark.xfail(strict=True, reason="RLTrainer recompiles its step for each new batch-shape bucket")
+def test_no_trainer_program_compiles_after_the_first_step(compiles):
+    assert _late(compiles, ("_step",)) == []

@@ -1,0 +1,169 @@
+"""What the engine's calls take and return: the device state, the host's view of the slots, kept prefixes,
+append items and the one packed ``generate`` output (see ``trace_jax.rollout.engine``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from trace_jax.rollout import pages
+
+
+class StopReason(enum.IntEnum):
+    """Why a slot's turn ended (``RUNNING`` while it goes on; ``IDLE`` for a free slot)."""
+
+    RUNNING = 0
+    STOP_SEQUENCE = 1
+    EOS = 2
+    TURN_LIMIT = 3
+    CONTEXT_FULL = 4
+    IDLE = 5
+
+
+class DecodeState(NamedTuple):
+    """Everything the decode slots carry between calls (device pytree; donated by every program).
+
+    k_pages / v_pages: the KV page pool [layers, kv_heads, pages, page_size, head_dim].
+    lengths_b: int32 [B] valid cache positions of each slot.
+    logits_bv: float32 [B, V] next-token logits of each slot (from its last forward).
+    hidden_bd: float32 [B, D] final hidden state at each slot's last token.
+    keys_bk: uint32 [B, key_size] raw PRNG key data of each slot's sequence.
+    sampled_b: int32 [B] tokens sampled since the sequence started (the step of its key stream).
+    turn_tokens_b / turn_limit_b: int32 [B] tokens sampled in the current turn / its limit.
+    stop_reason_b: int32 [B] ``StopReason`` of the current turn. greedy_b: bool [B] argmax decoding.
+    recent_bw: int32 [B, W] the turn's last W sampled ids (-1 before the turn's first), for stop matching.
+    stops_sw: int32 [S, W] stop sequences right-aligned, left-padded with -1; stop_len_s: int32 [S] (0 unused).
+    eos_e: int32 [E] EOS ids (-1 unused).
+    bank_logits_rv / bank_hidden_rd: float32 [R, V] / [R, D] next-token logits and hidden state of kept
+      prefixes (``Prefix``), the rows forks start from; R = max_slots.
+    """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    lengths_b: jax.Array
+    logits_bv: jax.Array
+    hidden_bd: jax.Array
+    keys_bk: jax.Array
+    sampled_b: jax.Array
+    turn_tokens_b: jax.Array
+    turn_limit_b: jax.Array
+    stop_reason_b: jax.Array
+    greedy_b: jax.Array
+    recent_bw: jax.Array
+    stops_sw: jax.Array
+    stop_len_s: jax.Array
+    eos_e: jax.Array
+    bank_logits_rv: jax.Array
+    bank_hidden_rd: jax.Array
+
+
+@dataclasses.dataclass
+class SlotState:
+    """The engine's state as the host holds it: the device pytree plus host bookkeeping that never needs a
+    device->host copy (lengths and running flags are updated from ``generate``'s one packed result)."""
+
+    device: DecodeState
+    pool: pages.PagePool
+    lengths: np.ndarray  # int32 [B]
+    running: np.ndarray  # bool [B]
+    active: np.ndarray  # bool [B]: holds a sequence (not freed)
+    bank_free: list[int] = dataclasses.field(default_factory=list)  # unused prefix bank rows
+    stop_tables: tuple[np.ndarray, ...] = ()  # host copy of (stops_sw, stop_len_s, eos_e)
+
+
+@dataclasses.dataclass
+class Prefix:
+    """A kept prefix (host handle): its bank row, its held KV pages and its length. Fork from it any number of
+    times, while or after its slot decodes on; ``Engine.drop_prefix`` gives its pages and row back."""
+
+    row: int
+    pages: list[int]
+    length: int
+
+
+class AppendResult(NamedTuple):
+    """hidden: float32 [k, D] device array, row i the final hidden state at ``items[i]``'s last id;
+    prefixes: the ``Prefix`` of each item appended with ``keep=True`` (``None`` for the others)."""
+
+    hidden: jax.Array
+    prefixes: list[Prefix | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendItem:
+    """Append ``ids`` to ``slot``; ``reset`` starts a fresh sequence there with PRNG ``seed``; ``keep`` keeps
+    the resulting history as a ``Prefix`` to fork from."""
+
+    slot: int
+    ids: Sequence[int] | np.ndarray
+    reset: bool = False
+    seed: int = 0
+    greedy: bool = False
+    turn_limit: int | None = None
+    keep: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    """Host copy of one ``generate`` call. Row b's tokens of this call are ``tokens[b, :num_tokens[b]]``.
+
+    tokens: int32 [B, N]; logprobs (untempered policy), sample_logprobs, entropies: float32 [B, N].
+    num_tokens: int32 [B] tokens each slot sampled in this call. stop_reason: int32 [B] ``StopReason``
+    after the call (``RUNNING``: the turn goes on at the next call). hidden: float32 [B, D] final hidden
+    state at each slot's last token. steps: decode steps the loop ran.
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    sample_logprobs: np.ndarray
+    entropies: np.ndarray
+    num_tokens: np.ndarray
+    stop_reason: np.ndarray
+    hidden: np.ndarray
+    steps: int
+
+    @classmethod
+    def unpack(cls, packed: np.ndarray, hidden_size: int) -> GenerateOutput:
+        """Reads the ``[B, 4N + 3 + D]`` float32 array ``generate`` returns (ints travel as bit patterns)."""
+        packed = np.asarray(packed, np.float32)
+        as_int = packed.view(np.int32)
+        n = (packed.shape[1] - 3 - hidden_size) // 4
+        return cls(
+            tokens=as_int[:, :n].copy(),
+            logprobs=packed[:, n : 2 * n].copy(),
+            sample_logprobs=packed[:, 2 * n : 3 * n].copy(),
+            entropies=packed[:, 3 * n : 4 * n].copy(),
+            num_tokens=as_int[:, 4 * n].copy(),
+            stop_reason=as_int[:, 4 * n + 1].copy(),
+            hidden=packed[:, 4 * n + 3 :].copy(),
+            steps=int(as_int[0, 4 * n + 2]),
+        )
+
+
+class PendingGenerate:
+    """A dispatched ``generate`` call; ``result()`` fetches its one packed array and updates the host state."""
+
+    def __init__(self, engine: Any, state: SlotState, packed: jax.Array):
+        self._engine, self._state, self._packed = engine, state, packed
+        self.decoded = state.running.copy()  # bool [B]: the slots this call decodes
+        self._out: GenerateOutput | None = None
+
+    def result(self) -> GenerateOutput:
+        """The call's output; host lengths and running flags of the slots it decoded are updated. Slots
+        appended to or forked while it ran keep their new state (its output rows for them are stale)."""
+        if self._out is None:
+            out = GenerateOutput.unpack(np.asarray(self._packed), self._engine.hidden_size)
+            state, decoded = self._state, self.decoded
+            state.lengths[decoded] += out.num_tokens[decoded]
+            state.running[decoded] &= out.stop_reason[decoded] == StopReason.RUNNING
+            out.stop_reason[~state.active] = StopReason.IDLE
+            counters = self._engine.counters
+            counters["decode_steps"] += out.steps
+            counters["decode_tokens"] += int(out.num_tokens.sum())
+            self._out, self._packed = out, None
+        return self._out
