@@ -28,10 +28,9 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from trace_jax import figures, recipe
+from trace_jax import figures, recipe, recipes
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.config_utils import from_config, load_config_file, unknown_overrides
-from trace_jax.data.prompts import PromptStream
 from trace_jax.evaluate import evaluate
 from trace_jax.metrics import MetricWriter, format_table, plot_metrics, read_jsonl
 from trace_jax.models.qwen import abstract_model
@@ -43,7 +42,6 @@ from trace_jax.rl.batch import BatchConfig, build_batch
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLTrainer
 from trace_jax.rollout.tree import RolloutTree
-from trace_jax.sft import SFTConfig, run_sft
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
 PLOTS = {
@@ -75,14 +73,13 @@ class Training:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path):
         self.config, self.workdir = config, workdir
-        self.world = recipe.build_world(config, workdir)
-        sft = run_sft(
-            from_config(SFTConfig, config.sft), self.world.world, self.world.tokenizer, workdir, env=self.world.env
-        )
-        self.sft_seconds = 0.0 if sft.restored else sft.seconds
-        self.model_config = sft.model_config
+        self.source = recipes.source_of(config)  # synthetic world + SFT, or a HF checkpoint + Search-R1 data
+        self.world = self.source.build_world(config, workdir)
         self.mesh = make_mesh(**config.mesh)
-        params = shard_state(sft.params, self.mesh)
+        policy = self.source.initial_policy(config, workdir, self.world, self.mesh)
+        self.sft_seconds = policy.seconds
+        self.model_config = policy.model_config
+        params = shard_state(policy.params, self.mesh)
         loss_config = from_config(LossConfig, config.loss)
         self.trainer = RLTrainer(
             abstract_model(self.model_config)[0],
@@ -100,7 +97,7 @@ class Training:
         self.runner = recipe.build_runner(config, self.model_config, self.state.params, self.world, seed=config.seed)
         self.eval_runner = recipe.build_runner(config, self.model_config, self.state.params, self.world, greedy=True)
         self.scheduler = recipe.build_scheduler(config, self.runner)
-        self.prompts = PromptStream(self.world.world.questions("train"), config.rl.prompts_per_step, config.seed)
+        self.prompts = self.source.prompt_stream(config, self.world)
         self.checkpointer = StateCheckpointer(
             workdir / recipe.CHECKPOINTS, save_every=config.rl.checkpoint_every, keep=config.rl.keep_checkpoints
         )
@@ -202,6 +199,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     writer.write(run.step, _eval_metrics(after))
     run.save(force=True)
     run.checkpointer.close()
+    final = recipes.Policy(run.model_config, run.state.params, f"rl step {run.step}")
+    exports = run.source.finish(config, workdir, final)
     writer.close()
     records = read_jsonl(workdir / "metrics.jsonl")
     for name, keys in PLOTS.items():
@@ -218,6 +217,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         "sft_seconds": run.sft_seconds,
         "rl_seconds": time.perf_counter() - rl_start,
         "total_seconds": time.perf_counter() - run_start,
+        "exports": exports,
     }
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -1,0 +1,207 @@
+"""Where a run's policy, tokenizer, questions and retriever come from, chosen by ``config.recipe.kind``.
+
+* ``synthetic`` (the default when a config has no ``recipe`` section): the synthetic multi-hop world, a
+  BPE trained on it, and a tiny Qwen3 warm-started by SFT on gold trajectories (``trace_jax.sft``).
+* ``search_r1``: a Hugging Face Qwen2/Qwen3 checkpoint (``config.model.hf_dir``) loaded by ``load_hf``
+  straight onto the run's mesh, its own tokenizer and chat template, Search-R1 question files read
+  through TFDS + grain (``trace_jax.data.search_r1``), the retriever the ``retriever`` section names
+  (BM25 over a corpus file or a Search-R1 HTTP server), no SFT. At the end of training the policy is
+  exported as a HF directory with the tokenizer files beside it (``<workdir>/hf_export``).
+
+Each kind is a :class:`RecipeSource` in ``SOURCES``. Export a run's newest policy by hand::
+
+    python -m trace_jax.recipes export --workdir runs/qwen3-8b --out exported/
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import shutil
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+import ml_collections
+from flax import nnx
+
+from trace_jax import recipe
+from trace_jax.checkpoint.hf import load_hf, save_hf
+from trace_jax.checkpoint.state import StateCheckpointer
+from trace_jax.config_utils import from_config
+from trace_jax.data.prompts import PromptStream
+from trace_jax.data.search_r1 import SearchR1Data, SearchR1DataConfig
+from trace_jax.data.tokenizer import load_tokenizer
+from trace_jax.envs.react import ReActConfig, ReActEnv
+from trace_jax.envs.retriever import RetrieverConfig, build_retriever
+from trace_jax.models.qwen import ModelConfig
+from trace_jax.registry import Registry
+from trace_jax.sft import SFTConfig, run_sft
+
+EXPORT_DIR = "hf_export"
+# Everything of a HF checkpoint directory that describes its tokenizer and generation defaults.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+@dataclasses.dataclass
+class Policy:
+    """The policy a run starts from: architecture, parameters (on the mesh when one was given), where they
+    came from (for logs), and the seconds a warm start took (0 when restored or when there is none)."""
+
+    model_config: ModelConfig
+    params: nnx.State
+    source: str
+    seconds: float = 0.0
+
+
+class RecipeSource(Protocol):
+    def build_world(self, config: ml_collections.ConfigDict, workdir: pathlib.Path) -> recipe.World:
+        """Questions (``world.world.questions(split)``), the policy's tokenizer and the environment."""
+        ...
+
+    def initial_policy(
+        self, config: ml_collections.ConfigDict, workdir: pathlib.Path, world: recipe.World, mesh: Any = None
+    ) -> Policy: ...
+
+    def prompt_stream(self, config: ml_collections.ConfigDict, world: recipe.World) -> Any:
+        """Training prompt batches: ``next_batch()``, ``state_dict()``, ``load_state_dict(state)``."""
+        ...
+
+    def finish(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, policy: Policy) -> dict[str, str]:
+        """Work after the last step (export); returns what it wrote, by name, for the summary."""
+        ...
+
+
+SOURCES: Registry[RecipeSource] = Registry("recipe kind")
+
+
+@SOURCES.register("synthetic")
+class SyntheticSource:
+    def build_world(self, config, workdir):
+        return recipe.build_world(config, workdir)
+
+    def initial_policy(self, config, workdir, world, mesh=None):
+        sft = run_sft(from_config(SFTConfig, config.sft), world.world, world.tokenizer, workdir, env=world.env)
+        return Policy(sft.model_config, sft.params, "sft warm start", 0.0 if sft.restored else sft.seconds)
+
+    def prompt_stream(self, config, world):
+        return PromptStream(world.world.questions("train"), config.rl.prompts_per_step, config.seed)
+
+    def finish(self, config, workdir, policy):
+        return {}
+
+
+def _tokenizer_dir(config: ml_collections.ConfigDict) -> str:
+    return config.model.get("tokenizer_dir") or config.model.hf_dir
+
+
+def _hf_dir(config: ml_collections.ConfigDict) -> str:
+    hf_dir = config.model.get("hf_dir", "")
+    if not hf_dir:
+        raise ValueError("model.hf_dir is empty: pass --config.model.hf_dir=<a Qwen2/Qwen3 Hugging Face directory>")
+    if not (pathlib.Path(hf_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"model.hf_dir={hf_dir!r} has no config.json: it is not a Hugging Face checkpoint")
+    return hf_dir
+
+
+@SOURCES.register("search_r1")
+class SearchR1Source:
+    def build_world(self, config, workdir):
+        tokenizer = load_tokenizer(_tokenizer_dir(config) or _hf_dir(config))
+        data = SearchR1Data(from_config(SearchR1DataConfig, config.data), pathlib.Path(workdir) / "tfds")
+        retriever = build_retriever(from_config(RetrieverConfig, config.retriever))
+        env = ReActEnv(tokenizer, retriever, from_config(ReActConfig, config.react))
+        return recipe.World(data, tokenizer, env)
+
+    def initial_policy(self, config, workdir, world, mesh=None):
+        hf_dir = _hf_dir(config)
+        dtypes = {k: config.model[k] for k in ("dtype", "param_dtype") if config.model.get(k)}
+        model_config, params = load_hf(hf_dir, mesh=mesh, **dtypes)
+        if len(world.tokenizer) > model_config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {len(world.tokenizer)} ids but {hf_dir} embeds only {model_config.vocab_size}; "
+                "model.tokenizer_dir must be this checkpoint's tokenizer"
+            )
+        return Policy(model_config, params, f"hf checkpoint {hf_dir}")
+
+    def prompt_stream(self, config, world):
+        count = jax.process_count()
+        if config.rl.prompts_per_step % count:
+            raise ValueError(
+                f"rl.prompts_per_step={config.rl.prompts_per_step} must split evenly over {count} processes"
+            )
+        return world.world.stream(
+            config.data.train_split, config.rl.prompts_per_step // count, config.seed, jax.process_index(), count
+        )
+
+    def finish(self, config, workdir, policy):
+        out = pathlib.Path(workdir) / EXPORT_DIR
+        if jax.process_index() == 0:
+            export_policy(policy.model_config, policy.params, _tokenizer_dir(config), out)
+        return {"hf_export": str(out)}
+
+
+def source_of(config: ml_collections.ConfigDict) -> RecipeSource:
+    """The source ``config.recipe.kind`` names ("synthetic" when the config has no ``recipe`` section)."""
+    section = config.get("recipe") or {}
+    return SOURCES[section.get("kind", "synthetic")]()
+
+
+def latest_policy(
+    config: ml_collections.ConfigDict, workdir: pathlib.Path, world: recipe.World, mesh: Any = None
+) -> Policy:
+    """The newest policy of a run: the latest RL checkpoint's params, else the run's starting policy."""
+    start = source_of(config).initial_policy(config, workdir, world, mesh)
+    restored = StateCheckpointer(pathlib.Path(workdir) / recipe.CHECKPOINTS).restore_latest(
+        target={"params": start.params}, keys=["params"]
+    )
+    if restored is None:
+        return start
+    return Policy(start.model_config, restored.state["params"], f"rl step {restored.step}")
+
+
+def export_policy(
+    model_config: ModelConfig, params: nnx.State, tokenizer_dir: str | pathlib.Path, out: str | pathlib.Path
+) -> pathlib.Path:
+    """Writes ``params`` as a HF checkpoint directory (``save_hf``) and copies the tokenizer files of
+    ``tokenizer_dir`` beside it, so ``AutoModelForCausalLM`` and ``AutoTokenizer`` both load ``out``."""
+    out = pathlib.Path(out)
+    save_hf(model_config, params, out)
+    copied = [name for name in TOKENIZER_FILES if (pathlib.Path(tokenizer_dir) / name).is_file()]
+    if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
+        raise FileNotFoundError(f"{tokenizer_dir} holds no tokenizer.json / tokenizer.model to export beside the model")
+    for name in copied:
+        shutil.copyfile(pathlib.Path(tokenizer_dir) / name, out / name)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trace_jax.recipes", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export", help="a run's newest policy -> HF directory with its tokenizer")
+    export.add_argument("--workdir", required=True, help="a trace_jax.train run directory")
+    export.add_argument("--out", required=True, help="the HF directory to write")
+    args = parser.parse_args(argv)
+    workdir = pathlib.Path(args.workdir)
+    config = recipe.load_run_config(workdir)
+    world = source_of(config).build_world(config, workdir)
+    policy = latest_policy(config, workdir, world)
+    tokenizer_dir = _tokenizer_dir(config) if config.get("model") else workdir / "tokenizer"
+    export_policy(policy.model_config, policy.params, tokenizer_dir, args.out)
+    print(f"export: {policy.source} -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
