@@ -7,6 +7,7 @@ several ids, and merges with its neighbours), and it has Qwen's special tokens a
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 import random
@@ -16,6 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from trace_jax.envs.react import TEMPLATES
 
+PLANTED_TURN = "<search> Quilon</search>\n"  # the turn the tiny checkpoint writes (a merged "</search>\n")
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -107,8 +109,34 @@ def _tokenizer_texts(train: list[dict], corpus: list[dict]) -> list[str]:
     return texts
 
 
+def plant_search_turn(model, tokenizer, turn: str = PLANTED_TURN, strength: float = 3.0):
+    """Makes a random checkpoint write ``turn`` after the chat generation prompt (and after observations
+    ending the same way), the way an instruction-tuned model calls the search tool, without training.
+
+    Untied embedding / head surgery: each token on the chain (the prompt's last token, then ``turn``'s ids)
+    gets its own basis direction in the embedding, and its successor's head row reads that direction, so
+    the final hidden state (the embedding dominates the random blocks' small outputs) predicts the next
+    chain token by a ~``strength * sqrt(hidden)`` logit margin. Attention and MLP keep their random
+    weights and still shape every logit.
+    """
+    import torch
+
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "?"}], tokenize=False, add_generation_prompt=True
+    )
+    chain = [tokenizer.encode(prompt, add_special_tokens=False)[-1], *tokenizer.encode(turn, add_special_tokens=False)]
+    assert len(set(chain)) == len(chain) <= model.config.hidden_size, chain
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    with torch.no_grad():
+        for i, (token, successor) in enumerate(itertools.pairwise(chain)):
+            embed[token, i] += 1.0
+            head[successor, i] += strength
+    return model
+
+
 def write_all(root: str | pathlib.Path, seed: int = 0) -> dict[str, pathlib.Path]:
-    """Writes ``hf/`` (tiny random Qwen3 + tokenizer files), ``data/train.parquet`` + ``data/dev.jsonl`` and
+    """Writes ``hf/`` (a tiny random Qwen3 that searches, :func:`plant_search_turn`, and the tokenizer),
+    ``data/train.parquet`` + ``data/dev.jsonl`` and
     ``corpus.jsonl`` under ``root``; returns their paths by name (``hf``, ``data``, ``corpus``)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -125,7 +153,7 @@ def write_all(root: str | pathlib.Path, seed: int = 0) -> dict[str, pathlib.Path
     corpus_path.write_text("".join(json.dumps(row) + "\n" for row in corpus))
     tokenizer = train_tokenizer(_tokenizer_texts(train, corpus))
     hf = root / "hf"
-    build_hf_checkpoint(
+    model = build_hf_checkpoint(
         hf,
         "qwen3",
         seed=seed,
@@ -135,8 +163,10 @@ def write_all(root: str | pathlib.Path, seed: int = 0) -> dict[str, pathlib.Path
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
+        tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    plant_search_turn(model, tokenizer).save_pretrained(str(hf))
     tokenizer.save_pretrained(str(hf))
     return {"hf": hf, "data": data, "corpus": corpus_path, "tokenizer": hf}
