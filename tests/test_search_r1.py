@@ -111,7 +111,7 @@ def test_train_over_http_checkpoints_evaluates_and_exports_what_transformers_loa
     assert tokenizer.chat_template and tokenizer.get_vocab() == world.tokenizer.get_vocab()
     ids = np.asarray([world.env.prompt_ids(world.world.questions("dev")[0])])
     model = nnx.merge(abstract_model(policy.model_config)[0], policy.params)
-    ours = np.asarray(model(jnp.asarray(ids)).logits)
+    ours = np.asarray(model(jnp.asarray(ids))[0])  # ModelOutput: logits first
     theirs = torch_logits(AutoModelForCausalLM.from_pretrained(export).eval(), ids)
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
