@@ -115,6 +115,11 @@ def test_train_over_http_checkpoints_evaluates_and_exports_what_transformers_loa
     theirs = torch_logits(AutoModelForCausalLM.from_pretrained(export).eval(), ids)
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
+    recipes.main(["export", "--workdir", str(workdir), "--out", str(tmp_path / "again")])  # the CLI, by hand
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    np.testing.assert_array_equal(torch_logits(again, ids), theirs)
+    assert AutoTokenizer.from_pretrained(tmp_path / "again").get_vocab() == world.tokenizer.get_vocab()
+
 
 @pytest.fixture(scope="module")
 def greedy_run(files, tmp_path_factory):

@@ -95,20 +95,21 @@ def evaluate(backend: RolloutBackend, env: AgentEnv, tasks: Sequence[Any], sampl
 def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
-    from trace_jax import recipe
+    from trace_jax import recipe, recipes
     from trace_jax.metrics import format_table
 
     parser = argparse.ArgumentParser(prog="python -m trace_jax.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", required=True, help="a trace_jax.train run directory")
-    parser.add_argument("--split", default="test", help="world split: train, test or ood")
+    parser.add_argument("--split", default="test", help="split: train, test or ood (synthetic); train, dev or test")
     parser.add_argument("--samples", type=int, default=1, help="samples per question (1: greedy decoding)")
     parser.add_argument("--limit", type=int, default=0, help="evaluate only the first N questions (0: all)")
     args = parser.parse_args(argv)
 
     workdir = pathlib.Path(args.workdir)
     config = recipe.load_run_config(workdir)
-    world = recipe.build_world(config, workdir)
-    model_config, params, source = recipe.latest_policy(config, workdir, world)
+    world = recipes.source_of(config).build_world(config, workdir)
+    policy = recipes.latest_policy(config, workdir, world)
+    model_config, params, source = policy.model_config, policy.params, policy.source
     runner = recipe.build_runner(config, model_config, params, world, greedy=args.samples == 1)
     tasks = world.world.questions(args.split)
     tasks = tasks[: args.limit] if args.limit else tasks

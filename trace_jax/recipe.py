@@ -15,7 +15,6 @@ import ml_collections
 from flax import nnx
 
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
-from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.config_utils import from_config
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.data.tokenizer import load_tokenizer, train_world_tokenizer
@@ -25,7 +24,6 @@ from trace_jax.models.qwen import ModelConfig
 from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
 from trace_jax.rollout.sampling import SamplingConfig
-from trace_jax.sft import SFTConfig, run_sft
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -77,17 +75,6 @@ def build_runner(
 
 def build_scheduler(config: ml_collections.ConfigDict, backend: Any) -> TreeScheduler:
     return TreeScheduler(backend, from_config(SchedulerConfig, config.allocation))
-
-
-def latest_policy(
-    config: ml_collections.ConfigDict, workdir: pathlib.Path, world: World
-) -> tuple[ModelConfig, nnx.State, str]:
-    """The newest policy of a run: the latest RL checkpoint's params, else the SFT warm start."""
-    sft = run_sft(from_config(SFTConfig, config.sft), world.world, world.tokenizer, workdir, env=world.env)
-    restored = StateCheckpointer(workdir / CHECKPOINTS).restore_latest(target={"params": sft.params}, keys=["params"])
-    if restored is None:
-        return sft.model_config, sft.params, "sft warm start"
-    return sft.model_config, restored.state["params"], f"rl step {restored.step}"
 
 
 def save_run_config(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> None:
