@@ -64,14 +64,15 @@ def config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def changed_keys(saved: dict[str, Any], config: ml_collections.ConfigDict) -> list[str]:
-    """``key: old -> new`` for each setting that differs, ignoring the :data:`EXTENSIBLE` keys."""
+    """``key: old -> new`` for each setting both configs have and that differs, ignoring the
+    :data:`EXTENSIBLE` keys (keys only one side has come from another code version: not a change of run)."""
     old, new = _flat(saved), _flat(config_dict(config))
     changes = []
-    for key in sorted(set(old) | set(new)):
+    for key in sorted(set(old) & set(new)):
         if any(key == e or (e.endswith(".") and key.startswith(e)) for e in EXTENSIBLE):
             continue
-        if old.get(key, "<absent>") != new.get(key, "<absent>"):
-            changes.append(f"{key}: {old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}")
+        if old[key] != new[key]:
+            changes.append(f"{key}: {old[key]!r} -> {new[key]!r}")
     return changes
 
 

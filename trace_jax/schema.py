@@ -50,6 +50,8 @@ class RLConfig:
     recompute_old_logprobs: recompute the sampling policy's logprobs with the training forward pass.
     checkpoint_every: save the whole state every this many steps (and at the last step).
     keep_checkpoints: how many recent checkpoints to keep.
+    logprob_chunk: compute the LM head this many positions at a time in the train step (peak logits memory
+      [rows, chunk, vocab] instead of [rows, length, vocab]; same values up to float rounding); None: at once.
     """
 
     steps: int = 30
@@ -59,6 +61,7 @@ class RLConfig:
     recompute_old_logprobs: bool = False
     checkpoint_every: int = 5
     keep_checkpoints: int = 2
+    logprob_chunk: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,6 +106,7 @@ class Training:
                 micro_batches=config.rl.micro_batches,
                 reference_params=params if loss_config.kl_coef else None,  # the trainer keeps its own copy
                 recompute_old_logprobs=config.rl.recompute_old_logprobs,
+                logprob_chunk=config.rl.get("logprob_chunk"),
             )
             self.state = self.trainer.init_state(params, jax.random.key(config.seed))
             del params
@@ -349,7 +350,8 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path, console: Co
     for name, keys in PLOTS.items():
         plot_metrics(records, keys, workdir / "plots" / name)
     summary = _summary(run, records)
-    _write_json(workdir / rundir.SUMMARY_FILE, summary)
+    _write_json(workdir / "eval_before.json", {"step": 0, "rows": run.eval_before})  # the warm start's scores
+    _write_json(workdir / rundir.SUMMARY_FILE, summary)  # last: its presence marks the run finished
     console.log(f"finished: {run.step} RL steps")
     return summary
 

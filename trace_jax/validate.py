@@ -96,6 +96,7 @@ RULES: list[Rule] = [
     Rule("rl.micro_batches", at_least(1), "an integer >= 1"),
     Rule("rl.checkpoint_every", at_least(1), "an integer >= 1"),
     Rule("rl.keep_checkpoints", at_least(1), "an integer >= 1"),
+    Rule("rl.logprob_chunk", lambda v: v is None or at_least(1)(v), "None, or an integer >= 1"),
     Rule("rl.advantage", one_of(_estimators), lambda: f"one of {', '.join(_estimators())}"),
     Rule(
         "allocation.policy",
