@@ -125,3 +125,11 @@ def test_the_real_command_exits_with_the_code_and_no_traceback(tmp_path):
         [sys.executable, "-m", "trace_jax.train", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0 and "--show-config" in done.stdout
+
+
+def test_evaluate_on_a_directory_that_is_not_a_run_ends_in_one_line(capsys, tmp_path):
+    from trace_jax import evaluate
+
+    code = evaluate.main(["--workdir", str(tmp_path / "nowhere")])
+    assert code == ExitCode.MISSING_FILE
+    assert_one_line_error(capsys.readouterr().err, "has no config.json", "trace_jax.train run")

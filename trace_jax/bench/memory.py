@@ -4,13 +4,16 @@
 
 Runs the main job's phases in order (imports, warm start, setup, the evaluation before RL, ``--steps`` RL
 steps) on the given config (default: ``configs/default.py``; the warm start comes from, or goes to, the
-shared cache) and prints, per phase, the resident memory when it ends and the peak reached during it. The
-peak is reset between phases (``/proc/self/clear_refs``), so each figure is that phase's own high-water mark.
-Linux only.
+shared cache) and prints, per phase, the resident memory when it ends, the peak reached during it, and the
+resident memory left once freed heap pages are handed back (``malloc_trim``): what is really live. The peak is
+reset between phases (``/proc/self/clear_refs``), so each figure is that phase's own high-water mark. Linux
+(glibc) only.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import pathlib
 import sys
@@ -46,6 +49,10 @@ class PhaseMemory:
             "peak_mib": round(_status_kib("VmHWM") / 1024, 1),
             "seconds": round(time.perf_counter() - self._start, 1),
         }
+        # What is live, as opposed to freed but kept by the C allocator: RSS after returning free pages.
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        row["rss_after_trim_mib"] = round(_status_kib("VmRSS") / 1024, 1)
         self.rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
         _reset_peak()
