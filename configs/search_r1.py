@@ -55,9 +55,7 @@ def get_config(variant: str = "qwen3-8b") -> ml_collections.ConfigDict:
         raise ValueError(f"unknown search_r1 variant {variant!r}; choose one of {sorted(VARIANTS)}")
     dtype, tensor, slots, max_len, turn_tokens, prompts, rollouts, lr = VARIANTS[variant]
     tiny = variant == "tiny"
-    config = _default_config()
-    for synthetic_only in ("world", "tokenizer", "sft"):
-        del config[synthetic_only]
+    config = _default_config()  # its world / tokenizer / sft / warm_start sections are not read by this recipe
     config.recipe = ml_collections.ConfigDict({"kind": "search_r1", "variant": variant})
     config.model = ml_collections.ConfigDict(
         {"hf_dir": "", "tokenizer_dir": "", "dtype": dtype, "param_dtype": "float32"}

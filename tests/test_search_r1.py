@@ -97,20 +97,20 @@ def test_train_over_http_checkpoints_evaluates_and_exports_what_transformers_loa
     assert [row["group"] for row in summary["eval_after"]] == ["hotpotqa", "nq", "all"]  # EM/F1 per source
     assert StateCheckpointer(workdir / recipe.CHECKPOINTS).latest_step() == 2
 
-    export = pathlib.Path(summary["exports"]["hf_export"])
+    export = pathlib.Path(summary["exports"][recipes.EXPORT_DIR])
     config = recipe.load_run_config(workdir)
-    world = recipes.source_of(config).build_world(config, workdir)
-    policy = recipes.latest_policy(config, workdir, world)
-    assert policy.source == "rl step 2"
+    start, params, source = recipes.latest_policy(config, workdir)
+    world = start.world
+    assert source == "rl step 2"
     _, initial = load_hf(files["hf"])
-    pairs = zip(jax.tree.leaves(policy.params), jax.tree.leaves(initial), strict=True)
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(initial), strict=True)
     moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs)
     assert moved > 1e-6  # premise: the export is the trained policy, not the checkpoint we started from
 
     tokenizer = AutoTokenizer.from_pretrained(export)
     assert tokenizer.chat_template and tokenizer.get_vocab() == world.tokenizer.get_vocab()
     ids = np.asarray([world.env.prompt_ids(world.world.questions("dev")[0])])
-    model = nnx.merge(abstract_model(policy.model_config)[0], policy.params)
+    model = nnx.merge(abstract_model(start.model_config)[0], params)
     ours = np.asarray(model(jnp.asarray(ids))[0])  # ModelOutput: logits first
     theirs = torch_logits(AutoModelForCausalLM.from_pretrained(export).eval(), ids)
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
@@ -126,11 +126,9 @@ def greedy_run(files, tmp_path_factory):
     """A greedy runner of the tiny checkpoint in the search_r1 world (BM25 over the corpus in process)."""
     workdir = tmp_path_factory.mktemp("world")
     config = tiny_config(files, kind="bm25", corpus=str(files["corpus"]))
-    source = recipes.source_of(config)
-    world = source.build_world(config, workdir)
-    policy = source.initial_policy(config, workdir, world)
-    runner = recipe.build_runner(config, policy.model_config, policy.params, world, greedy=True)
-    return world, runner
+    start = recipes.source_of(config).start(config, workdir)
+    runner = recipe.build_runner(config, start.model_config, start.params, start.world, greedy=True)
+    return start.world, runner
 
 
 def test_trainer_sees_the_sampled_ids_then_the_observation_ids_with_loss_mask_zero_exactly_on_them(greedy_run):

@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 import pathlib
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -37,7 +37,6 @@ from trace_jax.envs.react import ReActConfig, ReActEnv
 from trace_jax.envs.retriever import RetrieverConfig, build_retriever
 from trace_jax.models.qwen import ModelConfig
 from trace_jax.registry import Registry
-from trace_jax.sft import SFTConfig, run_sft
 
 EXPORT_DIR = "hf_export"
 # Everything of a HF checkpoint directory that describes its tokenizer and generation defaults.
@@ -56,45 +55,71 @@ TOKENIZER_FILES = (
 
 
 @dataclasses.dataclass
-class Policy:
-    """The policy a run starts from: architecture, parameters (on the mesh when one was given), where they
-    came from (for logs), and the seconds a warm start took (0 when restored or when there is none)."""
+class Start:
+    """Where a run starts: its world and policy (parameters on the mesh when one was given).
 
+    source: which policy this is, for logs ("sft warm start", "hf checkpoint <dir>", "rl step 7").
+    message: one console line about how the start was obtained.
+    facts: reproducible facts for the summary's ``warm_start`` entry (always has ``reproducible``).
+    directory: where the starting policy lives (the warm-start cache entry, the HF checkpoint).
+    """
+
+    world: recipe.World
     model_config: ModelConfig
     params: nnx.State
     source: str
-    seconds: float = 0.0
+    message: str = ""
+    facts: dict[str, Any] = dataclasses.field(default_factory=lambda: {"reproducible": True})
+    directory: str = ""
 
 
 class RecipeSource(Protocol):
-    def build_world(self, config: ml_collections.ConfigDict, workdir: pathlib.Path) -> recipe.World:
-        """Questions (``world.world.questions(split)``), the policy's tokenizer and the environment."""
-        ...
+    splits: tuple[str, ...]  # the splits ``world.world.questions`` knows
 
-    def initial_policy(
-        self, config: ml_collections.ConfigDict, workdir: pathlib.Path, world: recipe.World, mesh: Any = None
-    ) -> Policy: ...
+    def start(
+        self,
+        config: ml_collections.ConfigDict,
+        workdir: pathlib.Path,
+        mesh: Any = None,
+        progress: Callable[[int, str], Any] | None = None,
+        notify: Callable[[str], Any] | None = None,
+    ) -> Start:
+        """The world (questions, the policy's tokenizer, the environment) and the starting policy.
+        ``progress`` / ``notify``: console hooks for long work (a warm start)."""
+        ...
 
     def prompt_stream(self, config: ml_collections.ConfigDict, world: recipe.World) -> Any:
         """Training prompt batches: ``next_batch()``, ``state_dict()``, ``load_state_dict(state)``."""
         ...
 
-    def finish(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, policy: Policy) -> dict[str, str]:
+    def finish(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, policy: Start) -> dict[str, str]:
         """Work after the last step (export); returns what it wrote, by name, for the summary."""
         ...
 
 
-SOURCES: Registry[RecipeSource] = Registry("recipe kind")
+SOURCES: Registry[type] = Registry("recipe kind")
 
 
 @SOURCES.register("synthetic")
 class SyntheticSource:
-    def build_world(self, config, workdir):
-        return recipe.build_world(config, workdir)
+    splits = ("train", "test", "ood")
 
-    def initial_policy(self, config, workdir, world, mesh=None):
-        sft = run_sft(from_config(SFTConfig, config.sft), world.world, world.tokenizer, workdir, env=world.env)
-        return Policy(sft.model_config, sft.params, "sft warm start", 0.0 if sft.restored else sft.seconds)
+    def start(self, config, workdir, mesh=None, progress=None, notify=None):
+        warm = recipe.build_warm_start(config, progress=progress, notify=notify)
+        sft = warm.sft
+        message = (
+            f"warm start {'trained' if warm.trained else 'reused'}: {sft.steps} SFT steps, "
+            f"loss {sft.final_loss:.3f} ({warm.entry.directory})"
+        )
+        return Start(
+            warm.world,
+            sft.model_config,
+            sft.params,
+            "sft warm start",
+            message,
+            warm.describe(),
+            str(warm.entry.directory),
+        )
 
     def prompt_stream(self, config, world):
         return PromptStream(world.world.questions("train"), config.rl.prompts_per_step, config.seed)
@@ -104,7 +129,7 @@ class SyntheticSource:
 
 
 def _tokenizer_dir(config: ml_collections.ConfigDict) -> str:
-    return config.model.get("tokenizer_dir") or config.model.hf_dir
+    return config.model.get("tokenizer_dir") or _hf_dir(config)
 
 
 def _hf_dir(config: ml_collections.ConfigDict) -> str:
@@ -118,23 +143,24 @@ def _hf_dir(config: ml_collections.ConfigDict) -> str:
 
 @SOURCES.register("search_r1")
 class SearchR1Source:
-    def build_world(self, config, workdir):
-        tokenizer = load_tokenizer(_tokenizer_dir(config) or _hf_dir(config))
+    splits = ("train", "dev", "test")
+
+    def start(self, config, workdir, mesh=None, progress=None, notify=None):
+        hf_dir = _hf_dir(config)
+        tokenizer = load_tokenizer(_tokenizer_dir(config))
         data = SearchR1Data(from_config(SearchR1DataConfig, config.data), pathlib.Path(workdir) / "tfds")
         retriever = build_retriever(from_config(RetrieverConfig, config.retriever))
         env = ReActEnv(tokenizer, retriever, from_config(ReActConfig, config.react))
-        return recipe.World(data, tokenizer, env)
-
-    def initial_policy(self, config, workdir, world, mesh=None):
-        hf_dir = _hf_dir(config)
         dtypes = {k: config.model[k] for k in ("dtype", "param_dtype") if config.model.get(k)}
         model_config, params = load_hf(hf_dir, mesh=mesh, **dtypes)
-        if len(world.tokenizer) > model_config.vocab_size:
+        if len(tokenizer) > model_config.vocab_size:
             raise ValueError(
-                f"the tokenizer has {len(world.tokenizer)} ids but {hf_dir} embeds only {model_config.vocab_size}; "
+                f"the tokenizer has {len(tokenizer)} ids but {hf_dir} embeds only {model_config.vocab_size}; "
                 "model.tokenizer_dir must be this checkpoint's tokenizer"
             )
-        return Policy(model_config, params, f"hf checkpoint {hf_dir}")
+        facts = {"hf_dir": hf_dir, "steps": 0, "reproducible": True}
+        world = recipe.World(data, tokenizer, env)
+        return Start(world, model_config, params, f"hf checkpoint {hf_dir}", f"policy: {hf_dir}", facts, hf_dir)
 
     def prompt_stream(self, config, world):
         count = jax.process_count()
@@ -150,7 +176,7 @@ class SearchR1Source:
         out = pathlib.Path(workdir) / EXPORT_DIR
         if jax.process_index() == 0:
             export_policy(policy.model_config, policy.params, _tokenizer_dir(config), out)
-        return {"hf_export": str(out)}
+        return {EXPORT_DIR: str(out)}
 
 
 def source_of(config: ml_collections.ConfigDict) -> RecipeSource:
@@ -160,16 +186,17 @@ def source_of(config: ml_collections.ConfigDict) -> RecipeSource:
 
 
 def latest_policy(
-    config: ml_collections.ConfigDict, workdir: pathlib.Path, world: recipe.World, mesh: Any = None
-) -> Policy:
-    """The newest policy of a run: the latest RL checkpoint's params, else the run's starting policy."""
-    start = source_of(config).initial_policy(config, workdir, world, mesh)
+    config: ml_collections.ConfigDict, workdir: pathlib.Path, mesh: Any = None
+) -> tuple[Start, nnx.State, str]:
+    """The newest policy of a run: the latest RL checkpoint's params, else the starting policy's; with the
+    run's start (world, model config) and a description of which policy it is."""
+    start = source_of(config).start(config, pathlib.Path(workdir), mesh)
     restored = StateCheckpointer(pathlib.Path(workdir) / recipe.CHECKPOINTS).restore_latest(
         target={"params": start.params}, keys=["params"]
     )
     if restored is None:
-        return start
-    return Policy(start.model_config, restored.state["params"], f"rl step {restored.step}")
+        return start, start.params, start.source
+    return start, restored.state["params"], f"rl step {restored.step}"
 
 
 def export_policy(
@@ -196,11 +223,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     workdir = pathlib.Path(args.workdir)
     config = recipe.load_run_config(workdir)
-    world = source_of(config).build_world(config, workdir)
-    policy = latest_policy(config, workdir, world)
-    tokenizer_dir = _tokenizer_dir(config) if config.get("model") else workdir / "tokenizer"
-    export_policy(policy.model_config, policy.params, tokenizer_dir, args.out)
-    print(f"export: {policy.source} -> {args.out}")
+    start, params, source = latest_policy(config, workdir)
+    tokenizer_dir = _tokenizer_dir(config) if config.get("model") else start.directory
+    export_policy(start.model_config, params, tokenizer_dir, args.out)
+    print(f"export: {source} -> {args.out}")
 
 
 if __name__ == "__main__":
