@@ -62,6 +62,7 @@ class Start:
     message: one console line about how the start was obtained.
     facts: reproducible facts for the summary's ``warm_start`` entry (always has ``reproducible``).
     directory: where the starting policy lives (the warm-start cache entry, the HF checkpoint).
+    tokenizer_dir: the HF tokenizer directory of the policy (exported beside it).
     """
 
     world: recipe.World
@@ -71,6 +72,7 @@ class Start:
     message: str = ""
     facts: dict[str, Any] = dataclasses.field(default_factory=lambda: {"reproducible": True})
     directory: str = ""
+    tokenizer_dir: str = ""
 
 
 class RecipeSource(Protocol):
@@ -119,6 +121,7 @@ class SyntheticSource:
             message,
             warm.describe(),
             str(warm.entry.directory),
+            str(warm.entry.directory / "tokenizer"),  # where recipe.build_world keeps it
         )
 
     def prompt_stream(self, config, world):
@@ -160,7 +163,8 @@ class SearchR1Source:
             )
         facts = {"hf_dir": hf_dir, "steps": 0, "reproducible": True}
         world = recipe.World(data, tokenizer, env)
-        return Start(world, model_config, params, f"hf checkpoint {hf_dir}", f"policy: {hf_dir}", facts, hf_dir)
+        source = f"hf checkpoint {hf_dir}"
+        return Start(world, model_config, params, source, f"policy: {hf_dir}", facts, hf_dir, _tokenizer_dir(config))
 
     def prompt_stream(self, config, world):
         count = jax.process_count()
@@ -175,7 +179,7 @@ class SearchR1Source:
     def finish(self, config, workdir, policy):
         out = pathlib.Path(workdir) / EXPORT_DIR
         if jax.process_index() == 0:
-            export_policy(policy.model_config, policy.params, _tokenizer_dir(config), out)
+            export_policy(policy.model_config, policy.params, policy.tokenizer_dir, out)
         return {EXPORT_DIR: str(out)}
 
 
@@ -224,8 +228,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     workdir = pathlib.Path(args.workdir)
     config = recipe.load_run_config(workdir)
     start, params, source = latest_policy(config, workdir)
-    tokenizer_dir = _tokenizer_dir(config) if config.get("model") else start.directory
-    export_policy(start.model_config, params, tokenizer_dir, args.out)
+    export_policy(start.model_config, params, start.tokenizer_dir, args.out)
     print(f"export: {source} -> {args.out}")
 
 
