@@ -26,7 +26,9 @@ CORE = [
 EXTRAS = {
     # torch is pinned: 2.13.0 is the CPU wheel on these machines; a loose pin pulls a CUDA build.
     "test": ["pytest", "hypothesis", "torch==2.13.0", "nbclient", "nbformat", "ipykernel", "ruff"],
-    "tpu": ["jax[tpu]>=0.10.2"],
+    # gs:// workdirs: epath reaches GCS through fsspec (gcsfs); orbax asks the bucket's layout (google-cloud-storage).
+    "gcs": ["gcsfs", "google-cloud-storage"],
+    "tpu": ["jax[tpu]>=0.10.2", "gcsfs", "google-cloud-storage"],
     "cuda": ["jax[cuda12]>=0.10.2"],
     # The real JetStream; never `jetstream-pt` (a dependency-confusion dummy).
     "jetstream": ["google-jetstream>=0.2.2"],

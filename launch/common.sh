@@ -32,6 +32,7 @@ run() {
 
 train_command() {
   # The one training command every launcher ends with; extra flags are config overrides.
+  # (${X[@]+"${X[@]}"}: an empty array under `set -u` in the bash 3.2 that macOS ships.)
   printf '%s' "python -m trace_jax.train --config=$CONFIG --workdir=$WORKDIR"
-  for flag in "${EXTRA[@]}"; do printf ' %q' "$flag"; done
+  for flag in ${EXTRA[@]+"${EXTRA[@]}"}; do printf ' %q' "$flag"; done
 }

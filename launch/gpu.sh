@@ -18,7 +18,7 @@ parse_common "$@"
 if [ "$NUM_HOSTS" -gt 1 ]; then
   [ -n "$COORDINATOR" ] || { echo "--num-hosts > 1 needs --coordinator host:port" >&2; exit 2; }
   EXTRA=(--config.distributed.mode=explicit "--config.distributed.coordinator_address=$COORDINATOR"
-         "--config.distributed.num_processes=$NUM_HOSTS" "--config.distributed.process_id=$HOST_ID" "${EXTRA[@]}")
+         "--config.distributed.num_processes=$NUM_HOSTS" "--config.distributed.process_id=$HOST_ID" ${EXTRA[@]+"${EXTRA[@]}"})
 fi
 run pip install -e ".[cuda]"
 run bash -c "$(train_command)"

@@ -1,30 +1,166 @@
 #!/usr/bin/env bash
-# Create (optionally) a Cloud TPU VM pod slice, install trace_jax on every worker and start training on all.
-# Usage: launch/tpu_pod.sh --tpu NAME --zone Z [--accelerator v5p-32] [--create] [--repo URL] [--dry-run]
-#                          [--config C] [--workdir gs://bucket/run] [-- overrides]
+# Run the main job on every host of a Cloud TPU VM slice (v5p-64 = 32 chips on 8 hosts), from this checkout.
+#
+# Launch (checks the overrides here, creates or reuses the slice, ships this checkout, installs, starts, streams):
+#   launch/tpu_pod.sh --tpu NAME --zone ZONE --workdir gs://BUCKET/RUN [--project P] [--accelerator v5p-64]
+#       [--create | --queued [--spot]] [--runtime VERSION] [--python 3.11] [--env KEY=VALUE ...]
+#       [--no-stream] [--skip-check] [--dry-run] [--config configs/x.py[:arg]] [-- --config.key=value ...]
+# Afterwards (same --tpu/--zone/--project; add --queued if the slice came from a queued resource):
+#   --logs [--worker N]   stream worker N's log (default 0; Ctrl-C detaches, the job keeps running)
+#   --status              one line per worker     --stop    stop the job on every worker
+#   --delete              stop the job and delete the slice (or queued resource): billing stops here
+#
+# --dry-run prints every command (gcloud and local) instead of running it; the override check still runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . launch/common.sh
-TPU=""; ZONE=""; ACCELERATOR="v5p-32"; CREATE=0; REPO="https://github.com/trace-jax/trace_jax.git"
-RUNTIME="v2-alpha-tpuv5"
+WORKDIR=""  # a pod needs an explicit shared workdir (common.sh defaults to a local one)
+TPU=""; ZONE=""; PROJECT=""; ACCELERATOR="v5p-64"; RUNTIME=""; PY_VERSION="3.11"
+CREATE=0; QUEUED=0; SPOT=0; STREAM=1; CHECK=1; ACTION="launch"; WORKER=0; ENVS=()
+PYTHON="${PYTHON:-python3}"
 parse_specific() {
   SHIFT_TWO=1
   case "$1" in
     --tpu) TPU="$2" ;;
     --zone) ZONE="$2" ;;
+    --project) PROJECT="$2" ;;
     --accelerator) ACCELERATOR="$2" ;;
-    --repo) REPO="$2" ;;
     --runtime) RUNTIME="$2" ;;
+    --python) PY_VERSION="$2" ;;
+    --env) ENVS+=("$2") ;;
+    --worker) WORKER="$2" ;;
     --create) CREATE=1; SHIFT_TWO=0 ;;
+    --queued) QUEUED=1; SHIFT_TWO=0 ;;
+    --spot) SPOT=1; SHIFT_TWO=0 ;;
+    --no-stream) STREAM=0; SHIFT_TWO=0 ;;
+    --skip-check) CHECK=0; SHIFT_TWO=0 ;;
+    --logs | --status | --stop | --delete) ACTION="${1#--}"; SHIFT_TWO=0 ;;
     *) SHIFT_TWO=0; return 1 ;;
   esac
 }
 parse_common "$@"
-[ -n "$TPU" ] && [ -n "$ZONE" ] || { echo "--tpu NAME and --zone ZONE are required" >&2; exit 2; }
-if [ "$CREATE" = 1 ]; then
-  run gcloud compute tpus tpu-vm create "$TPU" --zone="$ZONE" --accelerator-type="$ACCELERATOR" --version="$RUNTIME"
+fail() { echo "$*" >&2; exit 2; }
+[ -n "$TPU" ] && [ -n "$ZONE" ] || fail "--tpu NAME and --zone ZONE are required"
+[ "$CREATE" = 1 ] && [ "$QUEUED" = 1 ] && fail "--create and --queued are two ways to make the slice: pick one"
+[ "$SPOT" = 1 ] && [ "$QUEUED" = 0 ] && [ "$CREATE" = 0 ] && fail "--spot applies to a slice being made: add --create or --queued"
+for kv in ${ENVS[@]+"${ENVS[@]}"}; do
+  [[ "$kv" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || fail "--env $kv: expected KEY=VALUE"
+done
+[[ "$PY_VERSION" =~ ^3\.[0-9]+$ ]] || fail "--python $PY_VERSION: expected a version like 3.11"
+
+# The runtime image for each TPU generation (an image ships the TPU driver; jax comes from our install).
+default_runtime() {
+  case "$1" in
+    v4-*) echo "tpu-ubuntu2204-base" ;;
+    v5litepod-*) echo "v2-alpha-tpuv5-lite" ;;
+    v5p-*) echo "v2-alpha-tpuv5" ;;
+    v6e-*) echo "v2-alpha-tpuv6e" ;;
+    *) return 1 ;;
+  esac
+}
+if [ -z "$RUNTIME" ]; then
+  RUNTIME="$(default_runtime "$ACCELERATOR")" || fail "no default runtime for --accelerator $ACCELERATOR; pass --runtime"
 fi
-# Every worker runs the same program; jax.distributed discovers the pod (distributed.mode=auto).
-REMOTE="set -e; [ -d trace_jax ] || git clone $REPO trace_jax; cd trace_jax && git pull --ff-only; \
-pip install -e '.[tpu]'; $(train_command) --config.distributed.mode=auto"
-run gcloud compute tpus tpu-vm ssh "$TPU" --zone="$ZONE" --worker=all --command="$REMOTE"
+
+SCOPE=(--zone="$ZONE")
+[ -n "$PROJECT" ] && SCOPE+=(--project="$PROJECT")
+VM=(gcloud compute tpus tpu-vm)
+QR=(gcloud compute tpus queued-resources)
+WORKER_SCRIPT="trace_jax_run/code/launch/tpu_worker.sh"  # relative to each worker's home directory
+on_workers() { run "${VM[@]}" ssh "$TPU" "${SCOPE[@]}" --worker="$1" --command="$2"; }
+note() { if [ "$DRY_RUN" = 1 ]; then echo "# $*"; else echo "==> $*" >&2; fi; }
+
+# ----------------------------------------------------------------------------------------- the slice
+ensure_slice() {
+  if [ "$QUEUED" = 1 ]; then
+    if [ "$DRY_RUN" = 1 ] || ! "${QR[@]}" describe "$TPU" "${SCOPE[@]}" >/dev/null 2>&1; then
+      note "queued resource $TPU: create it (skipped when 'describe' finds it), then wait until ACTIVE"
+      [ "$DRY_RUN" = 1 ] && run "${QR[@]}" describe "$TPU" "${SCOPE[@]}" --format="value(state.state)"
+      local spot=()
+      [ "$SPOT" = 1 ] && spot=(--spot)
+      run "${QR[@]}" create "$TPU" "${SCOPE[@]}" --node-id="$TPU" --accelerator-type="$ACCELERATOR" \
+        --runtime-version="$RUNTIME" ${spot[@]+"${spot[@]}"}
+    fi
+    [ "$DRY_RUN" = 1 ] && return 0
+    local state
+    while :; do
+      state="$("${QR[@]}" describe "$TPU" "${SCOPE[@]}" --format="value(state.state)")"
+      case "$state" in
+        ACTIVE) break ;;
+        FAILED | SUSPENDED | SUSPENDING) fail "queued resource $TPU is $state; see: ${QR[*]} describe $TPU ${SCOPE[*]}" ;;
+        *) echo "queued resource $TPU: $state (checking again in 30 s; Ctrl-C leaves the request queued)" >&2; sleep 30 ;;
+      esac
+    done
+    return 0
+  fi
+  local state=""
+  if [ "$DRY_RUN" = 1 ]; then
+    run "${VM[@]}" describe "$TPU" "${SCOPE[@]}" --format="value(state)"
+  else
+    state="$("${VM[@]}" describe "$TPU" "${SCOPE[@]}" --format="value(state)" 2>/dev/null || true)"
+  fi
+  if [ -z "$state" ] && [ "$CREATE" = 1 ]; then
+    note "TPU VM $TPU: create it (skipped when 'describe' finds it)"
+    local spot=()
+    [ "$SPOT" = 1 ] && spot=(--spot)
+    run "${VM[@]}" create "$TPU" "${SCOPE[@]}" --accelerator-type="$ACCELERATOR" --version="$RUNTIME" \
+      ${spot[@]+"${spot[@]}"}
+  elif [ -z "$state" ] && [ "$DRY_RUN" = 0 ]; then
+    fail "no TPU VM $TPU in $ZONE${PROJECT:+ ($PROJECT)}: pass --create or --queued to make one"
+  elif [ -n "$state" ] && [ "$state" != READY ]; then
+    fail "TPU VM $TPU is $state: delete it (--delete) and launch again with --create"
+  fi
+}
+
+# ------------------------------------------------------------------------------------------- actions
+launch() {
+  [ -n "$WORKDIR" ] || fail "--workdir gs://BUCKET/RUN is required: every worker writes checkpoints into it"
+  [[ "$WORKDIR" == gs://* ]] || fail "--workdir $WORKDIR: a pod's workdir must be a gs:// bucket path all workers share"
+  # The workers run from the shipped checkout: the config file must be part of it (relative paths work there).
+  local config_path="${CONFIG%%:*}"
+  if [[ "$config_path" == /* ]]; then
+    [[ "$config_path" == "$PWD"/* ]] || fail "--config $CONFIG: the config file must be inside this checkout (it ships with the code)"
+    CONFIG="${CONFIG#"$PWD"/}"
+  fi
+  local overrides=(--config.distributed.mode=auto ${EXTRA[@]+"${EXTRA[@]}"})
+  if [ "$CHECK" = 1 ]; then
+    # Runs under --dry-run too: a bad override is cheapest to find here, before a slice is paid for.
+    [ "$DRY_RUN" = 1 ] && run "$PYTHON" launch/pod_helper.py check "$CONFIG" "${overrides[@]}"
+    "$PYTHON" launch/pod_helper.py check "$CONFIG" "${overrides[@]}" || exit 2
+  fi
+  ensure_slice
+  local tarball="${TMPDIR:-/tmp}/trace_jax_code_$TPU.tgz"
+  note "ship this checkout to every worker, install it, stop leftovers"
+  run "$PYTHON" launch/pod_helper.py pack "$tarball"
+  run "${VM[@]}" scp "$tarball" "$TPU:trace_jax_code.tgz" "${SCOPE[@]}" --worker=all
+  on_workers all "set -e; rm -rf trace_jax_run/incoming; mkdir -p trace_jax_run/incoming; \
+tar -xzf trace_jax_code.tgz -C trace_jax_run/incoming; bash trace_jax_run/incoming/launch/tpu_worker.sh install $PY_VERSION"
+  note "start the same command on every worker (detached; jax.distributed finds the pod by itself)"
+  local job=(python -m trace_jax.train "--config=$CONFIG" "--workdir=$WORKDIR" "${overrides[@]}")
+  local remote
+  remote="$(printf '%q ' bash "$WORKER_SCRIPT" start ${ENVS[@]+"${ENVS[@]}"} -- "${job[@]}")"
+  on_workers all "${remote% }"
+  local again="launch/tpu_pod.sh --tpu $TPU --zone $ZONE${PROJECT:+ --project $PROJECT}"
+  [ "$QUEUED" = 1 ] && again+=" --queued"
+  echo "job started on every worker of $TPU. Re-attach: $again --logs [--worker N]; stop: $again --stop;" \
+    "delete the slice (billing stops only then): $again --delete" >&2
+  if [ "$STREAM" = 1 ]; then
+    note "stream worker 0's log (Ctrl-C detaches; the job keeps running)"
+    on_workers 0 "bash $WORKER_SCRIPT logs"
+  fi
+}
+
+case "$ACTION" in
+  launch) launch ;;
+  logs) on_workers "$WORKER" "bash $WORKER_SCRIPT logs" ;;
+  status) on_workers all "bash $WORKER_SCRIPT status" ;;
+  stop) on_workers all "bash $WORKER_SCRIPT stop" ;;
+  delete)
+    on_workers all "bash $WORKER_SCRIPT stop" || echo "could not stop the job on every worker; deleting anyway" >&2
+    if [ "$QUEUED" = 1 ]; then
+      run "${QR[@]}" delete "$TPU" "${SCOPE[@]}" --force --quiet
+    else
+      run "${VM[@]}" delete "$TPU" "${SCOPE[@]}" --quiet
+    fi
+    ;;
+esac

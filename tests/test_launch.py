@@ -1,58 +1,236 @@
-"""Launch scripts: --dry-run prints the exact commands, bad options fail clearly."""
+"""Launch scripts: --dry-run prints the exact commands, bad options and bad overrides fail before any cost.
 
+The pod launcher's worker side (``launch/tpu_worker.sh``) runs here for real against a temporary run
+directory: a detached job, its log and exit status, and stopping a leftover.
+"""
+
+import os
 import pathlib
+import shlex
 import subprocess
+import sys
+import tarfile
+import time
 
 import pytest
 
+from trace_jax.config_utils import load_config_file, unknown_overrides
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHON": sys.executable}
+POD = ["--tpu", "pod1", "--zone", "us-east5-a", "--workdir", "gs://bucket/run"]
 
 
 def launch(script, *args):
-    return subprocess.run(["bash", str(ROOT / "launch" / script), *args], capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        ["bash", str(ROOT / "launch" / script), *args], capture_output=True, text=True, timeout=60, env=ENV
+    )
 
 
-def test_tpu_pod_dry_run_creates_then_runs_the_same_command_on_every_worker():
+def commands(stdout: str) -> list[list[str]]:
+    """The printed commands as argv lists (comment lines dropped)."""
+    return [shlex.split(line) for line in stdout.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def gcloud(cmds, *words):
+    return [c for c in cmds if c[0] == "gcloud" and all(w in c for w in words)]
+
+
+def flag(cmd, name):
+    return next(a.split("=", 1)[1] for a in cmd if a.startswith(f"--{name}="))
+
+
+def test_tpu_pod_dry_run_ships_installs_and_starts_the_same_valid_command_on_every_worker():
     done = launch(
         "tpu_pod.sh",
         "--dry-run",
-        "--tpu",
-        "pod1",
-        "--zone",
-        "us-east5-a",
+        *POD,
         "--create",
+        "--env",
+        "LIBTPU_INIT_ARGS=--x",
         "--",
-        "--config.rl.learning_rate=1e-5",
+        "--config.optim.learning_rate=1e-5",
     )
     assert done.returncode == 0, done.stderr
-    create, ssh = done.stdout.strip().splitlines()
-    assert "tpu-vm create pod1" in create and "--accelerator-type=v5p-32" in create
-    assert "--worker=all" in ssh
-    assert "python\\ -m\\ trace_jax.train\\ --config=configs/default.py" in ssh
-    assert "--config.rl.learning_rate=1e-5" in ssh and "--config.distributed.mode=auto" in ssh
+    cmds = commands(done.stdout)
+    (create,) = gcloud(cmds, "create")
+    assert create[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"] and create[5] == "pod1"
+    assert "--accelerator-type=v5p-64" in create and "--version=v2-alpha-tpuv5" in create
+    # The local checkout is packed and copied to every worker: no repository URL is involved.
+    pack = next(c for c in cmds if "pod_helper.py" in " ".join(c) and "pack" in c)
+    (scp,) = gcloud(cmds, "scp")
+    assert scp[scp.index("scp") + 1] == pack[-1] and flag(scp, "worker") == "all"
+    assert "git clone" not in done.stdout and "github" not in done.stdout
+    ssh = gcloud(cmds, "ssh")
+    install, start, stream = ssh
+    assert [flag(c, "worker") for c in ssh] == ["all", "all", "0"]
+    assert "tpu_worker.sh install 3.11" in flag(install, "command")
+    assert "tar -xzf trace_jax_code.tgz" in flag(install, "command")
+    assert flag(stream, "command").endswith("tpu_worker.sh logs")
+    # One start command for all workers, so every host runs exactly the same job.
+    remote = shlex.split(flag(start, "command"))
+    assert remote[:3] == ["bash", "trace_jax_run/code/launch/tpu_worker.sh", "start"]
+    env, job = remote[3 : remote.index("--")], remote[remote.index("--") + 1 :]
+    assert env == ["LIBTPU_INIT_ARGS=--x"]
+    assert job[:3] == ["python", "-m", "trace_jax.train"]
+    assert "--config=configs/default.py" in job and "--workdir=gs://bucket/run" in job
+    overrides = [a for a in job if a.startswith("--config.")]
+    assert overrides == ["--config.distributed.mode=auto", "--config.optim.learning_rate=1e-5"]
+    config = load_config_file(str(ROOT / "configs" / "default.py"))
+    assert unknown_overrides(overrides, config) == []  # the config accepts what the workers will run
 
 
-def test_gpu_multi_host_passes_the_coordinator_as_config_overrides():
+def test_tpu_pod_rejects_an_override_the_config_lacks_before_any_gcloud_command():
+    bad = "--config.rl.learning_rate=1e-5"
+    assert unknown_overrides([bad], load_config_file(str(ROOT / "configs" / "default.py")))  # premise
+    done = launch("tpu_pod.sh", "--dry-run", *POD, "--create", "--", bad)
+    assert done.returncode == 2
+    assert "unknown config key 'rl.learning_rate'" in done.stderr and "optim.learning_rate" in done.stderr
+    assert not gcloud(commands(done.stdout))
+
+
+def test_tpu_pod_checks_overrides_against_the_chosen_config_file():
+    done = launch("tpu_pod.sh", "--dry-run", *POD, "--config", "configs/ablation.py:uniform", "--", "--config.seed=3")
+    assert done.returncode == 0, done.stderr
+    assert "--config=configs/ablation.py:uniform" in done.stdout
+    done = launch("tpu_pod.sh", "--dry-run", *POD, "--config", "configs/nope.py")
+    assert done.returncode == 2 and "cannot load configs/nope.py" in done.stderr
+    done = launch("tpu_pod.sh", "--dry-run", *POD, "--config", "/etc/elsewhere.py")
+    assert done.returncode == 2 and "must be inside this checkout" in done.stderr
+    done = launch("tpu_pod.sh", "--dry-run", *POD, "--config", str(ROOT / "configs" / "ablation.py") + ":uniform")
+    assert done.returncode == 0, done.stderr
+    assert "--config=configs/ablation.py:uniform" in done.stdout  # made relative: it runs from the shipped copy
+
+
+def test_tpu_pod_queued_spot_slice_and_the_other_actions():
+    done = launch("tpu_pod.sh", "--dry-run", *POD, "--queued", "--spot", "--accelerator", "v6e-16", "--no-stream")
+    assert done.returncode == 0, done.stderr
+    cmds = commands(done.stdout)
+    (create,) = gcloud(cmds, "queued-resources", "create")
+    assert "--node-id=pod1" in create and "--spot" in create and "--runtime-version=v2-alpha-tpuv6e" in create
+    assert [flag(c, "worker") for c in gcloud(cmds, "ssh")] == ["all", "all"]  # no streaming
+    stop = commands(launch("tpu_pod.sh", "--dry-run", "--tpu", "pod1", "--zone", "z", "--stop").stdout)
+    assert (
+        len(stop) == 1 and flag(stop[0], "worker") == "all" and flag(stop[0], "command").endswith("tpu_worker.sh stop")
+    )
+    logs = commands(launch("tpu_pod.sh", "--dry-run", "--tpu", "pod1", "--zone", "z", "--logs", "--worker", "3").stdout)
+    assert flag(logs[0], "worker") == "3"
+    delete = commands(launch("tpu_pod.sh", "--dry-run", "--tpu", "pod1", "--zone", "z", "--queued", "--delete").stdout)
+    assert delete[-1][3:6] == ["queued-resources", "delete", "pod1"] and "--force" in delete[-1]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--dry-run"], "--tpu NAME and --zone ZONE are required"),
+        (["--dry-run", "--tpu", "p", "--zone", "z"], "--workdir gs://BUCKET/RUN is required"),
+        (["--dry-run", "--tpu", "p", "--zone", "z", "--workdir", "/tmp/run"], "must be a gs:// bucket path"),
+        ([*POD, "--create", "--queued"], "pick one"),
+        ([*POD, "--spot"], "add --create or --queued"),
+        ([*POD, "--accelerator", "v9-8"], "no default runtime"),
+        ([*POD, "--env", "1X=2"], "expected KEY=VALUE"),
+        ([*POD, "--python", "three"], "expected a version like 3.11"),
+    ],
+)
+def test_tpu_pod_bad_options_fail_with_a_message(args, message):
+    done = launch("tpu_pod.sh", *args)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_pack_ships_the_working_tree_without_environments(tmp_path):
+    out = tmp_path / "code.tgz"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "pod_helper.py"), "pack", str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+    assert {"setup.py", "launch/tpu_worker.sh", "trace_jax/train.py", "configs/default.py"} <= set(names)
+    assert not [n for n in names if n.startswith((".venv/", ".git/", "runs/")) or "__pycache__" in n]
+
+
+# ------------------------------------------------------------------------------- the worker side, for real
+def worker(run_dir, *args, timeout=60):
+    env = {**ENV, "TRACE_JAX_RUN_DIR": str(run_dir), "TRACE_JAX_STOP_GRACE_S": "5"}
+    return subprocess.run(
+        ["bash", str(ROOT / "launch" / "tpu_worker.sh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def _pgid(run_dir):
+    return int((run_dir / "job.pid").read_text())
+
+
+def _alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_worker_runs_the_job_detached_streams_its_log_and_reports_its_status(tmp_path):
+    started = worker(tmp_path, "start", "GREETING=hello", "--", "bash", "-c", 'echo "$GREETING from the job"; exit 3')
+    assert started.returncode == 0, started.stderr
+    streamed = worker(tmp_path, "logs")
+    assert "hello from the job" in streamed.stdout and "exit status 3" in streamed.stdout
+    assert streamed.returncode == 3
+    assert "finished with exit status 3" in worker(tmp_path, "status").stdout
+    assert len(list((tmp_path / "logs").glob("*.log"))) == 1
+
+
+def test_worker_stop_ends_a_leftover_job_and_its_children(tmp_path):
+    # A job that ignores SIGTERM in a child, as a hung collective might: stop must still end the group.
+    job = "trap '' TERM; sleep 300 & wait"
+    assert worker(tmp_path, "start", "--", "bash", "-c", job).returncode == 0
+    pgid = _pgid(tmp_path)
+    try:
+        assert _alive(pgid)
+        refused = worker(tmp_path, "start", "--", "true")
+        assert refused.returncode == 1 and "already running" in refused.stderr
+        start = time.monotonic()
+        stopped = worker(tmp_path, "stop")
+        assert stopped.returncode == 0 and "SIGKILL" in stopped.stdout
+        assert not _alive(pgid) and time.monotonic() - start < 30
+        assert "stopped" in worker(tmp_path, "status").stdout
+    finally:
+        if _alive(pgid):
+            os.killpg(pgid, 9)
+
+
+def test_cpu_and_gpu_launchers_print_the_main_job():
+    done = launch("cpu.sh", "--dry-run", "--workdir", "/tmp/w")
+    assert done.returncode == 0
+    assert "trace_jax.train\\ --config=configs/default.py\\ --workdir=/tmp/w" in done.stdout
     done = launch("gpu.sh", "--dry-run", "--num-hosts", "2", "--host-id", "1", "--coordinator", "10.0.0.1:1234")
     assert done.returncode == 0, done.stderr
     assert "distributed.coordinator_address=10.0.0.1:1234" in done.stdout
     assert "distributed.process_id=1" in done.stdout and "distributed.num_processes=2" in done.stdout
 
 
-def test_cpu_dry_run_prints_the_main_job():
-    done = launch("cpu.sh", "--dry-run", "--workdir", "/tmp/w")
-    assert done.returncode == 0
-    assert "trace_jax.train\\ --config=configs/default.py\\ --workdir=/tmp/w" in done.stdout
-
-
 @pytest.mark.parametrize(
     "script,args,message",
     [
         ("cpu.sh", ["--bogus"], "unknown option: --bogus"),
-        ("tpu_pod.sh", ["--dry-run"], "--tpu NAME and --zone ZONE are required"),
         ("gpu.sh", ["--dry-run", "--num-hosts", "2"], "needs --coordinator"),
     ],
 )
 def test_bad_options_fail_with_a_message(script, args, message):
     done = launch(script, *args)
     assert done.returncode == 2 and message in done.stderr
+
+
+def test_the_readme_pod_example_passes_the_launchers_own_checks():
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("launch/tpu_pod.sh --dry-run --project")
+    line = readme[start : readme.index("\n# ", start)].replace("\\\n", " ")
+    for name, value in {"PROJECT": "p", "ZONE": "us-east5-a", "TPU_NAME": "t", "BUCKET": "b"}.items():
+        line = line.replace(f"${name}", value)
+    done = launch("tpu_pod.sh", *shlex.split(line)[1:])
+    assert done.returncode == 0, done.stderr
+    job = shlex.split(flag(gcloud(commands(done.stdout), "ssh")[1], "command"))
+    assert "--config.sft.model=qwen3-8b" in job and "--workdir=gs://b/runs/qwen3-8b" in job

@@ -23,7 +23,7 @@ from trace_jax.config_utils import from_config
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.data.tokenizer import load_tokenizer, train_world_tokenizer
 from trace_jax.envs.react import ReActConfig, ReActEnv
-from trace_jax.envs.retriever import BM25Retriever
+from trace_jax.envs.retriever import RetrieverConfig, build_retriever
 from trace_jax.models.qwen import ModelConfig
 from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
@@ -56,7 +56,9 @@ def build_world(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Wor
         shutil.rmtree(tokenizer_dir, ignore_errors=True)
         partial.rename(tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
-    env = ReActEnv(tokenizer, BM25Retriever.from_rows(world.corpus), from_config(ReActConfig, config.react))
+    # BM25 over the world's corpus unless the config's ``retriever`` section names a corpus file or a server.
+    retriever = build_retriever(from_config(RetrieverConfig, config.get("retriever")), rows=world.corpus)
+    env = ReActEnv(tokenizer, retriever, from_config(ReActConfig, config.react))
     return World(world, tokenizer, env)
 
 

@@ -152,3 +152,22 @@ def test_sigkill_at_a_random_moment_resumes_from_a_complete_checkpoint(tmp_path,
     assert restored.step >= kill_after - 1
     np.testing.assert_array_equal(restored.state["w"], np.full((128, 512), float(restored.step)))
     assert int(restored.state["step"]) == restored.step and restored.metadata == {"seen": restored.step}
+
+
+def test_a_bucket_url_stays_a_url_through_orbax_and_restores(tmp_path, monkeypatch):
+    from tests.fake_gcs import fake_gcs
+
+    monkeypatch.chdir(tmp_path)  # where pathlib's "gs:/bucket/..." would have landed
+    state = _train_state(4)
+    with fake_gcs(tmp_path / "gcs") as bucket_root:
+        ckpt = StateCheckpointer("gs://bucket/run/checkpoints", keep=2)
+        assert str(ckpt.directory) == "gs://bucket/run/checkpoints"
+        for step in (1, 2, 3):
+            ckpt.save(step, state, metadata={"step": step})
+        ckpt.close()
+        restored = StateCheckpointer("gs://bucket/run/checkpoints").restore_latest(target=_train_state(0))
+    assert restored.step == 3 and restored.metadata == {"step": 3}
+    _assert_same(restored.state["params"], state["params"])
+    steps = sorted(p.name for p in (bucket_root / "bucket" / "run" / "checkpoints").iterdir())
+    assert steps == ["2", "3"]  # keep=2 deleted step 1 in the bucket too
+    assert not (tmp_path / "gs:").exists()

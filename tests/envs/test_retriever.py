@@ -1,12 +1,14 @@
 """Retrievers: BM25 in process, the Search-R1 HTTP protocol against a real served index, failures."""
 
 import json
+import os
 import re
 import subprocess
 import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from trace_jax.envs import retriever as R
@@ -41,6 +43,21 @@ def test_bm25_ranks_the_named_entity_first_and_skips_empty_queries(corpus_file):
     assert len(bm25.search(["Trask"], topk=50)[0]) == 4  # only the passages that mention it
 
 
+def test_top_k_is_best_first_with_ties_to_the_lower_index():
+    from trace_jax.envs.bm25 import top_k
+
+    scores = np.asarray([1.0, 3.0, 2.0, 3.0, 2.0, 0.0, 2.0], np.float32)
+    for k, expected in [(1, [1]), (2, [1, 3]), (3, [1, 3, 2]), (4, [1, 3, 2, 4]), (7, [1, 3, 2, 4, 6, 0, 5])]:
+        ids, values = top_k(scores, k)
+        assert ids.tolist() == expected and values.tolist() == scores[expected].tolist()
+
+
+def test_bm25_ranks_equal_passages_in_corpus_order():
+    rows = [{"id": str(i), "title": "Quilon", "text": "Quilon is a city."} for i in range(5)]
+    (ranked,) = R.BM25Retriever.from_rows(rows).search(["Quilon"], topk=3)
+    assert [p.id for p in ranked] == ["0", "1", "2"]
+
+
 def test_bm25_index_survives_save_and_load(corpus_file, tmp_path):
     bm25 = R.BM25Retriever.from_jsonl(corpus_file)
     loaded = R.BM25Retriever.load(bm25.save(tmp_path / "index"))
@@ -57,6 +74,8 @@ def test_corpus_errors_name_the_file_and_line(tmp_path):
         R.load_corpus(bad)
     with pytest.raises(FileNotFoundError, match="no saved BM25 index"):
         R.BM25Retriever.load(tmp_path)
+    with pytest.raises(ValueError, match="has a word BM25 can index"):
+        R.BM25Retriever.from_rows([{"id": "0", "title": "a", "text": "the of"}])
 
 
 def test_search_r1_contents_rows_are_read(tmp_path):
@@ -107,3 +126,104 @@ def test_stopped_server_gives_bounded_retries_then_a_counted_failure(corpus_file
     assert time.monotonic() - start < 5
     assert client.failures == 2
     assert client.attempts == 1 + 2 * 3
+
+
+# ---------------------------------------------------------------------------------- config and registry
+def test_config_builds_bm25_over_either_corpus_format_a_saved_index_or_given_rows(corpus_file, tmp_path):
+    search_r1 = tmp_path / "search_r1.jsonl"
+    search_r1.write_text(
+        "".join(json.dumps({"id": r["id"], "contents": f'"{r["title"]}"\n{r["text"]}'}) + "\n" for r in ROWS)
+    )
+    index = R.BM25Retriever.from_jsonl(corpus_file).save(tmp_path / "index")
+    expected = R.BM25Retriever.from_rows(ROWS).search(["Belmo Trask", "Quilon"], 2)
+    assert [t[0] for t in titles(expected)] == ["Belmo Trask", "Quilon"]
+    for corpus in (str(corpus_file), str(search_r1), str(index)):
+        built = R.build_retriever(R.RetrieverConfig(kind="bm25", corpus=corpus))
+        assert isinstance(built, R.BM25Retriever)
+        assert built.search(["Belmo Trask", "Quilon"], 2) == expected, corpus
+    from_rows = R.build_retriever(R.RetrieverConfig(), rows=ROWS)
+    assert from_rows.search(["Belmo Trask", "Quilon"], 2) == expected
+
+
+def test_config_builds_an_http_client_with_its_deadline_and_retries():
+    config = R.RetrieverConfig(kind="http", url="http://127.0.0.1:9/", timeout_s=0.5, max_attempts=2, backoff_s=0.01)
+    client = R.build_retriever(config, rows=ROWS)
+    assert isinstance(client, R.HttpRetriever)
+    assert (client.url, client.timeout_s, client.max_attempts, client.backoff_s) == (
+        "http://127.0.0.1:9/retrieve",
+        0.5,
+        2,
+        0.01,
+    )
+
+
+def test_config_mistakes_are_one_line_errors():
+    with pytest.raises(ValueError, match="unknown retriever kind 'faiss'; choose one of bm25, http"):
+        R.RetrieverConfig(kind="faiss")
+    with pytest.raises(ValueError, match="needs url="):
+        R.RetrieverConfig(kind="http")
+    with pytest.raises(ValueError, match="needs corpus="):
+        R.build_retriever(R.RetrieverConfig(kind="bm25"))
+    with pytest.raises(ValueError, match="must look like http://host:port"):
+        R.HttpRetriever("https://example.org")
+
+
+def test_importing_the_retrievers_runs_no_jax_op():
+    """bm25s runs a JAX op when imported; our modules must not import it before a BM25 index is built, so
+    ``jax.distributed.initialize`` can still run after ``import trace_jax.envs.retriever``."""
+    probe = (
+        "import sys, jax; from jax._src import xla_bridge as xb\n"
+        "import trace_jax.envs, trace_jax.envs.retriever, trace_jax.envs.react\n"
+        "print(len(xb._backends), 'bm25s' in sys.modules)\n"
+        "import bm25s\n"
+        "print(len(xb._backends))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert out.returncode == 0, out.stderr
+    ours, bm25s_import = out.stdout.split("\n")[:2]
+    assert ours == "0 False"
+    assert int(bm25s_import) > 0  # the premise: importing bm25s itself does initialise a backend
+
+
+def test_serve_synthetic_world_corpus():
+    from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
+
+    world = {"scale": 1, "questions_per_hop": 5, "ood_questions": 5}
+    first = SyntheticWorld(WorldConfig(**world)).corpus[0]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "trace_jax.envs.retriever", "serve", "--synthetic", json.dumps(world), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = server.stdout.readline()
+        url = re.search(r"http://\S+", line).group(0)
+        (ranked,) = R.HttpRetriever(url, timeout_s=5).search([first["title"]], topk=1)
+        assert [(p.id, p.title, p.text) for p in ranked] == [(first["id"], first["title"], first["text"])]
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    # One access-log line per request at the default level.
+    assert re.search(r"POST /retrieve 200 queries=1 ms=\d", server.stderr.read())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--corpus", "missing.jsonl"], r"missing\.jsonl does not exist"),
+        (["--synthetic", "[1]"], "JSON object of WorldConfig fields"),
+        (["--synthetic", '{"scale": 1, "colour": 2}'], "WorldConfig has no field 'colour'"),
+        (["--corpus", "x.jsonl", "--workers", "0"], "ServerLimits.workers must be > 0"),
+    ],
+)
+def test_serve_mistakes_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        R.main(["serve", *argv])
+    assert re.search(message, capsys.readouterr().err)

@@ -25,14 +25,16 @@ leaf is a typed key. Without a target, arrays come back as saved (nested dicts f
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from trace_jax import paths
 
 METADATA_ITEM = "metadata"
 _KEYS_FIELD = "__state_keys__"
@@ -105,18 +107,21 @@ class StateCheckpointer:
     """Saves a train state every ``save_every`` steps, keeps the newest ``keep``; restores the latest good one.
 
     Args:
-      directory: where step directories go (created if missing).
+      directory: where step directories go (created if missing): a local path or a bucket URL (``gs://...``),
+        kept a URL all the way to orbax (``trace_jax.paths.as_path``).
       save_every: ``save`` writes only when ``step % save_every == 0`` (or ``force=True``).
       keep: number of most recent checkpoints to keep; None keeps all.
       async_save: write in a background thread (call ``wait()`` before reading the files).
     """
 
-    def __init__(self, directory: str | Path, save_every: int = 1, keep: int | None = 3, async_save: bool = False):
+    def __init__(
+        self, directory: str | os.PathLike, save_every: int = 1, keep: int | None = 3, async_save: bool = False
+    ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be >= 1 or None, got {keep}")
-        self.directory = Path(directory).absolute()
+        self.directory = paths.as_path(directory)  # gs://... stays a URL (pathlib would make it gs:/...)
         self.save_every = save_every
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,

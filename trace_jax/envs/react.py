@@ -207,10 +207,11 @@ class ReActEnv:
             body = format_passages(passages)
             info["retrieval_failed"] = False
             info["passage_ids"] = [p.id for p in passages]
-        except RetrievalError:
+        except RetrievalError as e:  # a counted failure observation; the rollout goes on
             self.retrieval_failures += 1
             body = RETRIEVAL_FAILED_TEXT
             info["retrieval_failed"] = True
+            info["retrieval_error"] = str(e)
         body_ids = self.encode(body)
         info["observation_truncated"] = len(body_ids) > self.config.max_observation_tokens
         body_ids = body_ids[: self.config.max_observation_tokens]

@@ -3,13 +3,21 @@
 On a Cloud TPU pod every host runs the same command; ``jax.distributed.initialize()`` with no arguments
 discovers the coordinator from the TPU metadata. On GPU clusters the coordinator, the process count and
 this process's id are given explicitly (the launch scripts pass them as config overrides).
+
+Who does what once several processes run: ``is_main_process`` (process 0) alone writes logs, plots and
+summaries (``MainProcessWriter``, ``run_on_main``); checkpoints are written by every process together
+(orbax). Data across processes: ``trace_jax.parallel.multihost``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +31,11 @@ class DistributedConfig:
 
 
 def initialize(config: DistributedConfig) -> None:
-    """Joins this process to the job. Must run before anything touches a device."""
-    if config.mode == "none":
+    """Joins this process to the job. Must run before anything touches a device.
+
+    A no-op when this process has already joined (a wrapper or a notebook initialised it first).
+    """
+    if config.mode == "none" or jax.distributed.is_initialized():
         return
     if config.mode == "auto":
         jax.distributed.initialize()
@@ -39,6 +50,44 @@ def initialize(config: DistributedConfig) -> None:
     jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
 
 
+def process_index() -> int:
+    """This process's index in [0, process_count()); 0 in a one-process run."""
+    return jax.process_index()
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
 def is_main_process() -> bool:
     """Only process 0 writes logs, plots and summaries (checkpoints are written collectively by orbax)."""
     return jax.process_index() == 0
+
+
+def run_on_main(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+    """``fn(*args, **kwargs)`` on process 0; None elsewhere. For one-off writes: plots, summary.json."""
+    return fn(*args, **kwargs) if is_main_process() else None
+
+
+class MainProcessWriter:
+    """A writer that exists only on process 0: on other processes every method call does nothing.
+
+    ``writer = MainProcessWriter(lambda: MetricWriter(workdir))`` builds the real writer (and its files)
+    on process 0 only; ``writer.write(step, metrics)`` and ``writer.close()`` are no-ops returning None
+    elsewhere. Reduce metrics across processes *before* writing (``multihost.reduce_metrics``): the
+    reduction is collective, the write is not.
+    """
+
+    def __init__(self, make: Callable[[], Any]):
+        self._writer = make() if is_main_process() else None
+
+    @property
+    def active(self) -> bool:
+        """True on the process that really writes."""
+        return self._writer is not None
+
+    def __getattr__(self, name: str) -> Any:
+        writer = self.__dict__.get("_writer")
+        if writer is None:
+            return lambda *args, **kwargs: None
+        return getattr(writer, name)

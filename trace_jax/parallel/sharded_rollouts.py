@@ -1,0 +1,114 @@
+"""A rollout backend for several JAX processes: each samples its own prompts, all see every tree.
+
+How the allocation stays identical on every host: the scheduler (unchanged) runs on every process over the
+*whole* batch of trees. ``ProcessShardedBackend`` wraps the process's real backend (runner or simulator):
+
+- a request is executed only by the process that owns its tree (``owner``: prompt index modulo the process
+  count), on that process's own devices;
+- the turns each process added are then all-gathered and appended, in the same order, to the other
+  processes' copies of those trees; ``RolloutStats`` are summed over processes.
+
+So before and after every backend call all processes hold the same trees and the same spent budget, and the
+policy's stage-1 / stage-2 decisions, the predictor's training anchors (hence its parameters) and the cost
+model are the same everywhere without further communication. What travels is each new turn (ids,
+log-probs, entropies, observation ids, anchor feature, reward): exact, and small next to sampling it.
+
+The train batch is then built from ``local_trees(trees)`` on each process and assembled with
+``multihost.global_batch``. Evaluation needs no other change: ``evaluate(ProcessShardedBackend(runner), env,
+tasks)`` splits the questions across processes and every process computes the same (one-process) scores.
+With one process the wrapper only forwards.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from trace_jax.parallel import multihost
+from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend, RolloutStats
+from trace_jax.rollout.tree import Node, RolloutTree
+
+_STATS = ("rollouts", "generated_tokens", "forward_tokens")
+
+
+def owner(tree: RolloutTree, count: int | None = None) -> int:
+    """The process that samples ``tree``: its prompt index modulo the process count (disjoint, stateless)."""
+    return tree.prompt_index % (jax.process_count() if count is None else count)
+
+
+def local_trees(trees: Sequence[RolloutTree]) -> list[RolloutTree]:
+    """The trees this process sampled (and trains on)."""
+    return [tree for tree in trees if owner(tree) == jax.process_index()]
+
+
+def _turn(node: Node) -> dict[str, Any]:
+    """What ``RolloutTree.add_turn`` needs to recreate ``node`` under the same parent."""
+    return {
+        "parent": node.parent,
+        "token_ids": node.token_ids,
+        "logprobs": node.logprobs,
+        "sample_logprobs": node.sample_logprobs,
+        "entropies": node.entropies,
+        "observation_ids": node.observation_ids,
+        "reward": node.reward,
+        "feature": node.feature,
+        "info": node.info,
+    }
+
+
+def _exchange(payload: Any) -> list[Any]:
+    """Every process's ``payload`` (pickled; processes of one job run the same code), in process order."""
+    data = np.frombuffer(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    rows, counts = multihost.allgather_rows(data)
+    ends = np.cumsum(counts)
+    return [pickle.loads(rows[end - n : end].tobytes()) for n, end in zip(counts, ends, strict=True)]
+
+
+class ProcessShardedBackend:
+    """Wraps ``inner`` (a ``RolloutBackend``) so each process samples only the trees it owns.
+
+    ``continue_anchors`` and ``featurize_roots`` are collective: every process must call them with the same
+    requests / trees (the scheduler does, since it runs identically everywhere).
+    """
+
+    def __init__(self, inner: RolloutBackend):
+        self.inner = inner
+
+    def featurize_roots(self, trees: Sequence[RolloutTree]) -> None:
+        featurize = getattr(self.inner, "featurize_roots", None)
+        if featurize is None:
+            return
+        mine = local_trees(trees)
+        if mine:
+            featurize(mine)
+        by_index = {tree.prompt_index: tree for tree in trees}
+        for features in _exchange({t.prompt_index: t.root.feature for t in mine}):
+            for index, feature in features.items():
+                by_index[index].root.feature = feature
+
+    def continue_anchors(self, requests: Sequence[ContinuationRequest]) -> RolloutStats:
+        trees = list({id(r.tree): r.tree for r in requests}.values())
+        if len({tree.prompt_index for tree in trees}) != len(trees):
+            raise ValueError("ProcessShardedBackend needs a distinct prompt_index per tree of a batch")
+        sizes = {id(tree): len(tree.nodes) for tree in trees}
+        mine = [r for r in requests if owner(r.tree) == jax.process_index()]
+        stats = self.inner.continue_anchors(mine) if mine else RolloutStats()
+        added = {
+            tree.prompt_index: [_turn(node) for node in tree.nodes[sizes[id(tree)] :]]
+            for tree in trees
+            if owner(tree) == jax.process_index()
+        }
+        by_index = {tree.prompt_index: tree for tree in trees}
+        for process, turns_by_tree in enumerate(_exchange(added)):
+            if process == jax.process_index():
+                continue
+            for index, turns in turns_by_tree.items():
+                tree = by_index[index]
+                for turn in turns:
+                    tree.add_turn(**turn)
+        totals = multihost.allgather_rows(np.asarray([[getattr(stats, k) for k in _STATS]], np.int64))[0].sum(0)
+        return RolloutStats(**{k: int(v) for k, v in zip(_STATS, totals, strict=True)})
