@@ -13,6 +13,7 @@ from trace_jax.allocation.scheduler import SchedulerConfig
 from trace_jax.config_utils import to_config
 from trace_jax.data.synthetic import WorldConfig
 from trace_jax.envs.react import ReActConfig
+from trace_jax.envs.retriever import RetrieverConfig
 from trace_jax.optim import OptimizerConfig
 from trace_jax.parallel.distributed import DistributedConfig
 from trace_jax.rl.batch import BatchConfig
@@ -32,6 +33,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.world = to_config(WorldConfig())
     config.tokenizer = to_config(TokenizerConfig(vocab_size=1024))
     config.react = to_config(ReActConfig.preset("synthetic"))
+    config.retriever = to_config(RetrieverConfig())  # BM25 over the world's corpus
     config.sft = to_config(SFTConfig(max_steps=1000, time_budget_s=None))  # fixed steps: reproducible
     config.warm_start = to_config(WarmStartConfig())
     config.engine = to_config(EngineConfig(max_slots=32, max_len=512, steps_per_call=32, max_turn_tokens=48))

@@ -19,6 +19,7 @@ import ml_collections
 from trace_jax.allocation.scheduler import SchedulerConfig
 from trace_jax.data.synthetic import WorldConfig
 from trace_jax.envs.react import ReActConfig
+from trace_jax.envs.retriever import RetrieverConfig
 from trace_jax.optim import OptimizerConfig
 from trace_jax.parallel.distributed import DistributedConfig
 from trace_jax.rl.batch import BatchConfig
@@ -94,6 +95,7 @@ SECTIONS: dict[str, type] = {
     "world": WorldConfig,
     "tokenizer": TokenizerConfig,
     "react": ReActConfig,
+    "retriever": RetrieverConfig,
     "sft": SFTConfig,
     "warm_start": WarmStartConfig,
     "engine": EngineConfig,

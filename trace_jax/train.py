@@ -306,7 +306,7 @@ def train(
 def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path, console: Console) -> dict[str, Any]:
     import jax
 
-    from trace_jax import recipe, validate
+    from trace_jax import heap, recipe, validate
     from trace_jax.config_utils import from_config
     from trace_jax.metrics import MetricWriter, PhaseTimer, plot_metrics, read_jsonl
     from trace_jax.parallel import distributed
@@ -321,6 +321,7 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path, console: Co
     steps = config.rl.steps
     writer = MetricWriter(workdir, resume_step=run.step if resumed else None)
     try:
+        heap.release()  # the warm start's and setup's temporaries
         if resumed:
             console.info(f"resuming at RL step {run.step} of {steps} (checkpoint in {workdir / rundir.CHECKPOINTS})")
         else:
@@ -337,6 +338,7 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path, console: Co
                     metrics.update(_eval_metrics(run.last_eval))
                 writer.write(run.step, metrics)  # before the checkpoint: a resume never loses a step's record
                 run.save(force=last)
+                heap.release()  # the step's freed temporaries, back to the OS (see trace_jax.heap)
                 bar.set_postfix(
                     reward=f"{metrics['rollout/mean_reward']:.2f}", eff=f"{metrics['alloc/effective_ratio']:.2f}"
                 )

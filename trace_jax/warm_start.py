@@ -1,6 +1,6 @@
 """A shared cache of warm starts (tokenizer + SFT policy), keyed by everything that determines them.
 
-Two runs whose world, tokenizer, ReAct and SFT settings agree get the same warm start, so it is trained once
+Two runs whose world, tokenizer, ReAct, retriever and SFT settings agree get the same warm start, so it is trained once
 and every later run (an ablation, a rerun in a fresh workdir, ``trace_jax.evaluate``) reuses it; ablations of
 one recipe therefore start RL from the very same model. The key is a hash of those config sections, the
 format version below and the jax version (numerics may change between versions); the run's seed for RL,
@@ -36,7 +36,7 @@ import jax
 # Bump when code changes what a given config trains into (rendering, tokenizer training, the SFT loop).
 FORMAT_VERSION = 1
 # The config sections a warm start depends on; anything else (RL, allocation, eval, ...) is not in the key.
-KEY_SECTIONS = ("world", "tokenizer", "react", "sft")
+KEY_SECTIONS = ("world", "tokenizer", "react", "retriever", "sft")
 INFO_FILE = "warm_start.json"
 
 
@@ -55,6 +55,8 @@ def key_material(config: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON-able values the warm start depends on (the hashed input of :func:`fingerprint`)."""
     sections = {}
     for name in KEY_SECTIONS:
+        if name not in config:  # an optional section (``retriever``) left at its defaults
+            continue
         section = config[name]
         sections[name] = section.to_dict() if hasattr(section, "to_dict") else dict(section)
     return {"format_version": FORMAT_VERSION, "jax": jax.__version__, **sections}

@@ -12,14 +12,14 @@ reset between phases (``/proc/self/clear_refs``), so each figure is that phase's
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import pathlib
 import sys
 import tempfile
 import time
 from typing import Any
+
+from trace_jax import heap
 
 MIB = 1024 * 1024
 
@@ -50,8 +50,7 @@ class PhaseMemory:
             "seconds": round(time.perf_counter() - self._start, 1),
         }
         # What is live, as opposed to freed but kept by the C allocator: RSS after returning free pages.
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        heap.release()
         row["rss_after_trim_mib"] = round(_status_kib("VmRSS") / 1024, 1)
         self.rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
