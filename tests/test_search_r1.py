@@ -151,7 +151,8 @@ def test_trainer_sees_the_sampled_ids_then_the_observation_ids_with_loss_mask_ze
     assert turns[0].observation_ids.tolist() == observation  # tokenized once, piece by piece
 
     batch, info = build_batch([tree], compute_advantages("grpo", [tree]), BatchConfig(length_buckets=(512,)))
-    row = int(np.flatnonzero(info.leaf_id == leaf)[0])
+    assert info.num_rows == 1  # one tree with one leaf: its one path, in the default (tree-packed) layout
+    row = 0
     prompt = env.prompt_ids(task).tolist()
     want = prompt + turns[0].token_ids.tolist() + observation + turns[1].token_ids.tolist()
     n = int(batch.lengths[row])
