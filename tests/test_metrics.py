@@ -5,6 +5,7 @@ import pytest
 
 from trace_jax.metrics import (
     MetricWriter,
+    PhaseTimer,
     format_mean_std,
     format_table,
     mean_std_curve,
@@ -25,6 +26,50 @@ def test_writer_logs_jsonl_and_tensorboard(tmp_path):
     ]
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def tensorboard_scalars(logdir):
+    """{tag: [(step, value), ...]} as TensorBoard's own reader shows the run (purge markers applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {
+        tag: [(event.step, pytest.approx(event.value)) for event in accumulator.Scalars(tag)]
+        for tag in accumulator.Tags()["scalars"]
+    }
+
+
+def test_tensorboard_after_a_resume_reads_like_an_uninterrupted_run(tmp_path):
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    with MetricWriter(clean) as writer:
+        for step in range(6):
+            writer.write(step, {"loss": float(step)})
+    first = MetricWriter(killed)
+    for step in range(5):  # the killed run got to step 4; its last checkpoint is step 3
+        first.write(step, {"loss": float(step) if step <= 3 else -1.0})
+    assert tensorboard_scalars(killed / "tensorboard")["loss"][-1][0] == 4  # flushed by write, before any close
+    del first  # never closed: a SIGKILL closes nothing
+    with MetricWriter(killed, resume_step=3) as writer:
+        for step in (4, 5):
+            writer.write(step, {"loss": float(step)})
+    assert len(list((killed / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    expected = [(step, float(step)) for step in range(6)]
+    assert tensorboard_scalars(killed / "tensorboard") == {"loss": expected}  # step 3 kept, the stale 4 purged
+    assert tensorboard_scalars(clean / "tensorboard") == {"loss": expected}
+    assert read_jsonl(killed / "metrics.jsonl") == read_jsonl(clean / "metrics.jsonl")
+    with MetricWriter(killed) as writer:  # a fresh start forgets the old events too
+        writer.write(0, {"loss": 7.0})
+    assert tensorboard_scalars(killed / "tensorboard") == {"loss": [(0, 7.0)]}
+
+
+def test_phase_timer_adds_a_resumed_run_to_the_saved_one():
+    timer = PhaseTimer()
+    with timer.phase("rl"):
+        pass
+    timer.load_state_dict({"rl": 10.0, "evaluation": 2.0, "total": 20.0})
+    times = timer.state_dict()
+    assert 10.0 <= times["rl"] < 11.0 and times["evaluation"] == 2.0 and times["total"] >= 20.0
 
 
 def test_resume_drops_records_after_the_checkpoint_and_fresh_run_starts_over(tmp_path):

@@ -58,13 +58,13 @@ def test_run_sft_lowers_the_loss_and_reuses_its_checkpoint(world, tokenizer, tmp
         batch_size=4,
         max_steps=16,
         warmup_steps=4,
-        time_budget_s=120,
         log_every=5,
         bucket_multiple=512,
         practice_worlds=1,
     )
+    assert config.time_budget_s is None  # the default: a fixed number of steps, whatever the machine's load
     first = sft.run_sft(config, world, tokenizer, tmp_path)
-    assert not first.restored and first.steps == 16
+    assert not first.restored and first.steps == 16 and first.reproducible and first.stopped_by == "steps"
     assert first.losses[-1][1] < 0.8 * first.losses[0][1]
     assert first.model_config.vocab_size == len(tokenizer)
 
@@ -75,6 +75,14 @@ def test_run_sft_lowers_the_loss_and_reuses_its_checkpoint(world, tokenizer, tmp
 
     changed = sft.run_sft(dataclasses.replace(config, max_steps=1), world, tokenizer, tmp_path)
     assert not changed.restored and changed.steps == 1
+
+
+def test_a_time_budget_is_an_opt_in_flagged_as_not_reproducible(world, tokenizer, tmp_path):
+    config = sft.SFTConfig(batch_size=4, max_steps=10_000, time_budget_s=1e-3, practice_worlds=0)
+    result = sft.run_sft(config, world, tokenizer, tmp_path)
+    assert result.steps < 10_000 and not result.reproducible and result.stopped_by == "time_budget_s"
+    again = sft.run_sft(config, world, tokenizer, tmp_path)  # reused, and still flagged
+    assert again.restored and not again.reproducible
 
 
 def test_a_gold_trace_that_fails_in_the_env_is_refused(world, tokenizer):

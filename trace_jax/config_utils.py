@@ -20,14 +20,34 @@ import ml_collections
 T = TypeVar("T")
 
 
-def to_config(instance: Any) -> ml_collections.ConfigDict:
-    """A ConfigDict with every field of a dataclass instance (nested dataclasses become sections)."""
+_OVERRIDABLE = (int, float, str, bool)
 
-    def convert(value: Any) -> Any:
+
+def _optional_scalar(annotation: Any) -> type | None:
+    """``X`` for an ``X | None`` annotation with X a scalar type (int, float, str, bool), else None."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1 and args[0] in _OVERRIDABLE and len(typing.get_args(annotation)) == 2:
+            return args[0]
+    return None
+
+
+def to_config(instance: Any) -> ml_collections.ConfigDict:
+    """A ConfigDict with every field of a dataclass instance (nested dataclasses become sections).
+
+    A field that is None but typed ``X | None`` (X a scalar) becomes a typed ``FieldReference``, so the
+    command line can still set it (``--config.sft.time_budget_s=120``); ml_collections refuses to override
+    a plain None.
+    """
+
+    def convert(value: Any, annotation: Any = None) -> Any:
         if dataclasses.is_dataclass(value):
-            return {f.name: convert(getattr(value, f.name)) for f in dataclasses.fields(value)}
+            hints = _field_types(type(value))
+            return {f.name: convert(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(value)}
         if isinstance(value, tuple):
             return [convert(v) for v in value]
+        if value is None and _optional_scalar(annotation) is not None:
+            return ml_collections.FieldReference(None, field_type=_optional_scalar(annotation))
         return value
 
     return ml_collections.ConfigDict(convert(instance))

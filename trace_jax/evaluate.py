@@ -62,16 +62,29 @@ def score_tree(tree: RolloutTree) -> tuple[np.ndarray, np.ndarray]:
     return em, f1
 
 
-def evaluate(backend: RolloutBackend, env: AgentEnv, tasks: Sequence[Any], samples: int = 1) -> EvalResult:
+def evaluate(
+    backend: RolloutBackend,
+    env: AgentEnv,
+    tasks: Sequence[Any],
+    samples: int = 1,
+    progress: Any = None,
+    chunk_size: int | None = None,
+) -> EvalResult:
     """Samples each task ``samples`` times from its prompt and scores the answers, grouped and overall.
 
     EM and F1 are means over all samples (expected scores at the backend's sampling settings); pass@k is
-    reported for k = 1 and k = ``samples``.
+    reported for k = 1 and k = ``samples``. ``chunk_size`` tasks go to the backend at a time (default: all at
+    once), and a tqdm-like ``progress`` bar advances by each chunk's task count.
     """
     if not tasks:
         raise ValueError("no tasks to evaluate")
     trees = [RolloutTree(env.prompt_ids(task), task, i) for i, task in enumerate(tasks)]
-    backend.continue_anchors([ContinuationRequest(tree, ROOT, samples) for tree in trees])
+    chunk_size = chunk_size or len(trees)
+    for start in range(0, len(trees), chunk_size):
+        chunk = trees[start : start + chunk_size]
+        backend.continue_anchors([ContinuationRequest(tree, ROOT, samples) for tree in chunk])
+        if progress is not None:
+            progress.update(len(chunk))
     by_group: dict[str, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
     for tree in trees:
         scores = score_tree(tree)
@@ -92,27 +105,29 @@ def evaluate(backend: RolloutBackend, env: AgentEnv, tasks: Sequence[Any], sampl
     return EvalResult(rows, trees)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    import argparse
-
-    from trace_jax import recipe
+def _main(args: Any) -> None:
+    from trace_jax import cli, recipe, recipes
     from trace_jax.metrics import format_table
 
-    parser = argparse.ArgumentParser(prog="python -m trace_jax.evaluate", description=__doc__.split("\n")[0])
-    parser.add_argument("--workdir", required=True, help="a trace_jax.train run directory")
-    parser.add_argument("--split", default="test", help="world split: train, test or ood")
-    parser.add_argument("--samples", type=int, default=1, help="samples per question (1: greedy decoding)")
-    parser.add_argument("--limit", type=int, default=0, help="evaluate only the first N questions (0: all)")
-    args = parser.parse_args(argv)
-
     workdir = pathlib.Path(args.workdir)
+    if not (workdir / recipe.CONFIG_FILE).is_file():
+        raise cli.MissingFileError(
+            f"{workdir} has no {recipe.CONFIG_FILE}: pass the --workdir of a trace_jax.train run"
+        )
     config = recipe.load_run_config(workdir)
-    world = recipe.build_world(config, workdir)
-    model_config, params, source = recipe.latest_policy(config, workdir, world)
-    runner = recipe.build_runner(config, model_config, params, world, greedy=args.samples == 1)
-    tasks = world.world.questions(args.split)
+    splits = recipes.source_of(config).splits
+    if args.split not in splits:
+        raise cli.ConfigError(f"--split={args.split!r} is not allowed: one of {', '.join(splits)}")
+    if args.samples < 1 or args.limit < 0:
+        raise cli.ConfigError("--samples must be >= 1 and --limit >= 0")
+    start, params, source = recipes.latest_policy(config, workdir)
+    runner = recipe.build_runner(config, start.model_config, params, start.world, greedy=args.samples == 1)
+    tasks = start.world.world.questions(args.split)
     tasks = tasks[: args.limit] if args.limit else tasks
-    result = evaluate(runner, world.env, tasks, args.samples)
+    console = cli.Console(args.verbosity)
+    with console.progress(len(tasks), f"evaluating {args.split}", unit="question") as bar:
+        chunk = max(config.engine.max_slots, -(-len(tasks) // 4))
+        result = evaluate(runner, start.world.env, tasks, args.samples, progress=bar, chunk_size=chunk)
     print(f"policy: {source}; split {args.split}; {len(tasks)} questions x {args.samples} samples")
     print(format_table(result.rows))
     out = workdir / f"eval_{args.split}.json"
@@ -120,5 +135,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"wrote {out}")
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; returns the exit code (``trace_jax.cli.ExitCode``)."""
+    import argparse
+
+    from trace_jax import cli
+
+    parser = argparse.ArgumentParser(prog="python -m trace_jax.evaluate", description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", required=True, help="a trace_jax.train run directory")
+    parser.add_argument("--split", default="test", help="split: train, test or ood (synthetic); train, dev or test")
+    parser.add_argument("--samples", type=int, default=1, help="samples per question (1: greedy decoding)")
+    parser.add_argument("--limit", type=int, default=0, help="evaluate only the first N questions (0: all)")
+    parser.add_argument("--verbosity", type=int, default=0, help="1 or more: library logs and tracebacks")
+    args = parser.parse_args(argv)
+    cli.quiet_third_party(args.verbosity)
+    console = cli.Console(args.verbosity)
+    return cli.run_main(lambda: _main(args), console)
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

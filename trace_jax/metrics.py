@@ -7,22 +7,31 @@
     plot_metrics(records, ["rollout/reward", "eval/em"], workdir / "curves.png")
     print(format_table([{"policy": "trace", "EM": 0.41}, {"policy": "uniform", "EM": 0.38}]))
 
-``metrics.jsonl`` holds one JSON object per ``write`` call: ``{"step": s, "<name>": value, ...}``. On resume
-the lines after the restored step are dropped (they belong to the lost part of the killed run), so the file
-of a resumed run reads like the file of an uninterrupted one.
+``metrics.jsonl`` holds one JSON object per ``write`` call: ``{"step": s, "<name>": value, ...}``. Both outputs
+are flushed by every ``write``, so a kill loses nothing already written. On resume from a checkpoint at step
+``s`` the records after ``s`` are dropped (they belong to the lost part of the killed run) and the records up
+to ``s`` are kept, the checkpoint step's included; TensorBoard gets the same view through its purge marker: a
+new event file starts with ``SessionLog.START`` at step ``s + 1``, and readers (``EventAccumulator``, the
+TensorBoard UI) then drop every earlier-file event at a step > ``s``. So a resumed run's logs read exactly
+like an uninterrupted run's, provided the caller writes each step's record before checkpointing that step.
+A fresh run (``resume_step=None``) starts both outputs over.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import socket
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 JSONL_NAME = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def _scalar(value: Any) -> float | None:
@@ -52,12 +61,58 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+class EventFile:
+    """One TensorBoard event file, written synchronously: every ``write_scalars`` is on disk when it returns.
+
+    (tensorboardX's ``SummaryWriter`` hands events to a background thread whose queue its ``flush`` does not
+    wait for, so a kill right after a logged step could lose it; this writes the same records itself.)
+
+    purge_step: when set, the file starts with ``SessionLog.START`` at that step, which tells readers to drop
+      every event of earlier files at a step >= ``purge_step``.
+    """
+
+    def __init__(self, directory: Path, purge_step: int | None = None):
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.record_writer import RecordWriter
+
+        directory.mkdir(parents=True, exist_ok=True)
+        # Named like TensorBoard's own files; readers take the files in name order, so the nanosecond suffix
+        # orders (and keeps apart) writers started within the same second.
+        now = time.time_ns()
+        name = f"events.out.tfevents.{now // 10**9:010d}.{socket.gethostname()}.{now:020d}"
+        self.path = directory / name
+        self._writer = RecordWriter(str(self.path))
+        start = 0 if purge_step is None else purge_step
+        self._write(Event(wall_time=time.time(), step=start, file_version="brain.Event:2"))
+        if purge_step is not None:
+            self._write(Event(wall_time=time.time(), step=start, session_log=SessionLog(status=SessionLog.START)))
+        self._writer.flush()
+
+    def _write(self, event: Any) -> None:
+        self._writer.write(event.SerializeToString())
+
+    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=name, simple_value=float(value)) for name, value in scalars.items()]
+        self._write(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+        self._writer.flush()
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricWriter:
     """Writes scalar metrics to TensorBoard event files and to ``<logdir>/metrics.jsonl``.
 
     Args:
-      logdir: directory for both outputs (created if missing).
-      resume_step: when resuming from a checkpoint at this step, drop jsonl records with a larger step.
+      logdir: directory for both outputs (created if missing); events go to ``logdir/tensorboard``.
+      resume_step: resuming from a checkpoint at this step: keep what was logged up to and including it,
+        drop (jsonl) or purge (TensorBoard) anything later. None: a fresh run, earlier logs are deleted.
       tensorboard: also write TensorBoard event files (tensorboardX).
     """
 
@@ -65,28 +120,29 @@ class MetricWriter:
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.logdir / JSONL_NAME
+        self.tensorboard_dir = self.logdir / TENSORBOARD_DIR
         if resume_step is not None and self.jsonl_path.exists():
             kept = [r for r in read_jsonl(self.jsonl_path) if r.get("step", -1) <= resume_step]
             self.jsonl_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        elif resume_step is None and self.jsonl_path.exists():
-            self.jsonl_path.unlink()  # a fresh run starts a fresh file
+        elif resume_step is None:  # a fresh run starts fresh logs
+            self.jsonl_path.unlink(missing_ok=True)
+            for events in self.tensorboard_dir.glob("events.out.tfevents.*"):
+                events.unlink()
         self._jsonl = self.jsonl_path.open("a")
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter  # imported here: only writers that log events need it
-
-            self._tb = SummaryWriter(str(self.logdir / "tensorboard"), purge_step=resume_step)
+            # The purge marker sits one step past the checkpoint: a reader keeps the checkpoint step's events.
+            self._tb = EventFile(self.tensorboard_dir, purge_step=None if resume_step is None else resume_step + 1)
 
     def write(self, step: int, metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
         """Logs every scalar of ``metrics`` (non-scalars are skipped) under ``prefix + name``; returns them."""
         scalars = {prefix + k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
         record = {"step": int(step), **{k: (v if math.isfinite(v) else None) for k, v in scalars.items()}}
+        if self._tb is not None:
+            # Undefined figures (an AUC with one class) stay out of the curves.
+            self._tb.write_scalars(int(step), {k: v for k, v in scalars.items() if math.isfinite(v)})
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        if self._tb is not None:
-            for name, value in scalars.items():
-                if math.isfinite(value):  # undefined figures (an AUC with one class) stay out of the curves
-                    self._tb.add_scalar(name, value, int(step))
         return scalars
 
     def flush(self) -> None:
@@ -104,6 +160,40 @@ class MetricWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase (warm start, evaluation, RL, ...) plus ``total``, accumulated over
+    every process of a run: ``state_dict()`` goes into a checkpoint, ``load_state_dict`` adds it back.
+
+    with timer.phase("evaluation"): ...
+    timer.state_dict()   # {"evaluation": 12.5, "total": 30.1}
+    """
+
+    def __init__(self) -> None:
+        self._totals: dict[str, float] = {}
+        self._started = time.perf_counter()
+        self._earlier_total = 0.0
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._totals[name] = self._totals.get(name, 0.0) + time.perf_counter() - start
+
+    def state_dict(self) -> dict[str, float]:
+        total = self._earlier_total + time.perf_counter() - self._started
+        return {**{k: round(v, 3) for k, v in self._totals.items()}, "total": round(total, 3)}
+
+    def load_state_dict(self, saved: Mapping[str, float]) -> None:
+        """Adds a saved run's seconds (up to its checkpoint) to this process's."""
+        for name, seconds in saved.items():
+            if name == "total":
+                self._earlier_total += seconds
+            else:
+                self._totals[name] = self._totals.get(name, 0.0) + seconds
 
 
 # ---------------------------------------------------------------------------------------------- plots

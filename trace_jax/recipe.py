@@ -9,13 +9,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import shutil
+from collections.abc import Callable
 from typing import Any
 
 import ml_collections
 from flax import nnx
 
+from trace_jax import rundir
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
-from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.config_utils import from_config
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.data.tokenizer import load_tokenizer, train_world_tokenizer
@@ -25,10 +27,11 @@ from trace_jax.models.qwen import ModelConfig
 from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.layout import SamplingLayout
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
-from trace_jax.sft import SFTConfig, run_sft
+from trace_jax.sft import SFTConfig, SFTResult, run_sft
+from trace_jax.warm_start import CacheEntry, WarmStartCache, WarmStartConfig, key_material
 
-CONFIG_FILE = "config.json"
-CHECKPOINTS = "checkpoints"
+CONFIG_FILE = rundir.CONFIG_FILE
+CHECKPOINTS = rundir.CHECKPOINTS
 
 
 @dataclasses.dataclass
@@ -44,10 +47,14 @@ def build_world(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Wor
     """The synthetic world, its tokenizer (trained once, then reused from ``workdir/tokenizer``) and env."""
     world = SyntheticWorld(from_config(WorldConfig, config.world))
     tokenizer_dir = workdir / "tokenizer"
-    if (tokenizer_dir / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer(tokenizer_dir)
-    else:
-        tokenizer = train_world_tokenizer(world, tokenizer_dir, vocab_size=config.tokenizer.vocab_size)
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        # Trained aside, then renamed: a kill mid-save never leaves a torn tokenizer to be loaded later.
+        partial = workdir / "tokenizer.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        train_world_tokenizer(world, partial, vocab_size=config.tokenizer.vocab_size)
+        shutil.rmtree(tokenizer_dir, ignore_errors=True)
+        partial.rename(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
     # BM25 over the world's corpus unless the config's ``retriever`` section names a corpus file or a server.
     retriever = build_retriever(from_config(RetrieverConfig, config.get("retriever")), rows=world.corpus)
     env = ReActEnv(tokenizer, retriever, from_config(ReActConfig, config.react))
@@ -90,15 +97,50 @@ def build_scheduler(config: ml_collections.ConfigDict, backend: Any) -> TreeSche
     return TreeScheduler(backend, from_config(SchedulerConfig, config.allocation))
 
 
-def latest_policy(
-    config: ml_collections.ConfigDict, workdir: pathlib.Path, world: World
-) -> tuple[ModelConfig, nnx.State, str]:
-    """The newest policy of a run: the latest RL checkpoint's params, else the SFT warm start."""
-    sft = run_sft(from_config(SFTConfig, config.sft), world.world, world.tokenizer, workdir, env=world.env)
-    restored = StateCheckpointer(workdir / CHECKPOINTS).restore_latest(target={"params": sft.params}, keys=["params"])
-    if restored is None:
-        return sft.model_config, sft.params, "sft warm start"
-    return sft.model_config, restored.state["params"], f"rl step {restored.step}"
+@dataclasses.dataclass
+class WarmStart:
+    """A run's starting point from the warm-start cache: the world (with the cached tokenizer), the SFT
+    policy, the cache entry and whether this call trained it (``trained``) or found it."""
+
+    world: World
+    sft: SFTResult
+    entry: CacheEntry
+    trained: bool
+
+    def describe(self) -> dict[str, Any]:
+        """The warm start's reproducible facts, for a run's summary."""
+        return {
+            "key": self.entry.key,
+            "steps": self.sft.steps,
+            "final_loss": self.sft.final_loss,
+            "stopped_by": self.sft.stopped_by,
+            "reproducible": self.sft.reproducible,
+        }
+
+
+def build_warm_start(
+    config: ml_collections.ConfigDict, progress: Callable[[int, str], Any] | None = None, notify: Any = None
+) -> WarmStart:
+    """The world and SFT policy of ``config``, from the shared cache (trained into it on a miss).
+
+    ``progress(total, description)`` makes a tqdm-like bar for the SFT steps (called only when training);
+    ``notify(message)`` reports waiting on another process that builds the same entry.
+    """
+    entry = WarmStartCache(from_config(WarmStartConfig, config.warm_start).cache_dir).entry(config)
+    with entry.building(notify):
+        world = build_world(config, entry.directory)
+        sft_config = from_config(SFTConfig, config.sft)
+        info = entry.info()
+        bar = None if info is not None or progress is None else progress(sft_config.max_steps, "warm start (SFT)")
+        try:
+            sft = run_sft(sft_config, world.world, world.tokenizer, entry.directory, env=world.env, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        start = WarmStart(world, sft, entry, trained=not sft.restored)
+        if info is None or start.trained:
+            entry.write_info({"config": key_material(config), **start.describe()})
+    return start
 
 
 def save_run_config(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> None:

@@ -3,9 +3,10 @@
 RL learns only from groups with mixed outcomes, so the policy must already succeed sometimes. This module
 renders the synthetic world's gold trajectories through the environment (the same ``ReActEnv.step`` path
 a rollout takes: turn tokens carry loss, observation and prompt tokens do not), and trains the Qwen
-policy with next-token cross-entropy on the turn tokens, jit-compiled on the mesh, under a wall-clock
-budget. The result is checkpointed (orbax) under ``workdir``; a second call with the same settings
-restores it instead of training again::
+policy with next-token cross-entropy on the turn tokens, jit-compiled on the mesh, for a fixed number of
+steps (so the same settings give the same model on any machine and under any load; a wall-clock budget is
+an explicit opt-in). The result is checkpointed (orbax) under ``workdir``; a second call with the same
+settings restores it instead of training again::
 
     result = run_sft(SFTConfig(), world, tokenizer, workdir)
     graphdef, _ = abstract_model(result.model_config); model = nnx.merge(graphdef, result.params)
@@ -56,8 +57,10 @@ class SFTConfig:
     embed_init_std: re-draw the (tied) embedding with this std before training; None keeps the model's
       init. With unit-variance tied embeddings a fresh model's logits have std ~sqrt(hidden), an initial
       loss of ~50 nats, and the first hundred steps go to undoing that.
-    max_steps / time_budget_s: training stops at whichever comes first; the learning-rate schedule is
-      laid out over ``max_steps``.
+    max_steps: the number of training steps; the learning-rate schedule is laid out over them.
+    time_budget_s: None (the default) trains exactly ``max_steps`` steps, reproducibly. A number of seconds
+      stops training early once that much wall time has passed: faster on a slow machine, but the model then
+      depends on the machine and its load (``SFTResult.reproducible`` is False when the budget stopped it).
     """
 
     model: str = "qwen3-tiny"
@@ -69,7 +72,7 @@ class SFTConfig:
     learning_rate: float = 6e-3
     warmup_steps: int = 30
     max_steps: int = 1000
-    time_budget_s: float = 180.0
+    time_budget_s: float | None = None
     weight_decay: float = 0.0
     embed_init_std: float | None = 0.05
     bucket_multiple: int = 128
@@ -110,6 +113,11 @@ class SFTResult:
     seconds: float
     restored: bool
     losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, loss) every log_every
+    reproducible: bool = True  # False when a wall-clock budget, not the step count, ended training
+
+    @property
+    def stopped_by(self) -> str:
+        return "steps" if self.reproducible else "time_budget_s"
 
 
 def make_env(world: SyntheticWorld, tokenizer: Any, react: str = "synthetic", retriever: Retriever | None = None):
@@ -211,6 +219,7 @@ def run_sft(
     workdir: str | pathlib.Path,
     env: ReActEnv | None = None,
     mesh: Mesh | None = None,
+    progress: Any = None,
 ) -> SFTResult:
     """Trains (or restores) the warm-start policy; the checkpoint lives in ``workdir/sft``.
 
@@ -222,6 +231,7 @@ def run_sft(
       env: the environment to render ``world`` with (defaults to :func:`make_env` with ``config.react``).
       mesh: where to train (default: ``make_mesh()`` over all devices; ``batch_size`` must divide over
         its data x fsdp axes).
+      progress: optional tqdm-like bar (``update(n)``, ``set_postfix(**values)``) advanced once per step.
     """
     # Practice worlds are rendered with the same env settings as the world itself (a passed env wins).
     react = env.config if env is not None else ReActConfig.preset(config.react)
@@ -257,6 +267,7 @@ def run_sft(
                 meta["seconds"],
                 True,
                 [tuple(x) for x in meta["losses"]],
+                meta.get("reproducible", True),
             )
 
         optimizer = make_optimizer(
@@ -276,8 +287,9 @@ def run_sft(
         bucket_p = np.asarray([len(buckets[w]) for w in widths], np.float64) / data.ids.shape[0]
         rng = np.random.default_rng(config.seed)
         start = time.monotonic()
+        budget = float("inf") if config.time_budget_s is None else config.time_budget_s
         step, losses = 0, []
-        while step < config.max_steps and time.monotonic() - start < config.time_budget_s:
+        while step < config.max_steps and time.monotonic() - start < budget:
             width = int(rng.choice(widths, p=bucket_p))
             rows = rng.choice(buckets[width], size=config.batch_size, replace=len(buckets[width]) < config.batch_size)
             ids = jax.device_put(data.ids[rows, :width], sharding)
@@ -287,11 +299,22 @@ def run_sft(
             if step % config.log_every == 0 or step == 1:
                 losses.append((step, float(loss_value)))
                 log.info("SFT step %d loss %.4f (%.1fs)", step, losses[-1][1], time.monotonic() - start)
-        loss = float(loss_value)
+                if progress is not None:
+                    progress.set_postfix(loss=f"{losses[-1][1]:.3f}", refresh=False)
+            if progress is not None:
+                progress.update(1)
+        loss = float(loss_value) if step else float("nan")
         seconds = time.monotonic() - start
-        meta = {"fingerprint": fingerprint, "loss": loss, "seconds": seconds, "losses": losses}
+        reproducible = step == config.max_steps
+        meta = {
+            "fingerprint": fingerprint,
+            "loss": loss,
+            "seconds": seconds,
+            "losses": losses,
+            "reproducible": reproducible,
+        }
         checkpointer.save(step, {"params": params}, metadata=meta, force=True)
         checkpointer.wait()
-        return SFTResult(params, model_config, step, loss, seconds, False, losses)
+        return SFTResult(params, model_config, step, loss, seconds, False, losses, reproducible)
     finally:
         checkpointer.close()

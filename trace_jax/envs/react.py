@@ -13,6 +13,10 @@ at ``</search>`` or ``</answer>`` (or EOS). :class:`ReActEnv` judges one finishe
   with ``info["format_error"] = True`` and ``format_error_reward`` (0 by default).
 * a turn cut by the token limit (``truncated``) or a search at ``depth == max_turns``: terminal, reward 0.
 
+Stop tags are matched on the text decoded from the turn's ids (``envs.stops``): a turn that does not end
+with ``</search>`` / ``</answer>`` is read up to its first complete one, however the tokenizer split or
+merged it.
+
 Token-in/token-out: the environment decodes a turn's ids only to read it; it returns observation ids
 tokenized once, and the history is never re-tokenized. :func:`render_trajectory` builds SFT examples
 through the very same :meth:`ReActEnv.step` path the rollout uses.
@@ -30,6 +34,7 @@ import numpy as np
 from trace_jax.envs import rewards
 from trace_jax.envs.base import TurnResult
 from trace_jax.envs.retriever import Passage, RetrievalError, Retriever
+from trace_jax.envs.stops import first_stop_end, stop_id_sequences
 
 TAGS = ("<think>", "</think>", "<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>")
 STOP_TAGS = ("</search>", "</answer>")
@@ -62,6 +67,12 @@ class ReActConfig:
     max_observation_tokens: cap on the passage tokens of one observation (the wrapper tags come on top).
     metric: answer metric name in ``rewards.METRICS`` ("em" or "f1").
     format_error_reward: reward of a malformed turn (0.0; set e.g. -0.1 for a penalty).
+    chat_template: wrap the instruction as one user message in the tokenizer's chat template (with the
+      generation prompt), as instruction-tuned checkpoints (Qwen3, Qwen2.5-Instruct) expect.
+    stop_variants: stop on every id spelling of the stop tags that ``envs.stops.stop_id_sequences`` finds
+      (tokenizers without atomic tags, e.g. Qwen's); False: only each tag's own encoding (the synthetic
+      world's tokenizer keeps tags atomic). The engine's ``max_stop_sequences`` must hold them.
+    max_stop_len: the longest stop id sequence kept with ``stop_variants`` (the engine's ``max_stop_len``).
     """
 
     template: str = "search_r1"
@@ -70,6 +81,9 @@ class ReActConfig:
     max_observation_tokens: int = 128
     metric: str = "em"
     format_error_reward: float = 0.0
+    chat_template: bool = False
+    stop_variants: bool = False
+    max_stop_len: int = 8
 
     def __post_init__(self):
         if self.template not in TEMPLATES and "{question}" not in self.template:
@@ -160,7 +174,12 @@ class ReActEnv:
         self.retriever = retriever
         self.config = config
         self.max_turns = config.max_turns
-        self.stop_sequences = [self.encode(tag) for tag in STOP_TAGS]
+        if config.stop_variants:
+            self.stop_sequences = stop_id_sequences(tokenizer, STOP_TAGS, config.max_stop_len)
+        else:
+            self.stop_sequences = [self.encode(tag) for tag in STOP_TAGS]
+        if config.chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("ReActConfig.chat_template=True but the tokenizer has no chat template; set it False")
         self._open_ids = self.encode(OBSERVATION_OPEN)
         self._close_ids = self.encode(OBSERVATION_CLOSE)
         # Text of EOS / pad, stripped before parsing (a turn may end with EOS instead of a stop tag).
@@ -172,7 +191,11 @@ class ReActEnv:
 
     # ------------------------------------------------------------------------------------- AgentEnv
     def prompt_text(self, task: Mapping[str, Any]) -> str:
-        return self.config.template_text.format(question=str(_task_field(task, "question")).strip())
+        text = self.config.template_text.format(question=str(_task_field(task, "question")).strip())
+        if self.config.chat_template:
+            messages = [{"role": "user", "content": text}]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text
 
     def prompt_ids(self, task: Mapping[str, Any]) -> np.ndarray:
         return np.asarray(self.encode(self.prompt_text(task)), np.int32)
@@ -183,6 +206,10 @@ class ReActEnv:
             text = text.replace(end, "")
         if truncated:
             return self._finish(0.0, truncated=True, format_error=False)
+        # A turn that does not end with a stop tag is read up to its first one, however the ids spelled
+        # it: text merged into the tag's last token, or written after a spelling the engine missed.
+        if not text.rstrip().endswith(STOP_TAGS) and (end := first_stop_end(text, STOP_TAGS)) is not None:
+            text = text[:end]
         action = parse_turn(text)
         if action.kind == "malformed":
             return self._finish(self.config.format_error_reward, format_error=True, reason=action.reason)

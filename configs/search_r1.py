@@ -1,0 +1,101 @@
+"""The real recipe: a Hugging Face Qwen checkpoint RL-trained with TRACE on Search-R1 data against a retriever.
+
+    python -m trace_jax.train --config=configs/search_r1.py:qwen3-8b --workdir=runs/qwen3-8b \\
+        --config.model.hf_dir=/data/Qwen3-8B --config.data.dir=/data/search_r1 \\
+        --config.retriever.url=http://10.0.0.2:8000
+
+Variants (``:<name>``): qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen2.5-3b, qwen2.5-7b, and
+``tiny`` (a 2-layer test checkpoint on CPU: short contexts, few questions, 2 steps). The variant sets the
+sizes and the mesh; the checkpoint itself always comes from ``--config.model.hf_dir`` (config.json,
+safetensors and the tokenizer files; ``model.tokenizer_dir`` points elsewhere for the tokenizer).
+``data.dir`` holds Search-R1 ``train`` / ``dev`` (``.parquet`` or ``.jsonl``); the retriever is a
+Search-R1 HTTP server at ``retriever.url`` (``python -m trace_jax.envs.retriever serve --corpus ...``), or
+``--config.retriever.kind=bm25 --config.retriever.corpus=<corpus.jsonl>`` in process. No SFT warm start.
+"""
+
+import importlib.util
+import pathlib
+
+import ml_collections
+
+from trace_jax.config_utils import to_config
+from trace_jax.data.search_r1 import SearchR1DataConfig
+from trace_jax.envs.react import ReActConfig
+from trace_jax.envs.retriever import RetrieverConfig
+from trace_jax.rl.batch import BatchConfig
+from trace_jax.rollout.engine import EngineConfig
+
+# name: (compute dtype, tensor-parallel ways, decode slots, context, per-turn tokens, prompts/step, rollouts/prompt,
+#        learning rate). Contexts follow Search-R1 (4 turns of <= 500 tokens, 3 passages of <= 512 tokens each
+# observation); "tiny" is sized for a CI smoke run on 2 CPU cores.
+VARIANTS = {
+    "tiny": ("float32", 1, 8, 384, 24, 4, 2.0, 1e-4),
+    "qwen3-0.6b": ("bfloat16", 1, 128, 4096, 500, 64, 5.0, 1e-6),
+    "qwen3-1.7b": ("bfloat16", 1, 128, 4096, 500, 64, 5.0, 1e-6),
+    "qwen3-4b": ("bfloat16", 2, 128, 4096, 500, 64, 5.0, 1e-6),
+    "qwen3-8b": ("bfloat16", 4, 128, 4096, 500, 64, 5.0, 1e-6),
+    "qwen3-14b": ("bfloat16", 8, 128, 4096, 500, 64, 5.0, 1e-6),
+    "qwen2.5-3b": ("bfloat16", 2, 128, 4096, 500, 64, 5.0, 1e-6),
+    "qwen2.5-7b": ("bfloat16", 4, 128, 4096, 500, 64, 5.0, 1e-6),
+}
+
+
+def _default_config() -> ml_collections.ConfigDict:
+    # Loaded by path: config files are run by ml_collections from anywhere, not imported as a package.
+    spec = importlib.util.spec_from_file_location(
+        "trace_jax_default_config", pathlib.Path(__file__).with_name("default.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def get_config(variant: str = "qwen3-8b") -> ml_collections.ConfigDict:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown search_r1 variant {variant!r}; choose one of {sorted(VARIANTS)}")
+    dtype, tensor, slots, max_len, turn_tokens, prompts, rollouts, lr = VARIANTS[variant]
+    tiny = variant == "tiny"
+    config = _default_config()  # its world / tokenizer / sft / warm_start sections are not read by this recipe
+    config.recipe = ml_collections.ConfigDict({"kind": "search_r1", "variant": variant})
+    config.model = ml_collections.ConfigDict(
+        {"hf_dir": "", "tokenizer_dir": "", "dtype": dtype, "param_dtype": "float32"}
+    )
+    config.data = to_config(SearchR1DataConfig())
+    config.retriever = to_config(RetrieverConfig(kind="http", url="http://127.0.0.1:8000", timeout_s=30.0))
+    config.react = to_config(
+        ReActConfig(
+            template="search_r1",
+            topk=3,
+            max_turns=2 if tiny else 4,
+            max_observation_tokens=48 if tiny else 512,
+            chat_template=True,
+            stop_variants=True,
+        )
+    )
+    # Every id spelling of </search> and </answer> is a stop sequence (envs/stops.py): a 150k vocabulary
+    # has a few hundred tokens that can complete one.
+    config.engine = to_config(
+        EngineConfig(
+            max_slots=slots,
+            max_len=max_len,
+            steps_per_call=16 if tiny else 64,
+            max_turn_tokens=turn_tokens,
+            max_stop_sequences=512,
+            max_stop_len=8,
+        )
+    )
+    config.runner.max_turn_tokens = turn_tokens
+    buckets = tuple(b for b in (128, 256, 384, 512, 1024, 2048, 4096) if b <= max_len)
+    config.batch = to_config(BatchConfig(length_buckets=buckets, row_buckets=(8, 16, 32, 64, 128, 256, 512)))
+    config.allocation.rollouts_per_prompt = rollouts
+    config.allocation.max_tokens_per_rollout = turn_tokens * config.react.max_turns
+    config.allocation.prior_tokens_per_rollout = float(turn_tokens * 2)
+    config.optim.learning_rate = lr
+    config.optim.warmup_steps = 0 if tiny else 10
+    config.optim.total_steps = 2 if tiny else 1000
+    config.rl.steps = 2 if tiny else 1000
+    config.rl.prompts_per_step = prompts
+    config.rl.checkpoint_every = 1 if tiny else 50
+    config.eval = ml_collections.ConfigDict({"split": "dev", "num_questions": 6 if tiny else 1000, "every": 0})
+    config.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": tensor})
+    return config

@@ -1,0 +1,185 @@
+"""The real recipe: a Hugging Face Qwen3 checkpoint, Search-R1 files and a retrieval server, through TRACE
+training and back out to Hugging Face; token-in/token-out across turns; a stalled server mid-run.
+
+The checkpoint is a tiny random Qwen3 saved by transformers, with a byte-level BPE trained here (Qwen's
+pre-tokenizer, special tokens and a ChatML template; ``</search>`` is several ids). Its embedding and head
+carry one planted chain (``tests/search_r1_fixtures.py``) so that its rollouts call the search tool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests import search_r1_fixtures as fixtures
+from tests.helpers import torch_logits
+from trace_jax import recipe, recipes
+from trace_jax.checkpoint.hf import load_hf
+from trace_jax.checkpoint.state import StateCheckpointer
+from trace_jax.config_utils import load_config_file
+from trace_jax.envs.react import OBSERVATION_CLOSE, OBSERVATION_OPEN, RETRIEVAL_FAILED_TEXT, format_passages
+from trace_jax.envs.retriever import BM25Retriever, HttpRetriever, make_server
+from trace_jax.evaluate import evaluate
+from trace_jax.models.qwen import abstract_model
+from trace_jax.rl.advantages import compute_advantages
+from trace_jax.rl.batch import BatchConfig, build_batch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = f"{REPO}/configs/search_r1.py:tiny"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return fixtures.write_all(tmp_path_factory.mktemp("search_r1"))
+
+
+class CountingRetriever:
+    """BM25 behind the server, counting the queries it answered."""
+
+    def __init__(self, inner):
+        self.inner, self.queries = inner, 0
+
+    def search(self, queries, topk):
+        self.queries += len(queries)
+        return self.inner.search(queries, topk)
+
+
+def tiny_config(files, **retriever) -> ml_collections.ConfigDict:
+    config = load_config_file(TINY)
+    config.model.hf_dir = str(files["hf"])
+    config.data.dir = str(files["data"])
+    config.retriever.update(retriever)
+    return config
+
+
+def test_train_over_http_checkpoints_evaluates_and_exports_what_transformers_loads(files, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    counting = CountingRetriever(BM25Retriever.from_jsonl(files["corpus"]))
+    server = make_server(counting, port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    workdir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "trace_jax.train",
+        f"--config={TINY}",
+        f"--config.model.hf_dir={files['hf']}",
+        f"--config.data.dir={files['data']}",
+        f"--config.retriever.url=http://127.0.0.1:{server.server_port}",
+        "--config.loss.entropy_coef=0.01",  # a gradient even when every reward ties, so the policy moves
+        f"--workdir={workdir}",
+    ]
+    try:
+        run = subprocess.run(
+            command, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=900
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert run.returncode == 0, run.stderr[-4000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == 2
+    assert counting.queries >= 8  # every rollout of both steps and both evaluations searched over HTTP
+    assert [row["group"] for row in summary["eval_after"]] == ["hotpotqa", "nq", "all"]  # EM/F1 per source
+    assert StateCheckpointer(workdir / recipe.CHECKPOINTS).latest_step() == 2
+
+    export = pathlib.Path(summary["exports"][recipes.EXPORT_DIR])
+    config = recipe.load_run_config(workdir)
+    start, params, source = recipes.latest_policy(config, workdir)
+    world = start.world
+    assert source == "rl step 2"
+    _, initial = load_hf(files["hf"])
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(initial), strict=True)
+    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs)
+    assert moved > 1e-6  # premise: the export is the trained policy, not the checkpoint we started from
+
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    assert tokenizer.chat_template and tokenizer.get_vocab() == world.tokenizer.get_vocab()
+    ids = np.asarray([world.env.prompt_ids(world.world.questions("dev")[0])])
+    model = nnx.merge(abstract_model(start.model_config)[0], params)
+    ours = np.asarray(model(jnp.asarray(ids))[0])  # ModelOutput: logits first
+    theirs = torch_logits(AutoModelForCausalLM.from_pretrained(export).eval(), ids)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+    recipes.main(["export", "--workdir", str(workdir), "--out", str(tmp_path / "again")])  # the CLI, by hand
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    np.testing.assert_array_equal(torch_logits(again, ids), theirs)
+    assert AutoTokenizer.from_pretrained(tmp_path / "again").get_vocab() == world.tokenizer.get_vocab()
+
+
+@pytest.fixture(scope="module")
+def greedy_run(files, tmp_path_factory):
+    """A greedy runner of the tiny checkpoint in the search_r1 world (BM25 over the corpus in process)."""
+    workdir = tmp_path_factory.mktemp("world")
+    config = tiny_config(files, kind="bm25", corpus=str(files["corpus"]))
+    start = recipes.source_of(config).start(config, workdir)
+    runner = recipe.build_runner(config, start.model_config, start.params, start.world, greedy=True)
+    return start.world, runner
+
+
+def test_trainer_sees_the_sampled_ids_then_the_observation_ids_with_loss_mask_zero_exactly_on_them(greedy_run):
+    world, runner = greedy_run
+    env, tokenizer = world.env, world.tokenizer
+    task = world.world.questions("dev")[0]
+    (tree,) = evaluate(runner, env, [task]).trees
+    (leaf,) = tree.leaves()
+    turns = [tree[i] for i in tree.path(leaf) if i != 0]
+    assert len(turns) == 2 and turns[0].info["action"] == "search"  # premise: a multi-turn trajectory
+    planted = tokenizer.encode(fixtures.PLANTED_TURN, add_special_tokens=False)
+    assert turns[0].token_ids.tolist() == planted  # the engine's greedy ids, stopped on a merged "</search>\n"
+    (passages,) = env.retriever.search([turns[0].info["query"]], env.config.topk)
+    assert passages  # premise: the observation holds passages
+    observation = (
+        tokenizer.encode(OBSERVATION_OPEN, add_special_tokens=False)
+        + tokenizer.encode(format_passages(passages), add_special_tokens=False)[: env.config.max_observation_tokens]
+        + tokenizer.encode(OBSERVATION_CLOSE, add_special_tokens=False)
+    )
+    assert turns[0].observation_ids.tolist() == observation  # tokenized once, piece by piece
+
+    batch, info = build_batch([tree], compute_advantages("grpo", [tree]), BatchConfig(length_buckets=(512,)))
+    assert info.num_rows == 1  # one tree with one leaf: its one path, in the default (tree-packed) layout
+    row = 0
+    prompt = env.prompt_ids(task).tolist()
+    want = prompt + turns[0].token_ids.tolist() + observation + turns[1].token_ids.tolist()
+    n = int(batch.lengths[row])
+    assert batch.tokens[row, :n].tolist() == want
+    mask = [0] * len(prompt) + [1] * len(turns[0].token_ids) + [0] * len(observation) + [1] * len(turns[1].token_ids)
+    assert batch.loss_mask[row, :n].tolist() == mask
+
+
+def test_a_stalled_retrieval_server_costs_bounded_time_per_search_is_counted_and_the_run_goes_on(greedy_run):
+    world, runner = greedy_run
+    env = world.env
+    stalled = socket.socket()  # listens and never answers: connections sit in the backlog
+    stalled.bind(("127.0.0.1", 0))
+    stalled.listen(64)
+    client = HttpRetriever(f"http://127.0.0.1:{stalled.getsockname()[1]}", timeout_s=0.5, max_attempts=3)
+    bm25, env.retriever, failures_before = env.retriever, client, env.retrieval_failures
+    tasks = world.world.questions("dev")[:4]
+    try:
+        start = time.monotonic()
+        result = evaluate(runner, env, tasks)
+        elapsed = time.monotonic() - start
+    finally:
+        env.retriever = bm25
+        stalled.close()
+    searches = env.retrieval_failures - failures_before
+    assert searches == len(tasks) and client.failures == len(tasks)  # every search failed, each counted once
+    assert all(len(tree.leaves()) == 1 for tree in result.trees)  # every rollout still reached a leaf
+    failed_obs = [tree[1].observation_ids for tree in result.trees]
+    assert all(world.tokenizer.decode(ids.tolist()).count(RETRIEVAL_FAILED_TEXT.strip()) == 1 for ids in failed_obs)
+    assert elapsed < searches * (0.5 + 0.5) + 30  # the deadline per search, plus decoding; not a hang

@@ -1,0 +1,77 @@
+"""The warm-start cache: keyed by what the warm start depends on only, trained once, then reused by every run."""
+
+import pathlib
+
+import jax
+import numpy as np
+
+from trace_jax import recipe
+from trace_jax.config_utils import load_config_file
+from trace_jax.warm_start import fingerprint
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny_config(cache_dir):
+    config = load_config_file(str(ROOT / "configs" / "default.py"))
+    config.world.scale = 1
+    config.world.questions_per_hop = 8
+    config.world.ood_questions = 4
+    config.tokenizer.vocab_size = 400
+    config.sft.max_steps = 3
+    config.sft.batch_size = 4
+    config.sft.practice_worlds = 0
+    config.warm_start.cache_dir = str(cache_dir)
+    return config
+
+
+def test_the_key_changes_with_what_the_warm_start_depends_on_only(tmp_path):
+    config = tiny_config(tmp_path)
+    key = fingerprint(config)
+    for section, field, value in [
+        ("rl", "steps", 99),
+        ("allocation", "policy", "uniform"),
+        ("optim", "learning_rate", 1.0),
+        ("warm_start", "cache_dir", "/elsewhere"),
+    ]:
+        changed = tiny_config(tmp_path)
+        changed[section][field] = value
+        assert fingerprint(changed) == key, section
+    changed = tiny_config(tmp_path)
+    changed.seed = 5  # the RL run's seed; the warm start has its own (sft.seed)
+    assert fingerprint(changed) == key
+    for section, field, value in [
+        ("sft", "max_steps", 4),
+        ("sft", "seed", 1),
+        ("world", "seed", 3),
+        ("tokenizer", "vocab_size", 401),
+        ("react", "max_turns", 2),
+    ]:
+        changed = tiny_config(tmp_path)
+        changed[section][field] = value
+        assert fingerprint(changed) != key, section
+
+
+def test_a_warm_start_is_trained_once_and_reused_by_the_next_run(tmp_path):
+    config = tiny_config(tmp_path)
+    bars = []
+
+    def progress(total, description):
+        bars.append((total, description))
+        from trace_jax.cli import _NoBar
+
+        return _NoBar()
+
+    first = recipe.build_warm_start(config, progress=progress)
+    assert first.trained and first.sft.steps == 3 and first.sft.reproducible
+    assert bars == [(3, "warm start (SFT)")]
+    assert first.entry.directory.parent == tmp_path and first.entry.info()["steps"] == 3
+    assert (first.entry.directory / "tokenizer" / "tokenizer.json").is_file()
+
+    ablation = tiny_config(tmp_path)
+    ablation.allocation.policy = "uniform"  # another run of the same recipe: the same starting model
+    again = recipe.build_warm_start(ablation, progress=progress)
+    assert not again.trained and again.entry == first.entry and len(bars) == 1
+    for a, b in zip(jax.tree.leaves(first.sft.params), jax.tree.leaves(again.sft.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert again.world.tokenizer.get_vocab() == first.world.tokenizer.get_vocab()

@@ -1,0 +1,197 @@
+"""Command-line plumbing for the entry points: exit codes, one-line errors, the console and progress bars.
+
+A user mistake (a bad config value, a missing file, an unusable workdir) raises a :class:`UserError`
+subclass; :func:`run_main` turns it into one ``error: ...`` line on stderr and the class's exit code, with
+no traceback unless ``--verbosity`` is 1 or more. Ctrl-C (and SIGTERM) end with one line and exit code 130.
+
+    console = Console(verbosity=0, log_path=workdir / "train.log")
+    console.info("warm start: training 1000 steps")
+    with console.progress(1000, "warm start (SFT)") as bar:
+        bar.update(1)
+    sys.exit(run_main(lambda: main(console), console))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import enum
+import logging
+import os
+import pathlib
+import signal
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any, TextIO
+
+
+class ExitCode(enum.IntEnum):
+    """What a process exit status means (distinct per kind of failure, so scripts can tell them apart)."""
+
+    OK = 0
+    FAILED = 1  # an unexpected error: a bug or a failure outside the user's control
+    CONFIG = 2  # a flag or config value that is not allowed (nothing was done)
+    MISSING_FILE = 3  # a file the user named does not exist (nothing was done)
+    WORKDIR = 4  # the workdir cannot be used: a file, not writable, or a run with other settings
+    INTERRUPTED = 130  # Ctrl-C or SIGTERM; rerunning the same command resumes from the last checkpoint
+
+
+class UserError(Exception):
+    """An error the user can fix; its message is one line that says what happened and what to do."""
+
+    exit_code = ExitCode.FAILED
+
+
+class ConfigError(UserError):
+    exit_code = ExitCode.CONFIG
+
+
+class MissingFileError(UserError):
+    exit_code = ExitCode.MISSING_FILE
+
+
+class WorkdirError(UserError):
+    exit_code = ExitCode.WORKDIR
+
+
+class Interrupted(UserError):
+    """Raised in place of KeyboardInterrupt once the run knows what to tell (its step, last checkpoint)."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+
+# Loggers of libraries that narrate routine work (orbax checkpoint steps, absl's jax messages, index builds).
+CHATTY_LOGGERS = ("absl", "orbax", "jax", "bm25s", "transformers", "tensorboardX", "matplotlib", "grain")
+
+
+def _at_least_warning(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
+
+
+def quiet_third_party(verbosity: int) -> None:
+    """Keeps libraries' routine messages off the console unless ``verbosity >= 1``.
+
+    Call before importing transformers: it reads ``TRANSFORMERS_VERBOSITY`` once, at import (that is how its
+    "PyTorch was not found" advisory is silenced when torch is absent).
+    """
+    if verbosity >= 1:
+        return
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    for name in CHATTY_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.ERROR)
+        # A filter as well: some libraries set their own level when imported (bm25s sets DEBUG).
+        logger.addFilter(_at_least_warning)
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.ERROR)
+    except ImportError:  # absl is a dependency; tolerate its absence in bare tools
+        pass
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*os.fork.*")
+
+
+class _NoBar:
+    """Stands in for a progress bar when bars are off."""
+
+    def update(self, n: int = 1) -> None:
+        del n
+
+    def set_postfix(self, **values: Any) -> None:
+        del values
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class Console:
+    """Progress lines for the user on stderr, also appended (timestamped) to ``log_path`` once attached.
+
+    verbosity: -1 hides progress bars (lines still print), 0 the default, >= 1 adds tracebacks to errors.
+    """
+
+    def __init__(self, verbosity: int = 0, stream: TextIO | None = None, log_path: pathlib.Path | None = None):
+        self.verbosity = verbosity
+        self.stream = stream if stream is not None else sys.stderr
+        self.log_path = log_path
+
+    def attach_log(self, path: pathlib.Path) -> None:
+        self.log_path = path
+
+    def log(self, message: str) -> None:
+        """Appends ``message`` to the run log only."""
+        if self.log_path is not None:
+            stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+            with open(self.log_path, "a") as f:
+                f.write(f"{stamp} {message}\n")
+
+    def info(self, message: str) -> None:
+        print(message, file=self.stream, flush=True)
+        self.log(message)
+
+    def error(self, message: str) -> None:
+        print(f"error: {message}", file=self.stream, flush=True)
+        with contextlib.suppress(OSError):  # the log may be the very thing that failed (a read-only workdir)
+            self.log(f"error: {message}")
+
+    def progress(self, total: int, description: str, unit: str = "step", initial: int = 0, leave: bool = True) -> Any:
+        """A tqdm bar on the console with rate and ETA (or a no-op bar at ``verbosity < 0``); ``leave=False``
+        erases it when closed (a bar inside another one)."""
+        if self.verbosity < 0:
+            return _NoBar()
+        from tqdm import tqdm
+
+        interactive = hasattr(self.stream, "isatty") and self.stream.isatty()
+        return tqdm(
+            total=total,
+            initial=initial,
+            desc=description,
+            unit=unit,
+            leave=leave,
+            file=self.stream,
+            dynamic_ncols=interactive,
+            mininterval=0.5 if interactive else 10.0,  # a log file gets a line every 10 s, not every step
+        )
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    del signum, frame
+    raise KeyboardInterrupt
+
+
+def run_main(main: Callable[[], Any], console: Console) -> int:
+    """Runs ``main`` and returns the exit code: 0, or the failure's code after one ``error:`` line.
+
+    SIGTERM is treated like Ctrl-C. With ``console.verbosity >= 1`` the traceback is printed as well.
+    """
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        main()
+        return ExitCode.OK
+    except UserError as e:
+        if console.verbosity >= 1:
+            traceback.print_exc(file=console.stream)
+        console.error(str(e))
+        return e.exit_code
+    except KeyboardInterrupt:
+        if console.verbosity >= 1:
+            traceback.print_exc(file=console.stream)
+        console.error("interrupted; rerun the same command to resume from the last checkpoint")
+        return ExitCode.INTERRUPTED
+    except Exception as e:  # anything else is unexpected: say so in one line, the traceback on request
+        if console.verbosity >= 1:
+            traceback.print_exc(file=console.stream)
+        console.error(f"{type(e).__name__}: {e} (rerun with --verbosity=1 for the traceback)")
+        return ExitCode.FAILED

@@ -1,0 +1,236 @@
+"""Where a run's policy, tokenizer, questions and retriever come from, chosen by ``config.recipe.kind``.
+
+* ``synthetic`` (the default when a config has no ``recipe`` section): the synthetic multi-hop world, a
+  BPE trained on it, and a tiny Qwen3 warm-started by SFT on gold trajectories (``trace_jax.sft``).
+* ``search_r1``: a Hugging Face Qwen2/Qwen3 checkpoint (``config.model.hf_dir``) loaded by ``load_hf``
+  straight onto the run's mesh, its own tokenizer and chat template, Search-R1 question files read
+  through TFDS + grain (``trace_jax.data.search_r1``), the retriever the ``retriever`` section names
+  (BM25 over a corpus file or a Search-R1 HTTP server), no SFT. At the end of training the policy is
+  exported as a HF directory with the tokenizer files beside it (``<workdir>/hf_export``).
+
+Each kind is a :class:`RecipeSource` in ``SOURCES``. Export a run's newest policy by hand::
+
+    python -m trace_jax.recipes export --workdir runs/qwen3-8b --out exported/
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import shutil
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+import ml_collections
+from flax import nnx
+
+from trace_jax import recipe
+from trace_jax.checkpoint.hf import load_hf, save_hf
+from trace_jax.checkpoint.state import StateCheckpointer
+from trace_jax.config_utils import from_config
+from trace_jax.data.prompts import PromptStream
+from trace_jax.data.search_r1 import SearchR1Data, SearchR1DataConfig
+from trace_jax.data.tokenizer import load_tokenizer
+from trace_jax.envs.react import ReActConfig, ReActEnv
+from trace_jax.envs.retriever import RetrieverConfig, build_retriever
+from trace_jax.models.qwen import ModelConfig
+from trace_jax.registry import Registry
+
+EXPORT_DIR = "hf_export"
+# Everything of a HF checkpoint directory that describes its tokenizer and generation defaults.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+@dataclasses.dataclass
+class Start:
+    """Where a run starts: its world and policy (parameters on the mesh when one was given).
+
+    source: which policy this is, for logs ("sft warm start", "hf checkpoint <dir>", "rl step 7").
+    message: one console line about how the start was obtained.
+    facts: reproducible facts for the summary's ``warm_start`` entry (always has ``reproducible``).
+    directory: where the starting policy lives (the warm-start cache entry, the HF checkpoint).
+    tokenizer_dir: the HF tokenizer directory of the policy (exported beside it).
+    """
+
+    world: recipe.World
+    model_config: ModelConfig
+    params: nnx.State
+    source: str
+    message: str = ""
+    facts: dict[str, Any] = dataclasses.field(default_factory=lambda: {"reproducible": True})
+    directory: str = ""
+    tokenizer_dir: str = ""
+
+
+class RecipeSource(Protocol):
+    splits: tuple[str, ...]  # the splits ``world.world.questions`` knows
+
+    def start(
+        self,
+        config: ml_collections.ConfigDict,
+        workdir: pathlib.Path,
+        mesh: Any = None,
+        progress: Callable[[int, str], Any] | None = None,
+        notify: Callable[[str], Any] | None = None,
+    ) -> Start:
+        """The world (questions, the policy's tokenizer, the environment) and the starting policy.
+        ``progress`` / ``notify``: console hooks for long work (a warm start)."""
+        ...
+
+    def prompt_stream(self, config: ml_collections.ConfigDict, world: recipe.World) -> Any:
+        """Training prompt batches: ``next_batch()``, ``state_dict()``, ``load_state_dict(state)``."""
+        ...
+
+    def finish(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, policy: Start) -> dict[str, str]:
+        """Work after the last step (export); returns what it wrote, by name, for the summary."""
+        ...
+
+
+SOURCES: Registry[type] = Registry("recipe kind")
+
+
+@SOURCES.register("synthetic")
+class SyntheticSource:
+    splits = ("train", "test", "ood")
+
+    def start(self, config, workdir, mesh=None, progress=None, notify=None):
+        warm = recipe.build_warm_start(config, progress=progress, notify=notify)
+        sft = warm.sft
+        message = (
+            f"warm start {'trained' if warm.trained else 'reused'}: {sft.steps} SFT steps, "
+            f"loss {sft.final_loss:.3f} ({warm.entry.directory})"
+        )
+        return Start(
+            warm.world,
+            sft.model_config,
+            sft.params,
+            "sft warm start",
+            message,
+            warm.describe(),
+            str(warm.entry.directory),
+            str(warm.entry.directory / "tokenizer"),  # where recipe.build_world keeps it
+        )
+
+    def prompt_stream(self, config, world):
+        return PromptStream(world.world.questions("train"), config.rl.prompts_per_step, config.seed)
+
+    def finish(self, config, workdir, policy):
+        return {}
+
+
+def _tokenizer_dir(config: ml_collections.ConfigDict) -> str:
+    return config.model.get("tokenizer_dir") or _hf_dir(config)
+
+
+def _hf_dir(config: ml_collections.ConfigDict) -> str:
+    hf_dir = config.model.get("hf_dir", "")
+    if not hf_dir:
+        raise ValueError("model.hf_dir is empty: pass --config.model.hf_dir=<a Qwen2/Qwen3 Hugging Face directory>")
+    if not (pathlib.Path(hf_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"model.hf_dir={hf_dir!r} has no config.json: it is not a Hugging Face checkpoint")
+    return hf_dir
+
+
+@SOURCES.register("search_r1")
+class SearchR1Source:
+    splits = ("train", "dev", "test")
+
+    def start(self, config, workdir, mesh=None, progress=None, notify=None):
+        hf_dir = _hf_dir(config)
+        tokenizer = load_tokenizer(_tokenizer_dir(config))
+        data = SearchR1Data(from_config(SearchR1DataConfig, config.data), pathlib.Path(workdir) / "tfds")
+        retriever = build_retriever(from_config(RetrieverConfig, config.retriever))
+        env = ReActEnv(tokenizer, retriever, from_config(ReActConfig, config.react))
+        dtypes = {k: config.model[k] for k in ("dtype", "param_dtype") if config.model.get(k)}
+        model_config, params = load_hf(hf_dir, mesh=mesh, **dtypes)
+        if len(tokenizer) > model_config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {len(tokenizer)} ids but {hf_dir} embeds only {model_config.vocab_size}; "
+                "model.tokenizer_dir must be this checkpoint's tokenizer"
+            )
+        facts = {"hf_dir": hf_dir, "steps": 0, "reproducible": True}
+        world = recipe.World(data, tokenizer, env)
+        source = f"hf checkpoint {hf_dir}"
+        return Start(world, model_config, params, source, f"policy: {hf_dir}", facts, hf_dir, _tokenizer_dir(config))
+
+    def prompt_stream(self, config, world):
+        count = jax.process_count()
+        if config.rl.prompts_per_step % count:
+            raise ValueError(
+                f"rl.prompts_per_step={config.rl.prompts_per_step} must split evenly over {count} processes"
+            )
+        return world.world.stream(
+            config.data.train_split, config.rl.prompts_per_step // count, config.seed, jax.process_index(), count
+        )
+
+    def finish(self, config, workdir, policy):
+        out = pathlib.Path(workdir) / EXPORT_DIR
+        if jax.process_index() == 0:
+            export_policy(policy.model_config, policy.params, policy.tokenizer_dir, out)
+        return {EXPORT_DIR: str(out)}
+
+
+def source_of(config: ml_collections.ConfigDict) -> RecipeSource:
+    """The source ``config.recipe.kind`` names ("synthetic" when the config has no ``recipe`` section)."""
+    section = config.get("recipe") or {}
+    return SOURCES[section.get("kind", "synthetic")]()
+
+
+def latest_policy(
+    config: ml_collections.ConfigDict, workdir: pathlib.Path, mesh: Any = None
+) -> tuple[Start, nnx.State, str]:
+    """The newest policy of a run: the latest RL checkpoint's params, else the starting policy's; with the
+    run's start (world, model config) and a description of which policy it is."""
+    start = source_of(config).start(config, pathlib.Path(workdir), mesh)
+    restored = StateCheckpointer(pathlib.Path(workdir) / recipe.CHECKPOINTS).restore_latest(
+        target={"params": start.params}, keys=["params"]
+    )
+    if restored is None:
+        return start, start.params, start.source
+    return start, restored.state["params"], f"rl step {restored.step}"
+
+
+def export_policy(
+    model_config: ModelConfig, params: nnx.State, tokenizer_dir: str | pathlib.Path, out: str | pathlib.Path
+) -> pathlib.Path:
+    """Writes ``params`` as a HF checkpoint directory (``save_hf``) and copies the tokenizer files of
+    ``tokenizer_dir`` beside it, so ``AutoModelForCausalLM`` and ``AutoTokenizer`` both load ``out``."""
+    out = pathlib.Path(out)
+    save_hf(model_config, params, out)
+    copied = [name for name in TOKENIZER_FILES if (pathlib.Path(tokenizer_dir) / name).is_file()]
+    if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
+        raise FileNotFoundError(f"{tokenizer_dir} holds no tokenizer.json / tokenizer.model to export beside the model")
+    for name in copied:
+        shutil.copyfile(pathlib.Path(tokenizer_dir) / name, out / name)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trace_jax.recipes", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export", help="a run's newest policy -> HF directory with its tokenizer")
+    export.add_argument("--workdir", required=True, help="a trace_jax.train run directory")
+    export.add_argument("--out", required=True, help="the HF directory to write")
+    args = parser.parse_args(argv)
+    workdir = pathlib.Path(args.workdir)
+    config = recipe.load_run_config(workdir)
+    start, params, source = latest_policy(config, workdir)
+    export_policy(start.model_config, params, start.tokenizer_dir, args.out)
+    print(f"export: {source} -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Checks a main-job config before any work starts; a problem is one line naming the key and what is allowed.
+
+Two layers: every section must build its dataclass (``schema.SECTIONS``; unknown fields and the
+dataclasses' own ``__post_init__`` checks), then :data:`RULES`, one per key whose bad values would only fail
+later (or silently do nothing): negative step counts, zero budgets, unknown registry names. The mesh is
+checked against the devices separately (:func:`check_mesh`), once the devices are known.
+
+    validate(config)                  # raises ConfigError("rl.steps=-1: allowed: an integer >= 0 ...")
+    check_mesh(config, jax.device_count())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import ml_collections
+
+from trace_jax.cli import ConfigError
+from trace_jax.config_utils import from_config
+from trace_jax.schema import SECTIONS
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def at_least(n: int) -> Callable[[Any], bool]:
+    return lambda v: _is_int(v) and v >= n
+
+
+def positive(v: Any) -> bool:
+    return _is_number(v) and v > 0
+
+
+def positive_or_none(v: Any) -> bool:
+    return v is None or positive(v)
+
+
+def one_of(choices: Callable[[], Iterable[str]]) -> Callable[[Any], bool]:
+    return lambda v: v in set(choices())
+
+
+def _training_policies() -> list[str]:
+    from trace_jax.allocation.policies import POLICIES
+
+    return sorted(p for p in POLICIES if p != "oracle")  # oracle needs ground truth: simulator-only
+
+
+def _estimators() -> list[str]:
+    from trace_jax.rl.advantages import ESTIMATORS
+
+    return sorted(ESTIMATORS)
+
+
+def _predictors() -> list[str]:
+    from trace_jax.models.predictor import PREDICTORS
+
+    return sorted(PREDICTORS)
+
+
+def _model_presets() -> list[str]:
+    from trace_jax.models.qwen import PRESETS
+
+    return sorted(PRESETS)
+
+
+def _min_vocab() -> int:
+    from trace_jax.envs.react import TAGS
+
+    return 256 + 2 + len(TAGS)  # the byte alphabet, pad and EOS, the atomic ReAct tags
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """``key`` (dotted) must satisfy ``ok``; ``allowed`` says what is allowed (a callable: computed late)."""
+
+    key: str
+    ok: Callable[[Any], bool]
+    allowed: str | Callable[[], str]
+
+    def message(self, value: Any) -> str:
+        allowed = self.allowed() if callable(self.allowed) else self.allowed
+        return f"config.{self.key}={value!r} is not allowed: {allowed}"
+
+
+RULES: list[Rule] = [
+    Rule("rl.steps", at_least(0), "an integer >= 0 (the number of RL updates)"),
+    Rule("rl.prompts_per_step", at_least(1), "an integer >= 1"),
+    Rule("rl.micro_batches", at_least(1), "an integer >= 1"),
+    Rule("rl.checkpoint_every", at_least(1), "an integer >= 1"),
+    Rule("rl.keep_checkpoints", at_least(1), "an integer >= 1"),
+    Rule("rl.logprob_chunk", lambda v: v is None or at_least(1)(v), "None, or an integer >= 1"),
+    Rule("rl.advantage", one_of(_estimators), lambda: f"one of {', '.join(_estimators())}"),
+    Rule(
+        "allocation.policy",
+        one_of(_training_policies),
+        lambda: f"one of {', '.join(_training_policies())} (oracle is simulator-only)",
+    ),
+    Rule("allocation.predictor", one_of(_predictors), lambda: f"one of {', '.join(_predictors())}"),
+    Rule("allocation.rollouts_per_prompt", positive_or_none, "a number > 0, or None for no rollout limit"),
+    Rule("allocation.tokens_per_prompt", positive_or_none, "a number > 0, or None for no token limit"),
+    Rule("allocation.max_depth", at_least(1), "an integer >= 1"),
+    Rule("sft.max_steps", at_least(0), "an integer >= 0 (0: no warm start)"),
+    Rule("sft.time_budget_s", positive_or_none, "None (train exactly sft.max_steps) or a number of seconds > 0"),
+    Rule("sft.batch_size", at_least(1), "an integer >= 1"),
+    Rule("sft.learning_rate", positive, "a number > 0"),
+    Rule("sft.practice_worlds", at_least(0), "an integer >= 0"),
+    Rule("sft.model", one_of(_model_presets), lambda: f"a model preset: {', '.join(_model_presets())}"),
+    Rule("tokenizer.vocab_size", lambda v: _is_int(v) and v >= _min_vocab(), lambda: f"an integer >= {_min_vocab()}"),
+    Rule("optim.learning_rate", positive, "a number > 0"),
+    Rule("optim.total_steps", at_least(1), "an integer >= 1"),
+    Rule("optim.warmup_steps", at_least(0), "an integer >= 0"),
+    Rule("engine.max_slots", at_least(1), "an integer >= 1"),
+    Rule("engine.max_len", at_least(2), "an integer >= 2"),
+    Rule("engine.steps_per_call", at_least(1), "an integer >= 1"),
+    Rule("engine.max_turn_tokens", at_least(1), "an integer >= 1"),
+    Rule(
+        "eval.split",
+        one_of(lambda: ("train", "test", "ood", "dev")),
+        "one of train, test, ood (synthetic world); train, dev, test (recipe.kind=search_r1)",
+    ),
+    Rule("eval.num_questions", at_least(1), "an integer >= 1"),
+    Rule("eval.every", at_least(0), "an integer >= 0 (0: only before and after RL)"),
+    Rule("seed", _is_int, "an integer"),
+    *(
+        Rule(f"mesh.{axis}", lambda v: _is_int(v) and (v >= 1 or v == -1), "an integer >= 1, or -1")
+        for axis in ("data", "fsdp", "tensor")
+    ),
+]
+
+
+def _get(config: ml_collections.ConfigDict, dotted: str) -> tuple[bool, Any]:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _objective_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """An estimator × loss × batch layout whose packed gradient is not the per-path one (rl.batch.check_objective)."""
+    from trace_jax.rl.batch import BatchConfig, check_objective
+    from trace_jax.rl.losses import LossConfig
+
+    try:
+        check_objective(
+            config.rl.advantage, from_config(LossConfig, config.loss), from_config(BatchConfig, config.batch)
+        )
+    except ValueError as e:
+        return [" ".join(str(e).split())]
+    return []
+
+
+def problems(config: ml_collections.ConfigDict) -> list[str]:
+    """Every problem of ``config``, one line each (empty when it is fine)."""
+    found = []
+    for name, cls in SECTIONS.items():
+        if name not in config:
+            found.append(f"config has no section {name!r} (the main job needs {', '.join(SECTIONS)})")
+            continue
+        try:
+            from_config(cls, config[name])
+        except (TypeError, ValueError) as e:
+            found.append(f"config.{name}: {' '.join(str(e).split())}")
+    for rule in RULES:
+        present, value = _get(config, rule.key)
+        if present and not rule.ok(value):
+            found.append(rule.message(value))
+    if not found and {"loss", "batch", "rl"} <= set(config.keys()):
+        found.extend(_objective_problems(config))
+    mesh = [config.mesh.get(axis) for axis in ("data", "fsdp", "tensor")] if "mesh" in config else []
+    if mesh.count(-1) > 1:
+        found.append(f"config.mesh has {mesh.count(-1)} axes set to -1: at most one axis may be -1")
+    return found
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Raises :class:`ConfigError` listing every problem of ``config`` on one line."""
+    found = problems(config)
+    if found:
+        raise ConfigError("; ".join(found))
+
+
+def check_mesh(config: ml_collections.ConfigDict, device_count: int) -> None:
+    """Raises :class:`ConfigError` unless the mesh axes fit ``device_count`` devices exactly."""
+    sizes = {axis: config.mesh[axis] for axis in ("data", "fsdp", "tensor")}
+    known = math.prod(s for s in sizes.values() if s != -1)
+    fits = device_count % known == 0 if -1 in sizes.values() else known == device_count
+    if not fits:
+        shown = ", ".join(f"mesh.{a}={s}" for a, s in sizes.items())
+        raise ConfigError(
+            f"config {shown} does not fit the {device_count} available device(s): the axes' product must equal "
+            f"{device_count} (one axis may be -1 to take the rest)"
+        )

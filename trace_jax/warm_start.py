@@ -1,0 +1,128 @@
+"""A shared cache of warm starts (tokenizer + SFT policy), keyed by everything that determines them.
+
+Two runs whose world, tokenizer, ReAct, retriever and SFT settings agree get the same warm start, so it is trained once
+and every later run (an ablation, a rerun in a fresh workdir, ``trace_jax.evaluate``) reuses it; ablations of
+one recipe therefore start RL from the very same model. The key is a hash of those config sections, the
+format version below and the jax version (numerics may change between versions); the run's seed for RL,
+its allocation policy, optimizer and so on are not part of it.
+
+Layout under ``cache_dir`` (default ``~/.cache/trace_jax/warm_start``)::
+
+    <key>/tokenizer/       the world's BPE (a HF tokenizer directory)
+    <key>/sft/             orbax checkpoint of the SFT params (``trace_jax.sft.run_sft``)
+    <key>/warm_start.json  what was trained and how (written last: its presence means complete)
+    <key>.lock             held while one run builds the entry; concurrent runs wait for it
+
+    entry = WarmStartCache(cache_dir).entry(config)
+    with entry.building():          # exclusive; returns at once when nobody else builds it
+        ...train into entry.directory...
+        entry.write_info({...})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import pathlib
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+
+# Bump when code changes what a given config trains into (rendering, tokenizer training, the SFT loop).
+FORMAT_VERSION = 1
+# The config sections a warm start depends on; anything else (RL, allocation, eval, ...) is not in the key.
+KEY_SECTIONS = ("world", "tokenizer", "react", "retriever", "sft")
+INFO_FILE = "warm_start.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+    """Where warm starts are kept.
+
+    cache_dir: directory shared by all runs (``~`` expands); one subdirectory per warm-start key. Not part
+      of any key: moving the cache moves nothing else.
+    """
+
+    cache_dir: str = "~/.cache/trace_jax/warm_start"
+
+
+def key_material(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON-able values the warm start depends on (the hashed input of :func:`fingerprint`)."""
+    sections = {}
+    for name in KEY_SECTIONS:
+        if name not in config:  # an optional section (``retriever``) left at its defaults
+            continue
+        section = config[name]
+        sections[name] = section.to_dict() if hasattr(section, "to_dict") else dict(section)
+    return {"format_version": FORMAT_VERSION, "jax": jax.__version__, **sections}
+
+
+def fingerprint(config: Mapping[str, Any]) -> str:
+    """A 16-hex-digit key of :func:`key_material` (sorted-key JSON, sha256)."""
+    text = json.dumps(key_material(config), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheEntry:
+    """One warm start's directory in the cache."""
+
+    key: str
+    directory: pathlib.Path
+
+    @property
+    def info_path(self) -> pathlib.Path:
+        return self.directory / INFO_FILE
+
+    def info(self) -> dict[str, Any] | None:
+        """The recorded description of a complete entry, or None while it is missing or being built."""
+        if not self.info_path.is_file():
+            return None
+        try:
+            return json.loads(self.info_path.read_text())
+        except json.JSONDecodeError:  # torn by a kill mid-write: treat the entry as unfinished
+            return None
+
+    def write_info(self, info: Mapping[str, Any]) -> None:
+        """Records ``info`` atomically (written to a temporary file, then renamed): the entry is complete."""
+        tmp = self.info_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dict(info), indent=2, sort_keys=True) + "\n")
+        tmp.replace(self.info_path)
+
+    @contextlib.contextmanager
+    def building(self, notify: Any = None) -> Iterator[CacheEntry]:
+        """Exclusive access to the entry while it is checked and, if needed, built.
+
+        Another process building the same key makes this wait (``notify(message)`` is called once first);
+        a process killed while building releases the lock, and the next one finishes the job.
+        """
+        self.directory.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.directory.with_suffix(".lock"), "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                (notify or (lambda m: print(m, file=sys.stderr)))(
+                    f"waiting for another run that is building the warm start {self.directory}"
+                )
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                yield self
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class WarmStartCache:
+    """The cache directory; ``entry(config)`` is where that config's warm start lives."""
+
+    def __init__(self, cache_dir: str | pathlib.Path):
+        self.root = pathlib.Path(cache_dir).expanduser().absolute()
+
+    def entry(self, config: Mapping[str, Any]) -> CacheEntry:
+        key = fingerprint(config)
+        return CacheEntry(key, self.root / key)
