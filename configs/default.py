@@ -18,6 +18,7 @@ from trace_jax.optim import OptimizerConfig
 from trace_jax.parallel.distributed import DistributedConfig
 from trace_jax.rl.batch import BatchConfig
 from trace_jax.rl.losses import LossConfig
+from trace_jax.rl.trainer import UpdateConfig
 from trace_jax.rollout.engine import EngineConfig
 from trace_jax.rollout.runner import RunnerConfig
 from trace_jax.schema import EvalConfig, MeshConfig, RLConfig, TokenizerConfig
@@ -40,6 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.allocation = to_config(SchedulerConfig(policy="trace", rollouts_per_prompt=8.0, max_depth=8))
     config.batch = to_config(BatchConfig(length_buckets=(128, 256, 384, 512), row_buckets=(32, 64, 96, 128, 192, 256)))
     config.loss = to_config(LossConfig(policy_loss="ppo", aggregation="token-mean"))
+    config.update = to_config(UpdateConfig())
     config.optim = to_config(
         OptimizerConfig(learning_rate=2e-4, warmup_steps=2, total_steps=30, max_grad_norm=1.0, schedule="constant")
     )

@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from trace_jax.optim import all_finite, guarded_update, make_optimizer, make_schedule
@@ -85,3 +86,27 @@ def test_guard_skips_non_finite_grads_and_keeps_state(bad):
 def test_all_finite():
     assert bool(all_finite({"a": jnp.ones(2)}, [jnp.zeros(3)]))
     assert not bool(all_finite({"a": jnp.array([1.0, jnp.nan])}))
+
+
+def test_float32_master_weights_keep_small_bf16_updates_from_rounding_away():
+    params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+    grads = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+
+    def train(tx, steps=100):
+        def step(_, carry):
+            p, s = carry
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s
+
+        return jax.jit(lambda p: jax.lax.fori_loop(0, steps, step, (p, tx.init(p))))(params)
+
+    kwargs = dict(learning_rate=1e-4, schedule="constant", max_grad_norm=None, total_steps=100)
+    plain, _ = train(make_optimizer(**kwargs))
+    mastered, state = train(make_optimizer(**kwargs, master_dtype="float32"))
+    assert plain["w"].dtype == mastered["w"].dtype == jnp.bfloat16
+    assert float(plain["w"][0, 0]) == 1.0  # each 1e-4 step rounds away in bf16 (spacing 2^-8 below 1)
+    master = state.master["w"]
+    assert master.dtype == jnp.float32 and float(master[0, 0]) == pytest.approx(1 - 100 * 1e-4, rel=1e-3)
+    assert float(mastered["w"][0, 0]) == float(master[0, 0].astype(jnp.bfloat16)) < 1.0
+    mu = optax.tree_utils.tree_get(state, "mu")["w"]
+    assert mu.dtype == jnp.float32

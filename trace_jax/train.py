@@ -190,7 +190,7 @@ class Training:
         advantages = compute_advantages(self.config.rl.advantage, scheduled.trees)
         batch, info = build_batch(scheduled.trees, advantages, self.batch_config)
         batch = self.trainer.prepare(self.state, batch)
-        self.state, train_metrics = self.trainer.train_step(self.state, batch)
+        self.state, train_metrics = self.trainer.update(self.state, batch)
         self._set_params()
         self.step += 1
         rewards = np.concatenate([tree.leaf_rewards() for tree in scheduled.trees])

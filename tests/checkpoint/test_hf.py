@@ -38,8 +38,12 @@ def test_key_map_reads_both_ways():
     for hf_template, ours_template, _ in KEY_MAP:
         fields = {"layer": "3", "qkv": "k", "qk": "q", "mlp": "down"}
         hf_key, our_key = hf_template.format(**fields), ours_template.format(**fields)
-        assert hf.hf_to_ours(hf_key)[0] == our_key
-        assert hf.ours_to_hf(our_key)[0] == hf_key
+        layer = 3 if "{layer}" in hf_template else None
+        assert hf.hf_to_ours(hf_key)[::2] == (our_key, layer)
+        assert hf.ours_to_hf(our_key, layer)[0] == hf_key
+    # Per-layer HF tensors are rows of one stacked parameter of ours.
+    assert hf.hf_to_ours("model.layers.11.mlp.up_proj.weight")[::2] == ("layers.mlp.up_proj", 11)
+    assert hf.is_stacked("layers.mlp.up_proj") and not hf.is_stacked("embed")
 
 
 def _rewrite_tensors(path, edit):

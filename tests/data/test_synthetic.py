@@ -3,11 +3,15 @@
 import collections
 import dataclasses
 import filecmp
+import pathlib
 
 import pytest
 
-from trace_jax.data.synthetic import RELATIONS, SyntheticWorld, WorldConfig
+from trace_jax.config_utils import from_config, load_config_file
+from trace_jax.data.synthetic import KINDS, RELATIONS, SyntheticWorld, WorldConfig
 from trace_jax.envs.retriever import BM25Retriever
+from trace_jax.models.qwen import num_params
+from trace_jax.sft import SFTConfig
 
 SMALL = WorldConfig(scale=2, questions_per_hop=60, ood_questions=30)
 
@@ -71,6 +75,12 @@ def test_bad_configs_are_rejected():
         WorldConfig(max_hops=4, ood_hops=4)
     with pytest.raises(ValueError, match="distractor_probs"):
         WorldConfig(distractor_probs=(0.5, 0.5, 0.5))
+    with pytest.raises(ValueError, match="distractor_style"):
+        WorldConfig(distractor_style="gossip")
+    with pytest.raises(ValueError, match="hop_weights needs 3"):
+        WorldConfig(hop_weights=(1.0, 1.0))
+    with pytest.raises(ValueError, match="buried_entity_fraction"):
+        WorldConfig(buried_questions=10)
 
 
 def test_a_relabeled_world_keeps_the_structure_and_changes_the_facts():
@@ -87,3 +97,103 @@ def test_a_relabeled_world_keeps_the_structure_and_changes_the_facts():
     ]
     assert sum(changed) > 0.8 * len(changed)  # ...telling different facts: memory does not help, reading does
     assert original.corpus[0]["text"] != practice.corpus[0]["text"]
+
+
+# ------------------------------------------------------------------------------ realistic-difficulty options
+REALISTIC = WorldConfig(
+    scale=2,
+    max_hops=5,
+    ood_hops=6,
+    questions_per_hop=40,
+    ood_questions=20,
+    hop_weights=(4.0, 3.0, 2.0, 1.0, 0.0),
+    distractor_probs=(0.0, 0.2, 0.3, 0.5),
+    distractor_style="lookalike",
+    buried_questions=40,
+    buried_entity_fraction=0.15,
+    trivial_questions=30,
+)
+
+
+@pytest.fixture(scope="module")
+def realistic():
+    return SyntheticWorld(REALISTIC)
+
+
+def _pool(world):
+    return [q for s in ("train", "test") for q in world.questions(s)]
+
+
+def test_default_world_has_only_chain_questions(world):
+    assert {q["kind"] for s in ("train", "test", "ood") for q in world.questions(s)} == {"chain"}
+    assert world.buried == []
+
+
+def test_realistic_world_has_every_kind_in_the_requested_amounts(realistic):
+    pool = _pool(realistic)
+    kinds = collections.Counter(q["kind"] for q in pool)
+    assert set(kinds) == set(KINDS)
+    # "at most" counts (duplicate chains are dropped); the small world still fills most of them
+    assert 0.8 * 30 <= kinds["trivial"] <= 30
+    assert 0.8 * 40 <= kinds["buried"] <= 40
+    chain_hops = collections.Counter(q["hops"] for q in pool if q["kind"] == "chain")
+    assert 5 not in chain_hops  # weight 0
+    assert chain_hops[1] > chain_hops[3] > chain_hops[4] > 0  # weights 4 > 2 > 1
+    assert sum(chain_hops.values()) <= 40 * 5
+    assert {q["hops"] for q in realistic.questions("ood")} == {6}
+
+
+def test_trivial_questions_state_their_answer_and_need_no_search(realistic):
+    trivial = [q for q in _pool(realistic) if q["kind"] == "trivial"]
+    for q in trivial:
+        assert q["hops"] == 0 and len(q["gold_turns"]) == 1
+        assert q["golden_answers"][0] in q["question"].split("?")[0]
+        assert "<answer>" in q["gold_turns"][0] and "<search>" not in q["gold_turns"][0]
+
+
+def test_lookalike_distractors_are_dense_and_name_a_wrong_candidate(realistic):
+    distractors = [d for d in realistic.corpus if d["id"].startswith("d")]
+    per_entity = collections.Counter()
+    for d in distractors:
+        assert ": rumour about " in d["text"] and " is " in d["text"]
+        per_entity[d["text"].split("rumour about ")[1].split(": its")[0]] += 1
+    assert per_entity and set(per_entity) <= set(realistic.entities)
+    assert max(per_entity.values()) == 3  # distractor_probs has 4 entries: up to 3 per entity
+    assert len(distractors) > 1.5 * len(realistic.entities)  # expected 2.3 per entity
+
+
+def test_buried_questions_hide_their_first_lookup_and_chain_questions_stay_findable(realistic):
+    bm25 = BM25Retriever.from_rows(realistic.corpus)
+    buried = set(realistic.buried)
+    assert buried
+    own_found = lambda name, passages: any(p.title == name and p.id.startswith("e") for p in passages)
+    for q in _pool(realistic):
+        if q["kind"] == "trivial":
+            continue
+        results = bm25.search(q["chain"][:-1], topk=3)
+        if q["kind"] == "buried":
+            assert q["chain"][0] in buried
+            assert not own_found(q["chain"][0], results[0]), f"{q['id']}: the buried passage is in the top 3"
+        else:
+            assert not buried.intersection(q["chain"][:-1])
+            assert all(own_found(q["chain"][h], r) for h, r in enumerate(results)), q["id"]
+
+
+def test_realistic_world_is_a_pure_function_of_its_seed(tmp_path):
+    a = SyntheticWorld(REALISTIC).save(tmp_path / "a")
+    b = SyntheticWorld(REALISTIC).save(tmp_path / "b")
+    c = SyntheticWorld(dataclasses.replace(REALISTIC, seed=1)).save(tmp_path / "c")
+    for name in ("corpus.jsonl", "train.jsonl", "test.jsonl", "ood.jsonl"):
+        assert filecmp.cmp(a / name, b / name, shallow=False)
+        assert not filecmp.cmp(a / name, c / name, shallow=False)
+
+
+def test_realistic_preset_selects_the_world_and_a_few_million_parameter_policy():
+    path = pathlib.Path(__file__).resolve().parents[2] / "configs" / "realistic.py"
+    config = load_config_file(f"{path}:uniform")
+    world = from_config(WorldConfig, config.world)
+    assert config.allocation.policy == "uniform"
+    assert world.buried_questions and world.trivial_questions and world.distractor_style == "lookalike"
+    assert len(world.hop_weights) == world.max_hops == 5 and config.react.max_turns == 6
+    size = num_params(from_config(SFTConfig, config.sft).model_config(config.tokenizer.vocab_size))
+    assert 2e6 < size < 10e6

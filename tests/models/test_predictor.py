@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from trace_jax.allocation.anchors import gather_anchors, training_anchors
+from trace_jax.allocation.calibration import calibration_metrics
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
 from trace_jax.models import predictor as P
 from trace_jax.rollout.backend import ContinuationRequest
@@ -19,52 +21,18 @@ def small_mlp(**kw):
     return P.MLPPredictor(hidden=32, train_steps=16, batch_size=128, **kw)
 
 
-def test_weighted_auc_matches_pairwise_counting_with_ties():
-    rng = np.random.default_rng(0)
-    pred, y, w = np.round(rng.random(40), 1), rng.random(40), rng.random(40)
-    pos, neg = w * y, w * (1 - y)
-    pairs = sum(
-        pos[i] * neg[j] * (1.0 if pred[i] > pred[j] else 0.5 if pred[i] == pred[j] else 0.0)
-        for i in range(40)
-        for j in range(40)
-    )
-    assert P.weighted_auc(pred, y, w) == pytest.approx(pairs / (pos.sum() * neg.sum()))
-
-
-def test_calibration_metrics_on_hand_made_predictions():
-    y = np.asarray([1.0, 0.0, 1.0, 0.0])
-    w = np.ones(4)
-    perfect = P.calibration_metrics(y * 0.98 + 0.01, y, w)
-    assert perfect["brier"] < 1e-3 and perfect["auc"] == 1.0 and perfect["ece"] < 0.02
-    assert P.calibration_metrics(1 - y, y, w)["auc"] == 0.0
-    assert P.calibration_metrics(np.full(4, 0.5), y, w)["ece"] == pytest.approx(0.0)
-
-
-def test_training_anchors_carry_backups_and_leaf_counts():
-    tree = RolloutTree([1, 2])
-    mid = tree.add_turn(0, [3], feature=np.ones(4))
-    tree.add_turn(mid, [4], reward=1.0)
-    tree.add_turn(mid, [4], reward=0.0)
-    tree.add_turn(0, [5], reward=0.0)
-    anchors = P.training_anchors([tree])
-    assert anchors.depths_n.tolist() == [0, 1]
-    np.testing.assert_allclose(anchors.targets_n, [1 / 3, 1 / 2])
-    np.testing.assert_allclose(anchors.weights_n, [3, 2])
-    assert anchors.has_feature_n.tolist() == [False, True]
-
-
 def test_mlp_beats_depth_baseline_and_improves_with_more_trees():
     sim = Simulator(SimulatorConfig(num_prompts=1024), seed=0)
-    held_out = P.training_anchors(sampled_trees(sim, batch=96))
+    held_out = training_anchors(sampled_trees(sim, batch=96))
     mlp, depth = small_mlp(seed=0), P.DepthPredictor()
 
     def score(model):
-        return P.calibration_metrics(model.predict(held_out), held_out.targets_n, held_out.weights_n)
+        return calibration_metrics(model.predict(held_out), held_out.targets_n, held_out.weights_n)
 
-    mlp.update(P.training_anchors(sampled_trees(sim)))
+    mlp.update(training_anchors(sampled_trees(sim)))
     early = score(mlp)
     for _ in range(10):
-        anchors = P.training_anchors(sampled_trees(sim))
+        anchors = training_anchors(sampled_trees(sim))
         mlp.update(anchors)
         depth.update(anchors)
     late = score(mlp)
@@ -74,7 +42,7 @@ def test_mlp_beats_depth_baseline_and_improves_with_more_trees():
 
 def test_mlp_state_dict_round_trip_continues_identically():
     sim = Simulator(SimulatorConfig(num_prompts=256), seed=1)
-    first, second = (P.training_anchors(sampled_trees(sim, batch=16)) for _ in range(2))
+    first, second = (training_anchors(sampled_trees(sim, batch=16)) for _ in range(2))
     model = small_mlp(seed=3)
     model.update(first)
     restored = small_mlp(seed=3)
@@ -90,7 +58,7 @@ def test_mlp_rejects_features_of_another_size():
     tree = RolloutTree([1])
     tree.root.feature = np.ones(5, np.float32)
     with pytest.raises(ValueError, match="size 5"):
-        model.predict(P.gather_anchors([tree], [(0, 0)]))
+        model.predict(gather_anchors([tree], [(0, 0)]))
 
 
 def test_beta_posterior_ranks_prompts_it_has_seen_and_registry_names():
@@ -99,12 +67,12 @@ def test_beta_posterior_ranks_prompts_it_has_seen_and_registry_names():
         easy.add_turn(0, [2], reward=1.0)
         hard.add_turn(0, [2], reward=0.0)
     beta = P.make_predictor("beta")
-    beta.update(P.training_anchors([easy, hard]))
-    pred = beta.predict(P.gather_anchors([easy, hard], [(0, 0), (1, 0)]))
+    beta.update(training_anchors([easy, hard]))
+    pred = beta.predict(gather_anchors([easy, hard], [(0, 0), (1, 0)]))
     assert pred[0] > 0.7 > 0.3 > pred[1]
     restored = P.BetaPredictor()
     restored.load_state_dict(beta.state_dict())
-    np.testing.assert_allclose(restored.predict(P.gather_anchors([easy], [(0, 0)])), pred[:1])
+    np.testing.assert_allclose(restored.predict(gather_anchors([easy], [(0, 0)])), pred[:1])
     with pytest.raises(ValueError, match="mlp"):
         P.make_predictor("unknown")
 
@@ -113,14 +81,14 @@ def test_mlp_waits_for_features_and_then_accepts_feature_less_anchors():
     bare = RolloutTree([1])
     bare.add_turn(0, [2], reward=1.0)
     model = small_mlp()
-    assert model.predict(P.gather_anchors([bare], [(0, 0)])).tolist() == [0.5]
-    assert model.update(P.training_anchors([bare])) == {}
+    assert model.predict(gather_anchors([bare], [(0, 0)])).tolist() == [0.5]
+    assert model.update(training_anchors([bare])) == {}
     featured = RolloutTree([1])
     featured.root.feature = np.ones(3, np.float32)
     featured.add_turn(0, [2], reward=0.0)
-    model.update(P.training_anchors([featured]))
-    model.update(P.training_anchors([bare]))  # a later batch without features still trains
-    assert 0.0 < model.predict(P.gather_anchors([bare], [(0, 0)]))[0] < 1.0
+    model.update(training_anchors([featured]))
+    model.update(training_anchors([bare]))  # a later batch without features still trains
+    assert 0.0 < model.predict(gather_anchors([bare], [(0, 0)]))[0] < 1.0
 
 
 def move_trees(num, rng):
@@ -140,15 +108,15 @@ def test_transformer_predictor_reads_the_prefix_tokens():
     rng = np.random.default_rng(0)
     model = P.make_predictor("transformer", model_overrides={"vocab_size": 16}, train_steps=20, max_len=16)
     for _ in range(4):
-        model.update(P.training_anchors(move_trees(16, rng), with_prefix_ids=True))
+        model.update(training_anchors(move_trees(16, rng), with_prefix_ids=True))
     probe = move_trees(4, rng)
-    pred = model.predict(P.gather_anchors(probe, [(0, 1), (0, 4), (0, 0)], with_prefix_ids=True))
+    pred = model.predict(gather_anchors(probe, [(0, 1), (0, 4), (0, 0)], with_prefix_ids=True))
     assert pred[0] > pred[2] > pred[1]
     restored = P.make_predictor("transformer", model_overrides={"vocab_size": 16}, max_len=16, seed=5)
     restored.load_state_dict(model.state_dict())
-    again = restored.predict(P.gather_anchors(probe, [(0, 1), (0, 4), (0, 0)], with_prefix_ids=True))
+    again = restored.predict(gather_anchors(probe, [(0, 1), (0, 4), (0, 0)], with_prefix_ids=True))
     np.testing.assert_allclose(again, pred, atol=1e-6)
     with pytest.raises(ValueError, match="vocab_size"):
         P.make_predictor("transformer", model_overrides={"vocab_size": 4}).predict(
-            P.gather_anchors(probe, [(0, 1)], with_prefix_ids=True)
+            gather_anchors(probe, [(0, 1)], with_prefix_ids=True)
         )

@@ -30,10 +30,12 @@ def main(hf_dir: str) -> None:
 
     with jax.set_mesh(mesh):
         sharded = forward(sharded_params, jax.device_put(ids, mesh_lib.batch_sharding(mesh)))
-    specs = {".".join(map(str, path)): str(v.value.sharding.spec) for path, v in nnx.to_flat_state(sharded_params)}
+    specs = {
+        ".".join(map(str, path)): str(v.get_value().sharding.spec) for path, v in nnx.to_flat_state(sharded_params)
+    }
     random_model = mesh_lib.create_sharded(lambda: Qwen(config, rngs=nnx.Rngs(0)), mesh)
-    random_spec = str(random_model.layers[0].mlp.up_proj.value.sharding.spec)
-    shard_shape = sharded_params["layers"][0]["mlp"]["up_proj"].value.addressable_shards[0].data.shape
+    random_spec = str(random_model.layers.mlp.up_proj.get_value().sharding.spec)
+    shard_shape = sharded_params["layers"]["mlp"]["up_proj"].get_value().addressable_shards[0].data.shape
     print(
         json.dumps(
             {

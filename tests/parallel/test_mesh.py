@@ -38,17 +38,18 @@ def test_sharded_forward_equals_single_device(eight_device_run):
 
 def test_parameters_are_partitioned_by_the_rules_table(eight_device_run):
     specs = eight_device_run["specs"]
-    assert specs["layers.0.attn.q_proj"] == str(PartitionSpec("fsdp", "tensor", None))
-    assert specs["layers.0.attn.o_proj"] == str(PartitionSpec("tensor", None, "fsdp"))
-    assert specs["layers.0.mlp.down_proj"] == str(PartitionSpec("tensor", "fsdp"))
+    # Stacked layers: the leading "layers" axis is never split.
+    assert specs["layers.attn.q_proj"] == str(PartitionSpec(None, "fsdp", "tensor", None))
+    assert specs["layers.attn.o_proj"] == str(PartitionSpec(None, "tensor", None, "fsdp"))
+    assert specs["layers.mlp.down_proj"] == str(PartitionSpec(None, "tensor", "fsdp"))
     assert specs["lm_head"] == str(PartitionSpec("fsdp", "tensor"))
     assert specs["embed"] == str(PartitionSpec("tensor", "fsdp"))
-    # hidden 64 x mlp 96 split over fsdp=2 and tensor=2: each device holds a quarter.
-    assert eight_device_run["up_proj_shard_shape"] == [32, 48]
+    # 2 layers x hidden 64 x mlp 96 split over fsdp=2 and tensor=2: each device holds a quarter of each layer.
+    assert eight_device_run["up_proj_shard_shape"] == [2, 32, 48]
 
 
 def test_random_init_is_born_sharded(eight_device_run):
-    assert eight_device_run["random_up_proj_spec"] == str(PartitionSpec("fsdp", "tensor"))
+    assert eight_device_run["random_up_proj_spec"] == str(PartitionSpec(None, "fsdp", "tensor"))
 
 
 def test_logical_rules_skip_axes_that_do_not_divide():

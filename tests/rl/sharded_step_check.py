@@ -28,7 +28,7 @@ def run(mesh, batch, steps=2):
     # Adam's early steps are ~lr·sign(g): where a gradient is at float32 noise level the sign depends on the
     # reduction order, which sharding changes. A larger eps makes the update proportional to g there.
     # The sharded run also uses the chunked LM head, so it is checked against the plain one as well.
-    chunk = None if mesh is None else 8
+    chunk = 64 if mesh is None else 8
     trainer = _trainer(
         graphdef, micro_batches=2, eps=1e-4, mesh=mesh, loss=loss, reference_params=reference, logprob_chunk=chunk
     )

@@ -5,26 +5,29 @@ import pytest
 
 from tests.rl.trees import branching_tree, random_tree
 from trace_jax.config_utils import from_config
-from trace_jax.rl.advantages import NodeAdvantages, compute_advantages
+from trace_jax.rl.advantages import ESTIMATORS, NodeAdvantages, compute_advantages
 from trace_jax.rl.batch import BatchConfig, build_batch, trees_to_batch
-from trace_jax.rl.losses import LossConfig, LossInputs, compute_loss, loss_denominator
+from trace_jax.rl.losses import AGGREGATIONS, LossConfig, LossInputs, compute_loss, loss_denominator
 from trace_jax.rollout.tree import RolloutTree
 
 
-def test_rows_hold_the_sampled_ids_and_train_each_turn_once():
+def test_path_rows_hold_the_sampled_ids_and_train_each_turn_once():
     tree = branching_tree()
     advantages = compute_advantages("grpo", [tree])
-    batch, info = build_batch([tree], advantages, BatchConfig(length_buckets=(16,), row_buckets=(4,)))
+    config = BatchConfig(layout="paths", length_buckets=(16,), row_buckets=(4,))
+    batch, info = build_batch([tree], advantages, config)
     assert batch.tokens.shape == (4, 16) and info.num_rows == 3
     for r, leaf in enumerate(tree.leaves()):
         ids = tree.prefix_ids(leaf)
         np.testing.assert_array_equal(batch.tokens[r, : ids.size], ids)  # token-in/token-out
-        assert batch.lengths[r] == ids.size and info.leaf_id[r] == leaf
+        assert batch.lengths[r] == ids.size and info.layout.node[r, ids.size - 1] == leaf
+        np.testing.assert_array_equal(batch.positions[r, : ids.size], np.arange(ids.size))
+        np.testing.assert_array_equal(batch.predecessor[r, 1 : ids.size], np.arange(ids.size - 1))
     a_adv, b_adv = advantages[0].advantages[1], advantages[0].advantages[2]
     # Row of b: prompt (3) | a's turn (2, weight 2) | a's observation (2) | b's turn (1, weight 1)
     np.testing.assert_array_equal(batch.weights[0, :8], [0, 0, 0, 2, 2, 0, 0, 1])
-    np.testing.assert_allclose(batch.advantages[0, 3:5], a_adv)
-    np.testing.assert_allclose(batch.advantages[0, 7], b_adv)
+    np.testing.assert_allclose(batch.advantages[0, 3:5], a_adv, rtol=1e-6)
+    np.testing.assert_allclose(batch.advantages[0, 7], b_adv, rtol=1e-6)
     np.testing.assert_allclose(batch.old_logprobs[0, 3:5], [-0.5, -0.25])
     np.testing.assert_array_equal(batch.segment_ids[0, :8], [0, 0, 0, 1, 1, 0, 0, 2])
     # Row of c: a is context only (already trained by b's row); c's two tokens are trained.
@@ -34,82 +37,115 @@ def test_rows_hold_the_sampled_ids_and_train_each_turn_once():
     assert not batch.weights[3].any() and batch.lengths[3] == 0  # padding row
     assert info.num_trained_tokens == tree.num_sampled_tokens() == 6
     np.testing.assert_array_equal(batch.loss_mask, batch.weights > 0)
+    np.testing.assert_array_equal(batch.paths, [1, 1, 1, 0])
+
+
+def test_tree_rows_hold_each_token_once_with_path_positions_and_ancestor_visibility():
+    tree = branching_tree()  # root (1 2 3) ─ a (10 11 | obs 90 91) ─ b (20), c (21 22); root ─ d (30)
+    advantages = compute_advantages("grpo", [tree])
+    config = BatchConfig(length_buckets=(16, 32), row_buckets=(1, 2), pack_length=32)
+    batch, info = build_batch([tree, tree], advantages * 2, config)
+    assert batch.tokens.shape == (1, 32) and info.num_tokens == 22 < info.num_path_tokens == 2 * 21
+    first = slice(0, 11)
+    np.testing.assert_array_equal(batch.tokens[0, first], [1, 2, 3, 10, 11, 90, 91, 20, 21, 22, 30])
+    np.testing.assert_array_equal(batch.positions[0, first], [0, 1, 2, 3, 4, 5, 6, 7, 7, 8, 3])  # c, d continue
+    # Keys stay visible to the end of their node's subtree: b's to b, c's to c, a's to c, the prompt's to d.
+    np.testing.assert_array_equal(batch.visible_end[0, first], [11, 11, 11, 10, 10, 10, 10, 8, 10, 10, 11])
+    # c's first token is predicted from a's last (observation) token, d's from the prompt's last.
+    np.testing.assert_array_equal(batch.predecessor[0, first], [0, 0, 1, 2, 3, 4, 5, 6, 6, 8, 2])
+    np.testing.assert_array_equal(batch.weights[0, first], [0, 0, 0, 2, 2, 0, 0, 1, 1, 1, 1])
+    np.testing.assert_array_equal(batch.tokens[0, 11:22], batch.tokens[0, first])  # the second tree
+    assert batch.visible_end[0, 11] == 22 and batch.predecessor[0, 11] == 11  # sees nothing of the first
+    adv = advantages[0]
+    np.testing.assert_allclose(batch.adv_pos[0, 3] + batch.adv_neg[0, 3], 2 * adv.advantages[1], rtol=1e-6)
+    assert batch.adv_pos[0, 3] > 0 > batch.adv_neg[0, 3]  # a has a winning and a losing leaf below
+    assert batch.paths.sum() == 6
 
 
 def test_observation_tokens_are_never_trained():
     rng = np.random.default_rng(1)
     trees = [random_tree(rng) for _ in range(6)]
-    batch, info = build_batch(trees, compute_advantages("rloo", trees))
-    checked = 0
-    for r in range(info.num_rows):
-        tree, leaf = trees[info.tree_index[r]], info.leaf_id[r]
-        observation = np.zeros(batch.tokens.shape[1], bool)
-        position = 0
-        for node_id in tree.path(leaf):
-            node = tree[node_id]
-            position += node.token_ids.size
-            observation[position : position + node.observation_ids.size] = True
-            position += node.observation_ids.size
-        checked += observation.sum()
-        assert not batch.weights[r, observation].any()
-    assert checked > 0
+    for layout in ("tree", "paths"):
+        batch, info = build_batch(trees, compute_advantages("rloo", trees), BatchConfig(layout=layout))
+        nodes = info.layout
+        filled = nodes.tree >= 0
+        turn_len = np.zeros(nodes.tree.shape, np.int64)
+        turn_len[filled] = [
+            trees[t][y].token_ids.size for t, y in zip(nodes.tree[filled], nodes.node[filled], strict=True)
+        ]
+        observation = filled & (nodes.offset >= turn_len)
+        assert observation.sum() > 0 and not batch.weights[observation].any()
 
 
 def _paths_as_trees(tree: RolloutTree, adv: NodeAdvantages):
-    """The undeduplicated view: one chain tree per leaf, each node keeping its advantage, weight 1."""
+    """The undeduplicated view: one chain tree per leaf, each node keeping its path advantage A(ℓ, y)."""
     trees, advs = [], []
-    for leaf in tree.leaves():
+    path_adv = adv.path_advantages(tree)
+    for column, leaf in enumerate(tree.leaves()):
         chain = RolloutTree(tree.root.token_ids)
         values, parent = [0.0], 0
         for node_id in tree.path(leaf)[1:]:
             node = tree[node_id]
             parent = chain.add_turn(
-                parent, node.token_ids, node.logprobs, observation_ids=node.observation_ids, reward=node.reward
+                parent,
+                node.token_ids,
+                node.logprobs,
+                node.sample_logprobs,
+                observation_ids=node.observation_ids,
+                reward=node.reward,
             )
-            values.append(adv.advantages[node_id])
+            values.append(path_adv[node_id, column])
         trees.append(chain)
         advs.append(NodeAdvantages(np.asarray(values, np.float32), np.r_[0.0, np.ones(len(values) - 1)]))
     return trees, advs
 
 
 def _batch_loss(batch, config):
-    # Current log-probs as a function of (token, position) only, as a real policy's would be for equal
-    # histories: a node shared by several rows gets the same log-probs in each of them.
-    position = jnp.arange(batch.tokens.shape[1])[None, :]
-    logprobs = -0.05 * (batch.tokens % 7) - 0.01 * position - 0.3
+    # Current log-probs as a function of (token, path position) only, as a real policy's would be for equal
+    # histories: a node shared by several paths gets the same log-probs wherever it is trained.
+    logprobs = -0.05 * (batch.tokens % 7) - 0.01 * batch.positions - 0.3
     inputs = LossInputs(
-        logprobs,
+        jnp.asarray(logprobs),
         jnp.asarray(batch.old_logprobs),
-        jnp.asarray(batch.advantages),
+        jnp.asarray(batch.adv_pos),
+        jnp.asarray(batch.adv_neg),
         jnp.asarray(batch.weights),
         jnp.asarray(batch.segment_ids),
     )
-    return float(compute_loss(inputs, config).numerator / loss_denominator(inputs.weights, config))
+    denominator = loss_denominator(inputs.weights, jnp.asarray(batch.paths), config)
+    return float(compute_loss(inputs, config).numerator / denominator)
 
 
-@pytest.mark.parametrize("estimator", ["treerl", "node_value"])
-def test_dedup_batch_equals_training_every_path(estimator):
-    # For node-constant advantages the deduplicated loss equals the per-path loss exactly, clipping included.
+@pytest.mark.parametrize("layout", ["tree", "paths"])
+@pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+def test_shared_turns_trained_once_give_the_per_path_loss(estimator, aggregation, layout):
+    # Exact for every estimator and aggregation, clipping included (a tight clip so it is active).
     rng = np.random.default_rng(2)
     trees = [random_tree(rng, max_leaves=6) for _ in range(5)]
     advantages = compute_advantages(estimator, trees)
-    dedup, _ = build_batch(trees, advantages)
+    config = LossConfig(clip_low=0.05, clip_high=0.05, aggregation=aggregation)
+    shared, _ = build_batch(trees, advantages, BatchConfig(layout=layout), config)
     split = [_paths_as_trees(t, a) for t, a in zip(trees, advantages, strict=True)]
     path_trees = [c for trees_, _ in split for c in trees_]
     path_advs = [a for _, advs in split for a in advs]
-    per_path, _ = build_batch(path_trees, path_advs)
-    assert (per_path.weights > 0).sum() > (dedup.weights > 0).sum()  # sharing happened
-    config = LossConfig(clip_low=0.05, clip_high=0.05)  # tight clip so clipping is active
-    assert _batch_loss(dedup, config) == pytest.approx(_batch_loss(per_path, config), rel=1e-5)
+    per_path, _ = build_batch(path_trees, path_advs, BatchConfig(layout="paths"), config)
+    assert (per_path.weights > 0).sum() > (shared.weights > 0).sum()  # sharing happened
+    assert _batch_loss(shared, config) == pytest.approx(_batch_loss(per_path, config), rel=1e-5)
 
 
 def test_shapes_are_bucketed_and_padded_to_the_row_multiple():
-    trees = [branching_tree() for _ in range(3)]  # 9 rows of at most 9 tokens
-    config = BatchConfig(length_buckets=(4, 16, 32), row_buckets=(8, 16), row_multiple=6)
+    trees = [branching_tree() for _ in range(3)]  # 9 path rows of at most 9 tokens
+    config = BatchConfig(layout="paths", length_buckets=(4, 16, 32), row_buckets=(8, 16), row_multiple=6)
     batch, info = build_batch(trees, compute_advantages("grpo", trees), config)
     assert batch.tokens.shape == (18, 16) and info.num_rows == 9
-    np.testing.assert_array_equal(info.tree_index[:9], np.repeat([0, 1, 2], 3))
-    assert (info.tree_index[9:] == -1).all()
+    np.testing.assert_array_equal(info.layout.tree[:9, 0], np.repeat([0, 1, 2], 3))
+    assert (info.layout.tree[9:] == -1).all()
+    packed, info = build_batch(trees, compute_advantages("grpo", trees), BatchConfig(length_buckets=(4, 16, 32)))
+    assert packed.tokens.shape == (8, 16) and info.num_rows == 3  # one 11-token tree per 16-token row
+    many = [branching_tree() for _ in range(40)]
+    rows = build_batch(many, compute_advantages("grpo", many), BatchConfig(layout="paths", row_buckets=(8, 16)))
+    assert rows[0].tokens.shape[0] == 128  # past the largest row bucket: a multiple of it
 
 
 def test_too_long_rows_and_empty_batches_are_clear_errors():
@@ -122,7 +158,7 @@ def test_too_long_rows_and_empty_batches_are_clear_errors():
     with pytest.raises(ValueError, match="no rows"):
         build_batch([flat], compute_advantages("grpo", [flat]), BatchConfig(skip_zero_advantage=True))
     _, info = build_batch([flat, tree], compute_advantages("grpo", [flat, tree]), BatchConfig(skip_zero_advantage=True))
-    assert info.num_trees_skipped == 1 and info.num_rows == 3
+    assert info.num_trees_skipped == 1 and info.num_rows == 1
 
 
 def test_segment_weight_one_trains_each_turn_with_weight_one():
@@ -138,7 +174,7 @@ def test_trees_to_batch_is_advantages_then_rows():
     batch, info, advantages = trees_to_batch(trees, "rloo")
     expected, _ = build_batch(trees, compute_advantages("rloo", trees))
     np.testing.assert_array_equal(batch.advantages, expected.advantages)
-    assert len(advantages) == 2 and info.num_rows == 6
+    assert len(advantages) == 2 and info.num_rows == 1
 
 
 def test_batch_config_from_config_dict():

@@ -6,8 +6,10 @@ import pytest
 from trace_jax.config_utils import from_config
 from trace_jax.rl.losses import (
     AGGREGATIONS,
+    KL_PENALTIES,
     LossConfig,
     LossInputs,
+    combine_metrics,
     compute_loss,
     finalize_metrics,
     loss_denominator,
@@ -18,12 +20,14 @@ def _inputs(logprobs, old, adv, weights, segments=None, ref=None, entropies=None
     arr = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
     weights = arr(weights)
     segments = jnp.zeros(weights.shape, jnp.int32) if segments is None else jnp.asarray(segments, jnp.int32)
-    return LossInputs(arr(logprobs), arr(old), arr(adv), weights, segments, arr(ref), arr(entropies))
+    return LossInputs.from_advantages(
+        arr(logprobs), arr(old), arr(adv), weights, segments, ref_logprobs=arr(ref), entropies=arr(entropies)
+    )
 
 
-def _loss(inputs, config):
+def _loss(inputs, config, paths=None):
     out = compute_loss(inputs, config)
-    return out.numerator / loss_denominator(inputs.weights, config), out.metrics
+    return out.numerator / loss_denominator(inputs.weights, paths, config), out.metrics
 
 
 def test_ppo_clip_low_high_by_hand():
@@ -32,7 +36,9 @@ def test_ppo_clip_low_high_by_hand():
     loss, metrics = _loss(inputs, LossConfig(clip_low=0.2, clip_high=0.28))
     # t0: A>0, ρ above 1.28 -> −1.28; t1: A<0, ρ below 0.8 -> +0.8; t2: inside the range -> −2.2
     assert float(loss) == pytest.approx((-1.28 + 0.8 - 2.2) / 3, rel=1e-5)
-    assert finalize_metrics(metrics)["clip_fraction"] == pytest.approx(2 / 3)
+    # The clip fraction is the clipped share of the |advantage| mass: (1 + 1) / (1 + 1 + 2).
+    assert finalize_metrics(metrics)["clip_fraction"] == pytest.approx(0.5)
+    assert finalize_metrics(metrics)["ratio_max"] == pytest.approx(1.5, rel=1e-6)
 
 
 def test_dual_clip_caps_negative_advantage_loss():
@@ -42,7 +48,7 @@ def test_dual_clip_caps_negative_advantage_loss():
     # A=−1, ρ=5: PPO gives max(5, 0.8) = 5; dual clip caps at 3. A=+1: min(−5, −1.28) side untouched (−1.28).
     assert float(plain) == pytest.approx((5.0 - 1.28) / 2, rel=1e-5)
     assert float(dual) == pytest.approx((3.0 - 1.28) / 2, rel=1e-5)
-    assert finalize_metrics(metrics)["dual_clip_fraction"] == pytest.approx(0.5)
+    assert finalize_metrics(metrics)["dual_clip_fraction"] == pytest.approx(1.0)  # of the negative-advantage mass
 
 
 def test_tool_tokens_carry_no_loss_and_no_gradient():
@@ -72,19 +78,20 @@ def test_tool_tokens_carry_no_loss_and_no_gradient():
         assert float(loss) == pytest.approx(float(reduced), rel=1e-6)
 
 
-def test_aggregation_modes_by_hand():
-    loss_bt = jnp.array([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
-    weights = jnp.array([[1.0, 1.0, 1.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
-    expected = {
-        "token-mean": (1 + 2 + 3 + 2 * 4) / 5,
-        "seq-mean-token-mean": ((1 + 2 + 3) / 3 + (2 * 4) / 2) / 2,
-        "seq-mean-token-sum-norm": ((1 + 2 + 3) / 8 + (2 * 4) / 8) / 2,
-    }
-    config_for = lambda mode: LossConfig(aggregation=mode, norm_length=8)
-    for mode, value in expected.items():
-        numerator, denominator = AGGREGATIONS[mode](loss_bt, weights, config_for(mode))
-        assert float(numerator / denominator) == pytest.approx(value)
-        assert float(loss_denominator(weights, config_for(mode))) == float(denominator)
+def test_aggregation_path_coefficients_and_denominators_by_hand():
+    # Two paths with 3 and 2 trained tokens; the batch's weights and path counts decide the denominator.
+    tokens = np.array([3, 2])
+    expected = {"token-mean": [1, 1], "seq-mean-token-mean": [1 / 3, 1 / 2], "seq-mean-token-sum-norm": [1 / 8, 1 / 8]}
+    weights, paths = jnp.array([[1.0, 1.0, 2.0], [0.5, 0.0, 0.0]]), jnp.array([1.0, 1.0])
+    for mode, coef in expected.items():
+        config = LossConfig(aggregation=mode, norm_length=8)
+        np.testing.assert_allclose(AGGREGATIONS[mode].path_coefficients(tokens, config, 3), coef)
+        denominator = float(loss_denominator(weights, paths, config))
+        assert denominator == (4.5 if mode == "token-mean" else 2.0)
+    default_norm = AGGREGATIONS["seq-mean-token-sum-norm"].path_coefficients(tokens, LossConfig(), 3)
+    np.testing.assert_allclose(default_norm, [1 / 3, 1 / 3])  # L defaults to the longest path
+    with pytest.raises(ValueError, match="path counts"):
+        loss_denominator(weights, None, LossConfig(aggregation="seq-mean-token-mean"))
 
 
 @pytest.mark.parametrize("mode", sorted(AGGREGATIONS))
@@ -103,7 +110,7 @@ def test_micro_batches_add_up_to_the_full_batch(mode):
         rng.random(shape),
     )
     config = LossConfig(policy_loss="gspo_turn", aggregation=mode, kl_coef=0.05, entropy_coef=0.01, dual_clip=2.0)
-    denominator = loss_denominator(inputs.weights, config)
+    denominator = loss_denominator(inputs.weights, jnp.asarray([2.0, 1.0, 0.0, 3.0]), config)
 
     def loss_of(part, logprobs):
         return compute_loss(part._replace(logprobs=logprobs), config).numerator / denominator
@@ -113,19 +120,58 @@ def test_micro_batches_add_up_to_the_full_batch(mode):
     halves = [jax.tree.map(lambda x, s=s: x[s], inputs) for s in (slice(0, 2), slice(2, 4))]
     grads = [jax.grad(lambda lp, h=h: loss_of(h, lp))(h.logprobs) for h in halves]
     np.testing.assert_allclose(np.concatenate(grads), full, rtol=1e-5, atol=1e-7)
-    summed = jax.tree.map(lambda a, b: a + b, *[compute_loss(h, config).metrics for h in halves])
+    summed = combine_metrics(*[compute_loss(h, config).metrics for h in halves])
     for name, (s, c) in full_metrics.items():
         assert float(summed[name][0]) == pytest.approx(float(s), rel=1e-5, abs=1e-6)
         assert float(summed[name][1]) == pytest.approx(float(c))
 
 
-@pytest.mark.parametrize("estimator, value", [("k1", 0.5), ("k2", 0.125), ("k3", np.exp(-0.5) + 0.5 - 1)])
-def test_kl_to_reference_by_hand(estimator, value):
+@pytest.mark.parametrize("name, value", [("reverse", 0.125), ("forward", np.exp(-0.5) + 0.5 - 1)])
+def test_kl_to_reference_by_hand(name, value):
     # log π_θ − log π_ref = 0.5 on every trained token; the policy term is 0 (advantage 0).
     inputs = _inputs([[-1.0, -1.0]], [[-1.0, -1.0]], [[0.0, 0.0]], [[1.0, 1.0]], ref=[[-1.5, -1.5]])
-    loss, metrics = _loss(inputs, LossConfig(kl_coef=0.2, kl_estimator=estimator))
+    loss, metrics = _loss(inputs, LossConfig(kl_coef=0.2, kl=name))
     assert float(loss) == pytest.approx(0.2 * value, rel=1e-5)
-    assert finalize_metrics(metrics)["kl_ref"] == pytest.approx(value, rel=1e-5)
+    # The metric estimates the value KL(π_θ ‖ π_ref) (k3) whatever the penalty.
+    assert finalize_metrics(metrics)["kl_ref"] == pytest.approx(np.exp(-0.5) + 0.5 - 1, rel=1e-5)
+
+
+def _kl(p_log, q_log):
+    return jnp.sum(jnp.exp(p_log) * (p_log - q_log))
+
+
+@pytest.mark.parametrize(
+    "name, kl_of",
+    [("reverse", lambda logp, logq: _kl(logp, logq)), ("forward", lambda logp, logq: _kl(logq, logp))],
+)
+def test_kl_penalty_gradient_is_the_named_kl_gradient_by_exact_enumeration(name, kl_of):
+    # Over a 7-token vocabulary: E_{y ~ π_θ}[∇ penalty(log π_θ(y) − log π_ref(y))], the expectation taken
+    # exactly (sampling weights held fixed, as a loss on sampled tokens is), equals ∇ of the named KL.
+    rng = np.random.default_rng(0)
+    theta, ref = jnp.asarray(rng.normal(size=7)), jax.nn.log_softmax(jnp.asarray(rng.normal(size=7)))
+
+    def expected_penalty(theta):
+        logp = jax.nn.log_softmax(theta)
+        return jnp.sum(jax.lax.stop_gradient(jnp.exp(logp)) * KL_PENALTIES[name](logp - ref))
+
+    want = jax.grad(lambda t: kl_of(jax.nn.log_softmax(t), ref))(theta)
+    assert float(jnp.abs(want).max()) > 1e-2  # a real gradient
+    np.testing.assert_allclose(jax.grad(expected_penalty)(theta), want, rtol=1e-5, atol=1e-7)
+    # The other option gives the other KL's gradient, which differs: the names are not interchangeable.
+    other = "forward" if name == "reverse" else "reverse"
+    swapped = jax.grad(
+        lambda t: jnp.sum(jax.lax.stop_gradient(jax.nn.softmax(t)) * KL_PENALTIES[other](jax.nn.log_softmax(t) - ref))
+    )(theta)
+    assert float(jnp.abs(swapped - want).max()) > 1e-3
+
+
+def test_k1_is_not_offered_because_its_expected_gradient_is_zero():
+    rng = np.random.default_rng(1)
+    theta, ref = jnp.asarray(rng.normal(size=7)), jax.nn.log_softmax(jnp.asarray(rng.normal(size=7)))
+    k1 = lambda t: jnp.sum(jax.lax.stop_gradient(jax.nn.softmax(t)) * (jax.nn.log_softmax(t) - ref))
+    np.testing.assert_allclose(jax.grad(k1)(theta), 0.0, atol=1e-6)
+    with pytest.raises(ValueError, match="forward"):
+        LossConfig(kl="k1")
 
 
 def test_entropy_bonus_lowers_the_loss():

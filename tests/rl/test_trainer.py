@@ -16,8 +16,10 @@ from trace_jax.models.qwen import ModelConfig, Qwen
 from trace_jax.optim import make_optimizer
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batch import BatchConfig, build_batch
+from trace_jax.rl.logprobs import policy_logprobs
 from trace_jax.rl.losses import LossConfig
-from trace_jax.rl.trainer import RLTrainer, chunked_token_logprobs, token_logprobs
+from trace_jax.rl.trainer import RLTrainer, UpdateConfig
+from trace_jax.rollout.sampling import SamplingConfig, sampling_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,40 +64,41 @@ def fresh_state(seed=0):
     return trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(seed))
 
 
-def _trainer(graphdef, micro_batches=1, eps=1e-8, **kwargs):
-    optimizer = make_optimizer(learning_rate=1e-3, warmup_steps=0, total_steps=10, schedule="constant", eps=eps)
+ONE_STEP = UpdateConfig(ppo_epochs=1, mini_batches=1)
+
+
+def _trainer(graphdef, micro_batches=1, eps=1e-8, learning_rate=1e-3, **kwargs):
+    optimizer = make_optimizer(
+        learning_rate=learning_rate, warmup_steps=0, total_steps=10, schedule="constant", eps=eps
+    )
+    kwargs.setdefault("update", ONE_STEP)
     return RLTrainer(graphdef, optimizer, kwargs.pop("loss", LossConfig()), micro_batches=micro_batches, **kwargs)
 
 
-def test_token_logprobs_match_the_model():
-    model = _model()
-    tokens = jnp.asarray([[3, 5, 7, 9], [1, 2, 0, 0]], jnp.int32)
-    graphdef, params = nnx.split(model, nnx.Param)
-    logprobs, entropies = token_logprobs(lambda p, t: nnx.merge(graphdef, p)(t).logits_btv, params, tokens)
-    logp = jax.nn.log_softmax(model(tokens).logits_btv, axis=-1)
-    np.testing.assert_allclose(logprobs[0, 1:], [logp[0, t - 1, tokens[0, t]] for t in range(1, 4)], rtol=1e-5)
-    assert logprobs[0, 0] == 0 and entropies[0, 0] == 0
-    assert np.all(entropies[:, 1:] > 0) and np.all(entropies <= np.log(CONFIG.vocab_size) + 1e-4)
-
-
-def test_chunked_logprobs_match_full_logprobs_and_gradients():
+def test_logprobs_match_the_model_and_do_not_depend_on_the_chunk():
     graphdef, params = nnx.split(_model(), nnx.Param)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 11)), jnp.int32)
-    weights = jnp.asarray(np.random.default_rng(1).random((2, 11)), jnp.float32)
+    batch = jax.tree.map(jnp.asarray, _batch(n_trees=2))
+    weights = jnp.asarray(np.random.default_rng(1).random(batch.tokens.shape), jnp.float32)
 
-    def objective(stats):
-        return lambda p: jnp.sum(weights * (stats(p)[0] + 0.1 * stats(p)[1]))
+    def objective(chunk):
+        def f(p):
+            logprobs, entropies = policy_logprobs(graphdef, p, batch, chunk=chunk, entropy=True)
+            return jnp.sum(weights * (logprobs + 0.1 * entropies)), (logprobs, entropies)
 
-    full = lambda p: token_logprobs(lambda q, t: nnx.merge(graphdef, q)(t).logits_btv, p, tokens)
-    chunked = lambda p: chunked_token_logprobs(graphdef, p, tokens, chunk=4)  # 10 targets: 3 chunks, padded
-    # One compile per variant: the stats and the gradient of an objective built on them.
-    (stats_full, grads_full), (stats_chunked, grads_chunked) = [
-        jax.jit(lambda p, f=f: (f(p), jax.grad(objective(f))(p)))(params) for f in (full, chunked)
-    ]
-    for a, b in zip(stats_full, stats_chunked, strict=True):
+        return jax.jit(jax.grad(f, has_aux=True))
+
+    (grads_1, stats_1), (grads_32, stats_32) = objective(5)(params), objective(32)(params)  # 5: 7 chunks, padded
+    for a, b in zip(stats_1, stats_32, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(grads_full), jax.tree.leaves(grads_chunked), strict=True):
+    for a, b in zip(jax.tree.leaves(grads_1), jax.tree.leaves(grads_32), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    logprobs, entropies = stats_1
+    assert np.all(np.asarray(entropies)[np.asarray(batch.weights) > 0] > 0)
+    assert np.all(np.asarray(entropies) <= np.log(CONFIG.vocab_size) + 1e-4)
+    # Row 0 starts with branching_tree's prompt: token 1 (id 2) is predicted from token 0 (id 1).
+    logp = jax.nn.log_softmax(_model()(batch.tokens[:1, :2]).logits_btv, axis=-1)
+    np.testing.assert_allclose(logprobs[0, 1], logp[0, 0, batch.tokens[0, 1]], rtol=1e-5)
+    assert logprobs[0, 0] == 0 and entropies[0, 0] == 0  # no context
 
 
 def test_micro_batches_give_the_same_update():
@@ -125,20 +128,89 @@ def test_training_raises_the_likelihood_of_the_better_leaf():
         state, metrics = trainer.train_step(state, trainer.prepare(state, batch, recompute_old_logprobs=True))
         first = first or metrics
     after = np.asarray(trainer.logprobs(state.params, batch))
-    assert after[0, 7] > before[0, 7]  # b's token (row 0, position 7)
-    assert after[1, 7:9].sum() < before[1, 7:9].sum()  # c's tokens (row 1)
-    # First step on fresh log-probs: ratio 1, nothing clipped, no drift from the reference yet.
-    assert first["ratio"] == pytest.approx(1.0, abs=1e-5)
-    assert first["clip_fraction"] == 0.0 and first["kl_ref"] == pytest.approx(0.0, abs=1e-6)
-    assert metrics["kl_ref"] > 0 and int(state.step) == 5
+    # Packed row: prompt 0-2 | a 3-4 | a's observation 5-6 | b 7 | c 8-9 | d 10.
+    assert after[0, 7] > before[0, 7]  # b's token
+    assert after[0, 8:10].sum() < before[0, 8:10].sum()  # c's tokens
+    # First step on fresh log-probs: ratio 1, nothing clipped.
+    assert first["ratio"] == pytest.approx(1.0, abs=1e-5) and first["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert first["clip_fraction"] == 0.0 and int(state.step) == 5
+    assert "kl_ref" not in metrics and "entropy" not in metrics  # terms that are off cost nothing
+
+
+def test_kl_term_uses_the_reference_and_reports_drift():
+    graphdef, params, _ = shared_setup()
+    trainer = _trainer(graphdef, loss=LossConfig(kl_coef=0.1), reference_params=params)
+    state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+    batch = _batch()
+    state, first = trainer.train_step(state, trainer.prepare(state, batch, recompute_old_logprobs=True))
+    state, second = trainer.train_step(state, trainer.prepare(state, batch, recompute_old_logprobs=True))
+    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6) and second["kl_ref"] > 0
+    assert shared_setup()[2].reference_params is None  # kl_coef = 0: no reference copy is kept
+
+
+def test_ppo_epochs_move_the_ratio_and_the_clip_acts_at_a_large_learning_rate():
+    graphdef, params, _ = shared_setup()
+    update = UpdateConfig(ppo_epochs=2, mini_batches=1, behaviour_logprobs="recompute")
+    trainer = _trainer(graphdef, learning_rate=3e-2, update=update)
+    state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+    state, metrics = trainer.update(state, _batch())
+    assert metrics["steps"] == 2 and int(state.step) == 2 and metrics["update_applied"] == 1.0
+    assert metrics["epoch1/ratio"] == pytest.approx(1.0, abs=1e-5) and metrics["epoch1/clip_fraction"] == 0.0
+    assert abs(metrics["epoch2/ratio"] - 1.0) > 1e-3 and metrics["epoch2/clip_fraction"] > 0
+    assert metrics["ratio_max"] >= metrics["epoch2/ratio_max"] > 1.0
+
+
+def test_update_runs_epochs_times_mini_batches_steps_on_shuffled_rows():
+    graphdef, params, _ = shared_setup()
+    trainer = _trainer(graphdef, update=UpdateConfig(ppo_epochs=3, mini_batches=2))
+    assert trainer.row_multiple == 2
+    state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+    state, metrics = trainer.update(state, _batch(row_multiple=trainer.row_multiple))
+    assert metrics["steps"] == 6 and int(state.step) == 6
+    assert {"epoch3/ratio", "epoch3/ratio_max", "epoch3/clip_fraction", "clip_fraction"} <= set(metrics)
+    with pytest.raises(ValueError, match="ppo_epochs"):
+        UpdateConfig(ppo_epochs=0)
+    with pytest.raises(ValueError, match="recompute"):
+        UpdateConfig(behaviour_logprobs="untempered")
+
+
+def test_recomputed_behaviour_logprobs_are_the_sampling_distribution_at_t07_top_p09():
+    graphdef, params, _ = shared_setup()
+    sampling = SamplingConfig(temperature=0.7, top_p=0.9)
+    trainer = _trainer(graphdef, sampling=sampling, update=UpdateConfig(behaviour_logprobs="recompute"))
+    tree = branching_tree()
+    batch, _ = build_batch([tree], compute_advantages("grpo", [tree]), BATCH_CONFIG)
+    old = np.asarray(trainer.prepare(trainer.init_state(params, jax.random.key(0)), batch).old_logprobs)
+    # From the definition: the model's logits at each path, through the sampler's own distribution.
+    model = _model()
+    checked = 0
+    for leaf in tree.leaves():
+        ids = tree.prefix_ids(leaf)
+        table = np.asarray(sampling_logprobs(model(jnp.asarray([ids])).logits_btv[0], sampling))
+        for column in np.nonzero(batch.weights[0] > 0)[0]:
+            node = int(_layout_node(batch, tree, column))
+            if node in tree.path(leaf):
+                t = tree.prefix_length(tree[node].parent) + int(column - _node_start(batch, column))
+                np.testing.assert_allclose(old[0, column], table[t - 1, ids[t]], atol=1e-5)
+                checked += 1
+    assert checked >= 6
+
+
+def _layout_node(batch, tree, column):
+    # branching_tree packed: prompt 0-2 | a 3-6 | b 7 | c 8-9 | d 10
+    return [0, 0, 0, 1, 1, 1, 1, 2, 3, 3, 4][column]
+
+
+def _node_start(batch, column):
+    return [0, 0, 0, 3, 3, 3, 3, 7, 8, 8, 10][column]
 
 
 def test_non_finite_loss_skips_the_update_and_training_goes_on():
     _, _, trainer = shared_setup()
-    batch = _batch()
     state = fresh_state()
+    batch = jax.device_get(trainer.prepare(state, _batch(), recompute_old_logprobs=True))
     before = _host(state.params)
-    poisoned = batch._replace(advantages=np.where(batch.weights > 0, np.nan, 0.0).astype(np.float32))
+    poisoned = batch._replace(adv_pos=np.where(batch.weights > 0, np.nan, 0.0).astype(np.float32))
     state, metrics = trainer.train_step(state, poisoned)
     assert metrics["update_applied"] == 0.0 and metrics["skipped_steps"] == 1.0
     for a, b in zip(jax.tree.leaves(_host(state.params)), jax.tree.leaves(before), strict=True):
@@ -160,6 +232,8 @@ def test_wrong_row_count_and_missing_reference_are_clear_errors():
     kl_trainer = _trainer(graphdef, loss=LossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="reference_params"):
         kl_trainer.prepare(state, _batch())
+    with pytest.raises(ValueError, match="greedy"):
+        _trainer(graphdef, sampling=SamplingConfig.make_greedy())
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trace_jax.rollout.sampling import SamplingConfig, sample, sampling_logprobs
+from trace_jax.rollout.sampling import SamplingConfig, sample, sampling_logprobs, token_sample_logprobs
 
 
 def _logits(batch=4, vocab=16, seed=0):
@@ -86,3 +86,28 @@ def test_bad_config_names_the_field():
         SamplingConfig(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingConfig(temperature=-1.0)
+
+
+def _numpy_sampling_logprobs(logits, temperature, top_p):
+    """The sampling distribution from its definition: temper, keep the smallest top set reaching top_p."""
+    scaled = np.asarray(logits, np.float64) / temperature
+    out = np.full(scaled.shape, -np.inf)
+    for b, row in enumerate(scaled):
+        order = np.argsort(-row)
+        p = np.exp(row[order] - row.max())
+        p /= p.sum()
+        keep = order[: int(np.searchsorted(np.cumsum(p), top_p) + 1)]
+        out[b, keep] = row[keep] - np.log(np.exp(row[keep]).sum())
+    return out
+
+
+def test_behaviour_logprobs_are_those_of_the_distribution_sampled_at_t07_top_p09():
+    logits = _logits(batch=64, vocab=32)
+    config = SamplingConfig(temperature=0.7, top_p=0.9)
+    out = sample(logits, _keys(64), config)
+    want = _numpy_sampling_logprobs(logits, 0.7, 0.9)[np.arange(64), np.asarray(out.tokens)]
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(out.sample_logprobs, want, atol=1e-5)
+    np.testing.assert_allclose(token_sample_logprobs(logits, out.tokens, config), want, atol=1e-5)
+    # The untempered log-probs are not the behaviour ones here: using them would bias PPO's ratio.
+    assert np.abs(np.asarray(out.logprobs) - want).mean() > 1e-2

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from trace_jax.models.predictor import AnchorBatch, SuccessPredictor, gather_anchors
+from trace_jax.allocation.anchors import AnchorBatch, gather_anchors
+from trace_jax.models.predictor import SuccessPredictor
 from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend, RolloutStats
 from trace_jax.rollout.tree import RolloutTree
 
@@ -92,23 +93,8 @@ Item = tuple[int, int]  # (tree index in the batch, node id)
 
 
 def tree_backups(tree: RolloutTree) -> tuple[np.ndarray, np.ndarray]:
-    """(int64 [nodes] leaves under each node, float64 [nodes] ``V̂``, NaN without leaves) in one pass.
-
-    Same numbers as ``tree.leaf_counts()`` / ``tree.values()``, on plain Python lists: allocation calls it for
-    every tree of a batch each round, where per-element numpy indexing would dominate.
-    """
-    counts, sums = [0] * len(tree), [0.0] * len(tree)
-    for node in reversed(tree.nodes):  # children come after their parent
-        i = node.node_id
-        if node.reward is not None:
-            counts[i] += 1
-            sums[i] += node.reward
-        if node.parent is not None:
-            counts[node.parent] += counts[i]
-            sums[node.parent] += sums[i]
-    counts_n = np.asarray(counts, np.int64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return counts_n, np.where(counts_n > 0, np.asarray(sums) / np.maximum(counts_n, 1), np.nan)
+    """(int64 [nodes] leaves under each node, float64 [nodes] ``V̂``, NaN without leaves): ``tree.backups()``."""
+    return tree.backups()
 
 
 class AllocationContext:

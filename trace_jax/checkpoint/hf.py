@@ -1,9 +1,10 @@
 """Hugging Face Qwen2/Qwen3 checkpoints <-> our parameters, in both directions, without torch.
 
 The whole mapping is ``KEY_MAP``: one row per tensor kind, ``(HF key template, our key template,
-transform)``. Loading reads it left to right, exporting right to left. Safetensors files are memory-mapped
-and each array is assembled on the mesh shard by shard (``jax.make_array_from_callback``), so a large
-model never sits whole on one device.
+transform)``. Loading reads it left to right, exporting right to left. HF's per-layer tensors
+(``model.layers.{i}.…``) are the rows of our stacked layer parameters (leading ``layers`` axis).
+Safetensors files are memory-mapped and each array is assembled on the mesh shard by shard
+(``jax.make_array_from_callback``), so a large model never sits whole on one device.
 
 Command line::
 
@@ -72,15 +73,16 @@ class Transpose:
 
 
 _LAYER = "model.layers.{layer}."
+# Per-layer HF tensors map to one stacked parameter of ours: HF layer i is row i of its leading "layers" axis.
 KEY_MAP: tuple[tuple[str, str, Reshape | Transpose], ...] = (
     ("model.embed_tokens.weight", "embed", Reshape()),
-    (_LAYER + "self_attn.{qkv}_proj.weight", "layers.{layer}.attn.{qkv}_proj", Transpose(1)),
-    (_LAYER + "self_attn.{qkv}_proj.bias", "layers.{layer}.attn.{qkv}_bias", Reshape(flatten=True)),
-    (_LAYER + "self_attn.o_proj.weight", "layers.{layer}.attn.o_proj", Transpose(2)),
-    (_LAYER + "self_attn.{qk}_norm.weight", "layers.{layer}.attn.{qk}_norm.scale", Reshape()),
-    (_LAYER + "input_layernorm.weight", "layers.{layer}.input_norm.scale", Reshape()),
-    (_LAYER + "post_attention_layernorm.weight", "layers.{layer}.post_attn_norm.scale", Reshape()),
-    (_LAYER + "mlp.{mlp}_proj.weight", "layers.{layer}.mlp.{mlp}_proj", Transpose(1)),
+    (_LAYER + "self_attn.{qkv}_proj.weight", "layers.attn.{qkv}_proj", Transpose(1)),
+    (_LAYER + "self_attn.{qkv}_proj.bias", "layers.attn.{qkv}_bias", Reshape(flatten=True)),
+    (_LAYER + "self_attn.o_proj.weight", "layers.attn.o_proj", Transpose(2)),
+    (_LAYER + "self_attn.{qk}_norm.weight", "layers.attn.{qk}_norm.scale", Reshape()),
+    (_LAYER + "input_layernorm.weight", "layers.input_norm.scale", Reshape()),
+    (_LAYER + "post_attention_layernorm.weight", "layers.post_attn_norm.scale", Reshape()),
+    (_LAYER + "mlp.{mlp}_proj.weight", "layers.mlp.{mlp}_proj", Transpose(1)),
     ("model.norm.weight", "final_norm.scale", Reshape()),
     ("lm_head.weight", "lm_head", Transpose(1)),
 )
@@ -97,20 +99,32 @@ def _template_regex(template: str) -> re.Pattern:
 _ROWS = [(_template_regex(hf), hf, _template_regex(ours), ours, t) for hf, ours, t in KEY_MAP]
 
 
-def hf_to_ours(hf_key: str) -> tuple[str, Reshape | Transpose] | None:
-    """Our key and transform for an HF tensor name, or None when no row matches."""
-    for hf_re, _, _, ours, transform in _ROWS:
+def hf_to_ours(hf_key: str) -> tuple[str, Reshape | Transpose, int | None] | None:
+    """``(our key, transform, layer)`` for an HF tensor name (``layer``: the row of our stacked parameter, None
+    for unstacked ones), or None when no row matches."""
+    for hf_re, hf, _, ours, transform in _ROWS:
         if match := hf_re.match(hf_key):
-            return ours.format(**match.groupdict()), transform
+            fields = match.groupdict()
+            layer = int(fields.pop("layer")) if "{layer}" in hf else None
+            return ours.format(**fields), transform, layer
     return None
 
 
-def ours_to_hf(our_key: str) -> tuple[str, Reshape | Transpose]:
-    """The HF tensor name and transform for one of our parameter keys (the table read backwards)."""
+def ours_to_hf(our_key: str, layer: int | None = None) -> tuple[str, Reshape | Transpose]:
+    """The HF tensor name and transform for one of our parameter keys (the table read backwards); stacked
+    parameters need the ``layer`` whose HF name is wanted."""
     for _, hf, ours_re, _, transform in _ROWS:
         if match := ours_re.match(our_key):
-            return hf.format(**match.groupdict()), transform
+            stacked = "{layer}" in hf
+            if stacked != (layer is not None):
+                raise ValueError(f"{our_key!r} is {'' if stacked else 'not '}stacked over layers; layer={layer}")
+            return hf.format(layer=layer, **match.groupdict()), transform
     raise KeyError(f"parameter {our_key!r} has no row in KEY_MAP")
+
+
+def is_stacked(our_key: str) -> bool:
+    """Whether our parameter has a leading layers axis (one HF tensor per layer)."""
+    return any(ours_re.match(our_key) and "{layer}" in hf for _, hf, ours_re, _, _ in _ROWS)
 
 
 # ------------------------------------------------------------------------------ safetensors, no torch
@@ -199,38 +213,57 @@ def load_hf(
         tensors.pop("lm_head.weight", None)  # tied: transformers ignores a stored head too
     target = abstract_model(config)[1]
     expected = dict(_flat(target))
-    by_our_key: dict[str, tuple[str, np.ndarray, Reshape | Transpose]] = {}
-    unexpected = []
-    for hf_key, value in tensors.items():
-        mapped = hf_to_ours(hf_key)
-        if mapped is None or mapped[0] not in expected:
-            unexpected.append(hf_key)
-        else:
-            by_our_key[mapped[0]] = (hf_key, value, mapped[1])
+    # Every HF tensor the config implies: (our key, layer or None) -> (HF key, transform, HF shape).
+    wanted: dict[str, tuple[str, int | None, Reshape | Transpose, tuple[int, ...]]] = {}
+    for key, variable in expected.items():
+        shape = tuple(variable.value.shape)
+        for layer in range(shape[0]) if is_stacked(key) else [None]:
+            hf_key, transform = ours_to_hf(key, layer)
+            wanted[hf_key] = (key, layer, transform, transform.hf_shape(shape[1:] if layer is not None else shape))
+    unexpected = sorted(k for k in tensors if k not in wanted)
+    missing = [k for k in wanted if k not in tensors]
     problems = []
     if unexpected:
-        problems.append(f"unexpected tensors (not in a {config.family} model of this config): {sorted(unexpected)[:8]}")
-    missing = [ours_to_hf(k)[0] for k in expected if k not in by_our_key]
+        problems.append(f"unexpected tensors (not in a {config.family} model of this config): {unexpected[:8]}")
     if missing:
         problems.append(f"missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    for key, (hf_key, value, transform) in by_our_key.items():
-        want = transform.hf_shape(expected[key].value.shape)
-        if tuple(value.shape) != want:
-            problems.append(f"tensor {hf_key} has shape {tuple(value.shape)}, config.json implies {want}")
+    for hf_key, (_, _, _, want) in wanted.items():
+        if hf_key in tensors and tuple(tensors[hf_key].shape) != want:
+            problems.append(f"tensor {hf_key} has shape {tuple(tensors[hf_key].shape)}, config.json implies {want}")
     if problems:
         raise ValueError(f"checkpoint {hf_dir} does not match its config.json:\n  " + "\n  ".join(problems))
+    by_our_key: dict[str, dict[int | None, str]] = {}
+    for hf_key, (key, layer, _, _) in wanted.items():
+        by_our_key.setdefault(key, {})[layer] = hf_key
 
     shardings = dict(_flat(mesh_lib.state_shardings(target, mesh))) if mesh is not None else {}
     dtype = config.weight_dtype
 
+    def layer_values(key: str, shape: tuple[int, ...], layers: range | list[None], index: tuple) -> list[np.ndarray]:
+        # One HF tensor at a time is materialised on the host and cut to ``index`` (a shard), then stacked.
+        parts = []
+        for layer in layers:
+            hf_key = by_our_key[key][layer]
+            host = wanted[hf_key][2].to_ours(tensors[hf_key], shape)
+            parts.append(np.asarray(host[index], dtype))
+        return parts
+
     def place(key: str, variable: nnx.Variable) -> jax.Array:
-        # One tensor at a time is materialised on the host; each device then copies only its own shard.
-        _, value, transform = by_our_key[key]
-        host = transform.to_ours(value, variable.value.shape)
+        full = tuple(variable.value.shape)
+        stacked = is_stacked(key)
+        inner = full[1:] if stacked else full
+
+        def read(index: tuple) -> np.ndarray:
+            index = tuple(index) + (slice(None),) * (len(full) - len(index))
+            if not stacked:
+                return layer_values(key, inner, [None], index)[0]
+            layers = range(full[0])[index[0]]
+            return np.stack(layer_values(key, inner, layers, index[1:]))
+
         if key not in shardings:
-            return jax.numpy.asarray(host.astype(dtype))
+            return jax.numpy.asarray(read(()))
         sharding: NamedSharding = shardings[key].value
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: np.asarray(host[index], dtype))
+        return jax.make_array_from_callback(full, sharding, read)
 
     flat = [
         (path, variable.replace(place(key, variable)))
@@ -248,8 +281,10 @@ def save_hf(config: ModelConfig, params: nnx.State, out_dir: str | os.PathLike, 
     os.makedirs(out_dir, exist_ok=True)
     tensors = {}
     for key, variable in _flat(params):
-        hf_key, transform = ours_to_hf(key)
-        tensors[hf_key] = transform.to_hf(np.asarray(jax.device_get(variable.value)))
+        value = np.asarray(jax.device_get(variable.value))
+        for layer, part in enumerate(value) if is_stacked(key) else [(None, value)]:
+            hf_key, transform = ours_to_hf(key, layer)
+            tensors[hf_key] = transform.to_hf(part)
     shards: list[dict[str, np.ndarray]] = [{}]
     for name, value in tensors.items():
         if (

@@ -10,6 +10,13 @@ Small enough for a tiny policy to learn on CPU, structured like the multi-hop QA
   ``max_hops`` hops for ``train`` / ``test`` (disjoint questions) and ``ood_hops`` hops for ``ood``;
 * gold ReAct turns: one search per hop for the entity the chain has reached, then the answer.
 
+A realistic-difficulty pool (the U-shaped success distribution of real RLVR pools) is built from options
+that are all off by default: ``hop_weights`` (a 1..``max_hops`` mixture), ``distractor_style="lookalike"``
+with a longer ``distractor_probs`` (distractor-dense passages), ``buried_questions`` (questions whose first
+lookup the retriever cannot answer: the start entity's passage is out-ranked by ``bury_passages``
+look-alikes stating a wrong fact) and ``trivial_questions`` (the fact is stated in the question). Every
+row carries its ``kind`` (:data:`KINDS`).
+
 Everything is a pure function of :class:`WorldConfig` (seeded ``numpy`` generator, no set iteration),
 so the same seed gives a byte-identical world. Questions are Search-R1-style rows (``question``,
 ``golden_answers``, ``data_source``) with extra fields ``id``, ``hops``, ``chain`` and ``gold_turns``.
@@ -27,6 +34,7 @@ import numpy as np
 
 DATA_SOURCE = "synthetic"
 SPLITS = ("train", "test", "ood")
+KINDS = ("chain", "buried", "trivial")  # a question row's ``kind``
 
 # entity type -> how many of them per unit of ``WorldConfig.scale``.
 ENTITY_COUNTS = {"film": 6, "person": 10, "company": 4, "city": 6, "country": 2}
@@ -43,6 +51,18 @@ RELATIONS = {
     "capital": ("country", "city", "capital"),
 }
 
+
+def _rumour(title: str, entity: str, phrase: str, decoy: str) -> str:
+    return f"{title} is a rumour: {entity} met {decoy}."
+
+
+def _lookalike(title: str, entity: str, phrase: str, decoy: str) -> str:
+    return f"{title}: rumour about {entity}: its {phrase} is {decoy}."
+
+
+# distractor_style -> text(title, entity name, relation phrase, decoy name) of a distractor passage.
+DISTRACTOR_STYLES = {"rumour": _rumour, "lookalike": _lookalike}
+
 _CONSONANTS = list("bdfgklmnprstvz")
 _VOWELS = list("aeiou")
 
@@ -52,9 +72,21 @@ class WorldConfig:
     """Everything that defines a world. The defaults give ~280 entities and ~1.2k questions.
 
     scale: entity counts are ``ENTITY_COUNTS[type] * scale``.
-    distractor_probs: probability that an entity gets 0, 1, 2 distractor passages.
+    distractor_probs: probability that an entity gets 0, 1, 2, ... distractor passages (any length >= 1).
+    distractor_style: how a distractor reads (:data:`DISTRACTOR_STYLES`): ``rumour`` ("X is a rumour: E met
+      D") or ``lookalike`` ("Rumour about E: its <relation> is D", the relation phrase of a real fact with a
+      wrong object, so it competes with E's passage for a query and misleads a reader).
     max_hops: train / test questions have 1..max_hops hops; ``ood`` has ``ood_hops`` hops.
     questions_per_hop: at most this many questions per hop count (1-hop takes every fact up to this).
+    hop_weights: when set (length ``max_hops``), chain questions are ``questions_per_hop * max_hops`` in all,
+      hop count h getting the share ``hop_weights[h-1] / sum(hop_weights)`` (at most; duplicates are dropped).
+    buried_questions: at most this many extra train / test questions (1..max_hops hops, same mixture) whose
+      start entity is *buried*: ``bury_passages`` look-alike passages (its name twice, one wrong fact) out-rank
+      its own passage, so the first lookup is nearly impossible. Chain questions never touch a buried entity.
+    buried_entity_fraction: share of entities that are buried (needed when ``buried_questions`` > 0).
+    bury_passages: look-alike passages per buried entity (> the retriever's top-k to push the real one out).
+    trivial_questions: at most this many extra train / test 0-search questions that state the fact they ask
+      for ("Zorvak has the studio Kelmo. What is the studio of Zorvak?").
     test_fraction: share of each hop count's questions held out for ``test``.
     relabel_seed: when set, the names are shuffled among the entities of each type (same structure, same
       questions by position, different facts by name): a "practice world" whose facts cannot be recalled
@@ -70,12 +102,35 @@ class WorldConfig:
     ood_questions: int = 200
     test_fraction: float = 0.15
     relabel_seed: int | None = None
+    distractor_style: str = "rumour"
+    hop_weights: tuple[float, ...] = ()
+    buried_questions: int = 0
+    buried_entity_fraction: float = 0.0
+    bury_passages: int = 4
+    trivial_questions: int = 0
 
     def __post_init__(self):
         if self.scale < 1 or not 1 <= self.max_hops < self.ood_hops:
             raise ValueError(f"need scale >= 1 and 1 <= max_hops < ood_hops, got {self}")
-        if len(self.distractor_probs) != 3 or abs(sum(self.distractor_probs) - 1) > 1e-6:
-            raise ValueError(f"distractor_probs must be 3 probabilities summing to 1, got {self.distractor_probs}")
+        probs = self.distractor_probs
+        if not probs or min(probs) < 0 or abs(sum(probs) - 1) > 1e-6:
+            raise ValueError(f"distractor_probs must be probabilities summing to 1, got {probs}")
+        if self.distractor_style not in DISTRACTOR_STYLES:
+            raise ValueError(
+                f"unknown distractor_style {self.distractor_style!r}; choose from {list(DISTRACTOR_STYLES)}"
+            )
+        if self.hop_weights and (
+            len(self.hop_weights) != self.max_hops or min(self.hop_weights) < 0 or not sum(self.hop_weights)
+        ):
+            raise ValueError(
+                f"hop_weights needs {self.max_hops} non-negative weights (not all 0), got {self.hop_weights}"
+            )
+        if min(self.buried_questions, self.trivial_questions, self.bury_passages) < 0:
+            raise ValueError("buried_questions, trivial_questions and bury_passages must be >= 0")
+        if self.buried_questions and not 0 < self.buried_entity_fraction < 1:
+            raise ValueError(
+                f"buried_questions needs 0 < buried_entity_fraction < 1, got {self.buried_entity_fraction}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +166,9 @@ class SyntheticWorld:
 
     Attributes:
       entities: name -> Entity, in creation order.
-      corpus: passages as dicts ``{"id", "title", "text"}`` (entity passages first, then distractors).
+      corpus: passages as dicts ``{"id", "title", "text"}`` (entity passages first, then distractors, then
+        look-alikes of buried entities).
+      buried: names of the buried entities, in creation order (empty unless ``buried_questions``).
       splits: split name -> list of question rows.
     """
 
@@ -123,7 +180,8 @@ class SyntheticWorld:
             # Its own generator, so the main stream (corpus, questions) is exactly the original world's.
             self.entities = _relabel(self.entities, np.random.default_rng(config.relabel_seed))
         self.corpus = _make_corpus(self.entities, config, rng)
-        self.splits = _make_questions(self.entities, config, rng)
+        self.buried = _bury(self.entities, self.corpus, config, rng)
+        self.splits = _make_questions(self.entities, config, rng, self.buried)
 
     # --------------------------------------------------------------------------------------- access
     def questions(self, split: str) -> list[dict[str, Any]]:
@@ -229,21 +287,60 @@ def _make_corpus(entities: dict[str, Entity], config: WorldConfig, rng: np.rando
     for e in entities.values():
         by_type.setdefault(e.type, []).append(e.name)
     taken = set(entities)
+    style = DISTRACTOR_STYLES[config.distractor_style]
     for e in entities.values():
-        for _ in range(int(rng.choice(3, p=config.distractor_probs))):
+        for _ in range(int(rng.choice(len(config.distractor_probs), p=config.distractor_probs))):
             # A wrong candidate of the type a question about ``e`` would ask for, next to e's name.
             relation = list(e.facts)[rng.integers(len(e.facts))]
             pool = by_type[RELATIONS[relation][1]]
             decoy = pool[rng.integers(len(pool))]
             title = _unique_names(rng, 1, taken, lambda: _make_word(rng, 3))[0]
-            text = f"{title} is a rumour: {e.name} met {decoy}."
+            text = style(title, e.name, RELATIONS[relation][2], decoy)
             corpus.append({"id": f"d{len(corpus)}", "title": title, "text": text})
     return corpus
 
 
-def _chains(entities: dict[str, Entity], hops: int, rng: np.random.Generator, limit: int) -> list[tuple]:
-    """Up to ``limit`` distinct (start, relations, chain) of ``hops`` hops whose answer is not the start."""
+def _bury(
+    entities: dict[str, Entity], corpus: list[dict[str, str]], config: WorldConfig, rng: np.random.Generator
+) -> list[str]:
+    """Picks the buried entities and appends their look-alike passages to ``corpus`` (nothing drawn when off).
+
+    A look-alike has the entity's name as title and twice in a shorter text stating one wrong fact, so BM25
+    ranks ``bury_passages`` of them above the entity's own passage.
+    """
+    if not config.buried_questions:
+        return []
     names = list(entities)
+    count = max(1, round(config.buried_entity_fraction * len(names)))
+    buried = [names[i] for i in sorted(rng.choice(len(names), count, replace=False))]
+    by_type: dict[str, list[str]] = {}
+    for e in entities.values():
+        by_type.setdefault(e.type, []).append(e.name)
+    for name in buried:
+        entity = entities[name]
+        for _ in range(config.bury_passages):
+            relation = list(entity.facts)[rng.integers(len(entity.facts))]
+            wrong = [n for n in by_type[RELATIONS[relation][1]] if n != entity.facts[relation]]
+            decoy = wrong[rng.integers(len(wrong))]
+            text = f"{name} is a {entity.type}. {name}: {RELATIONS[relation][2]} {decoy}."
+            corpus.append({"id": f"b{len(corpus)}", "title": name, "text": text})
+    return buried
+
+
+def _chains(
+    entities: dict[str, Entity],
+    hops: int,
+    rng: np.random.Generator,
+    limit: int,
+    starts: list[str] | None = None,
+    avoid: frozenset[str] = frozenset(),
+) -> list[tuple]:
+    """Up to ``limit`` distinct (start, relations, chain) of ``hops`` hops whose answer is not the start.
+
+    Starts are drawn from ``starts`` (default: every entity); a chain that searches an entity of ``avoid``
+    (any but its answer) is dropped.
+    """
+    names = list(entities) if starts is None else starts
     seen, out = set(), []
     attempts = 0
     while len(out) < limit and attempts < 50 * limit:
@@ -258,13 +355,17 @@ def _chains(entities: dict[str, Entity], hops: int, rng: np.random.Generator, li
         key = (start, tuple(relations))
         if key in seen or chain[-1] in chain[:-1]:  # a loop back makes the question trivial
             continue
+        if avoid and avoid.intersection(chain[:-1]):
+            continue
         seen.add(key)
         out.append((start, relations, chain))
     return out
 
 
-def _row(split: str, index: int, start: str, relations: list[str], chain: list[str]) -> dict[str, Any]:
-    return {
+def _row(
+    split: str, index: int, start: str, relations: list[str], chain: list[str], kind: str = "chain"
+) -> dict[str, Any]:
+    row = {
         "id": f"{split}-{index}",
         "question": question_text(start, relations),
         "golden_answers": [chain[-1]],
@@ -273,17 +374,45 @@ def _row(split: str, index: int, start: str, relations: list[str], chain: list[s
         "chain": chain,
         "relations": list(relations),
         "gold_turns": gold_turns(chain, relations),
+        "kind": kind,
     }
+    if kind == "trivial":  # the fact is in the question: no search, one answering turn
+        fact = f"{start} has the {RELATIONS[relations[0]][2]} {chain[-1]}."
+        row.update(question=f"{fact} {row['question']}", hops=0, gold_turns=row["gold_turns"][-1:])
+    return row
 
 
-def _make_questions(entities: dict[str, Entity], config: WorldConfig, rng: np.random.Generator) -> dict[str, list]:
+def _hop_counts(config: WorldConfig, total: int) -> list[int]:
+    """Questions per hop count 1..max_hops: ``total`` split by ``hop_weights`` (even split when unset)."""
+    weights = np.asarray(config.hop_weights or (1.0,) * config.max_hops, float)
+    return [round(float(total * w)) for w in weights / weights.sum()]
+
+
+def _make_questions(
+    entities: dict[str, Entity], config: WorldConfig, rng: np.random.Generator, buried: list[str]
+) -> dict[str, list]:
+    """Train / test rows (chain questions by hop count, then buried, then trivial ones) and ``ood`` rows."""
     train, test = [], []
-    for hops in range(1, config.max_hops + 1):
-        chains = _chains(entities, hops, rng, config.questions_per_hop)
+
+    def split(chains: list[tuple], kind: str) -> None:
         held_out = rng.random(len(chains)) < config.test_fraction
         for chain, is_test in zip(chains, held_out, strict=True):
-            (test if is_test else train).append(chain)
-    ood = _chains(entities, config.ood_hops, rng, config.ood_questions)
+            (test if is_test else train).append((*chain, kind))
+
+    avoid = frozenset(buried)
+    per_hop = (
+        _hop_counts(config, config.questions_per_hop * config.max_hops)
+        if config.hop_weights
+        else [config.questions_per_hop] * config.max_hops
+    )
+    for hops, limit in enumerate(per_hop, start=1):
+        split(_chains(entities, hops, rng, limit, avoid=avoid), "chain")
+    if config.buried_questions:
+        for hops, limit in enumerate(_hop_counts(config, config.buried_questions), start=1):
+            split(_chains(entities, hops, rng, limit, starts=buried), "buried")
+    if config.trivial_questions:
+        split(_chains(entities, 1, rng, config.trivial_questions, avoid=avoid), "trivial")
+    ood = [(*c, "chain") for c in _chains(entities, config.ood_hops, rng, config.ood_questions, avoid=avoid)]
     return {
         name: [_row(name, i, *c) for i, c in enumerate(chains)]
         for name, chains in (("train", train), ("test", test), ("ood", ood))

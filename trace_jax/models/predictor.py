@@ -15,11 +15,13 @@ Variants, by config string (:data:`PREDICTORS`):
 
 Every variant exposes ``predict(anchors) -> float64 [N]``, ``update(anchors) -> metrics`` and
 ``state_dict()`` / ``load_state_dict()`` (plain dicts of numpy arrays and numbers, for checkpoints).
+What they read is gathered by :mod:`trace_jax.allocation.anchors`; their calibration is scored by
+:mod:`trace_jax.allocation.calibration`; the learned ones replay anchors through
+:class:`trace_jax.allocation.replay.ReplayBuffer`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -31,118 +33,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from trace_jax.allocation.anchors import AnchorBatch
+from trace_jax.allocation.replay import ReplayBuffer
+from trace_jax.buckets import power_of_two
 from trace_jax.registry import Registry
-from trace_jax.rollout.tree import RolloutTree
 
 EPS = 1e-4  # predictions are clipped to [EPS, 1 - EPS]: the solvers never see a certain outcome
-
-
-# ------------------------------------------------------------------------------------------------ anchors
-@dataclasses.dataclass
-class AnchorBatch:
-    """Predictor inputs (and, for training, targets) for N anchors, gathered from trees on the host.
-
-    features_nd: float32 [N, D] anchor features (zeros where a node has none, see ``has_feature_n``; D = 0 when
-      no node of the trees has one).
-    has_feature_n: bool [N].
-    depths_n: int32 [N] node depth (0 = root).
-    prompt_keys_n: int64 [N] the tree's ``prompt_index`` (for per-prompt baselines).
-    targets_n: float64 [N] ``V̂`` backups (NaN where unknown or not gathered).
-    weights_n: float64 [N] leaves under each anchor (0 where not gathered).
-    prefix_ids: per anchor the int32 ids of its history (only when gathered ``with_prefix_ids``).
-    """
-
-    features_nd: np.ndarray
-    has_feature_n: np.ndarray
-    depths_n: np.ndarray
-    prompt_keys_n: np.ndarray
-    targets_n: np.ndarray
-    weights_n: np.ndarray
-    prefix_ids: list[np.ndarray] | None = None
-
-    def __len__(self) -> int:
-        return int(self.depths_n.shape[0])
-
-
-def gather_anchors(
-    trees: Sequence[RolloutTree],
-    items: Sequence[tuple[int, int]],
-    with_targets: bool = False,
-    with_prefix_ids: bool = False,
-) -> AnchorBatch:
-    """Collects the anchors ``items`` = [(tree index, node id), ...].
-
-    Adds ``V̂`` targets and leaf counts with ``with_targets``, and each anchor's history ids with
-    ``with_prefix_ids`` (for predictors that read tokens, see ``needs_prefix_ids``).
-    """
-    num = len(items)
-    nodes = [trees[t][n] for t, n in items]
-    has_feature = np.fromiter((node.feature is not None for node in nodes), bool, num)
-    found = [node.feature for node in nodes if node.feature is not None]
-    dims = {f.shape[0] for f in found}
-    if len(dims) > 1:
-        raise ValueError(f"anchor features have different sizes {sorted(dims)}; one predictor needs one size")
-    features = np.zeros((num, dims.pop() if dims else 0), np.float32)
-    if found:
-        features[has_feature] = np.stack(found)
-    depths = np.fromiter((node.depth for node in nodes), np.int32, num)
-    keys = np.fromiter((trees[t].prompt_index for t, _ in items), np.int64, num)
-    targets = np.full(num, np.nan)
-    weights = np.zeros(num)
-    if with_targets:
-        backups: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for row, (tree_index, node_id) in enumerate(items):
-            if tree_index not in backups:
-                backups[tree_index] = (trees[tree_index].values(), trees[tree_index].leaf_counts())
-            values, counts = backups[tree_index]
-            targets[row], weights[row] = values[node_id], counts[node_id]
-    prefix_ids = [trees[t].prefix_ids(n) for t, n in items] if with_prefix_ids else None
-    return AnchorBatch(features, has_feature, depths, keys, targets, weights, prefix_ids)
-
-
-def training_anchors(trees: Sequence[RolloutTree], with_prefix_ids: bool = False) -> AnchorBatch:
-    """Every non-leaf node with at least one leaf below, with its ``V̂`` target and leaf-count weight."""
-    items = []
-    for tree_index, tree in enumerate(trees):
-        counts = tree.leaf_counts()
-        items += [(tree_index, n.node_id) for n in tree if not n.is_leaf and counts[n.node_id] > 0]
-    return gather_anchors(trees, items, with_targets=True, with_prefix_ids=with_prefix_ids)
-
-
-# ------------------------------------------------------------------------------------------- calibration
-def weighted_auc(pred_n: np.ndarray, target_n: np.ndarray, weight_n: np.ndarray) -> float:
-    """AUC with soft labels: anchor a counts ``w_a y_a`` times as a positive and ``w_a (1 - y_a)`` as a negative.
-
-    Ties in ``pred`` count one half. NaN when there are no positives or no negatives.
-    """
-    pred, y, w = (np.asarray(a, np.float64) for a in (pred_n, target_n, weight_n))
-    pos, neg = w * y, w * (1.0 - y)
-    if pos.sum() <= 0 or neg.sum() <= 0:
-        return float("nan")
-    unique, inverse = np.unique(pred, return_inverse=True)
-    pos_u = np.bincount(inverse, pos, unique.size)
-    neg_u = np.bincount(inverse, neg, unique.size)
-    neg_below = np.cumsum(neg_u) - neg_u  # negatives with a strictly lower score
-    return float((pos_u * (neg_below + 0.5 * neg_u)).sum() / (pos.sum() * neg.sum()))
-
-
-def calibration_metrics(
-    pred_n: np.ndarray, target_n: np.ndarray, weight_n: np.ndarray, num_bins: int = 10
-) -> dict[str, float]:
-    """Weighted Brier score, AUC and expected calibration error (``num_bins`` equal-width bins) of predictions."""
-    pred, y, w = (np.asarray(a, np.float64) for a in (pred_n, target_n, weight_n))
-    keep = np.isfinite(y) & (w > 0)
-    pred, y, w = pred[keep], y[keep], w[keep]
-    if w.sum() <= 0:
-        return {"brier": float("nan"), "auc": float("nan"), "ece": float("nan")}
-    bins = np.minimum((pred * num_bins).astype(int), num_bins - 1)
-    bin_w = np.bincount(bins, w, num_bins)
-    gap = np.abs(np.bincount(bins, w * pred, num_bins) - np.bincount(bins, w * y, num_bins))
-    return {
-        "brier": float((w * (pred - y) ** 2).sum() / w.sum()),
-        "auc": weighted_auc(pred, y, w),
-        "ece": float(gap.sum() / bin_w.sum()),
-    }
 
 
 # --------------------------------------------------------------------------------------------- protocol
@@ -254,8 +150,8 @@ def _predict(graphdef, params, inputs):
 
 
 def _bucket(n: int) -> int:
-    """Pads prediction batches to powers of two so a run compiles a handful of programs."""
-    return max(64, 1 << (max(n, 1) - 1).bit_length())
+    """Pads prediction batches to powers of two (at least 64) so a run compiles a handful of programs."""
+    return power_of_two(n, minimum=64)
 
 
 class MLPPredictor:
@@ -284,11 +180,11 @@ class MLPPredictor:
         seed: int = 0,
     ):
         self.hidden, self.num_layers, self.max_depth = hidden, num_layers, max_depth
-        self.train_steps, self.batch_size, self.replay_size = train_steps, batch_size, replay_size
+        self.train_steps, self.batch_size = train_steps, batch_size
         self.seed = seed
         self.optimizer = optax.adam(learning_rate)
         self.feature_dim: int | None = None
-        self._replay: dict[str, np.ndarray] = {}
+        self.replay = ReplayBuffer(replay_size)
         if feature_dim is not None:
             self._build(feature_dim)
 
@@ -349,26 +245,21 @@ class MLPPredictor:
             "weights": anchors.weights_n[keep],
         }
         self._update_statistics(new["features"][new["has_feature"]])
-        self._replay = {
-            key: np.concatenate([self._replay[key], value])[-self.replay_size :] if self._replay else value
-            for key, value in new.items()
-        }
-        size = self._replay["targets"].shape[0]
+        self.replay.add(new)
         rng = np.random.default_rng([self.seed, self.updates])  # reproducible after a checkpoint restore
-        replay = self._replay
         losses = []
         for _ in range(self.train_steps):
-            rows = rng.integers(0, size, self.batch_size)
+            batch = self.replay.sample(rng, self.batch_size)
             # inputs per minibatch: with policy-sized features (thousands of dims) the whole replay would not fit
-            x = self._inputs(replay["features"][rows], replay["has_feature"][rows], replay["depths"][rows])
+            x = self._inputs(batch["features"], batch["has_feature"], batch["depths"])
             self.params, self.opt_state, loss = _train_step(
                 self.graphdef,
                 self.optimizer,
                 self.params,
                 self.opt_state,
                 (x,),
-                replay["targets"][rows].astype(np.float32),
-                replay["weights"][rows].astype(np.float32),
+                batch["targets"].astype(np.float32),
+                batch["weights"].astype(np.float32),
             )
             losses.append(loss)
         self.updates += 1
@@ -399,7 +290,7 @@ class MLPPredictor:
             "mean": self.mean.copy(),
             "m2": self.m2.copy(),
             "updates": self.updates,
-            "replay": {key: value.copy() for key, value in self._replay.items()},
+            "replay": self.replay.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -411,7 +302,7 @@ class MLPPredictor:
         self.opt_state = jax.tree.unflatten(treedef, [jnp.asarray(leaf) for leaf in state["opt_state"]])
         self.count, self.updates = float(state["count"]), int(state["updates"])
         self.mean, self.m2 = np.asarray(state["mean"], float), np.asarray(state["m2"], float)
-        self._replay = {key: np.asarray(value) for key, value in state.get("replay", {}).items()}
+        self.replay.load_state_dict(state.get("replay", {}))
 
 
 # ------------------------------------------------------------------------------- the prefix transformer
@@ -455,18 +346,13 @@ class TransformerPredictor:
         from trace_jax.models.qwen import ModelConfig
 
         self.config = ModelConfig.preset(preset, **(model_overrides or {}))
-        self.max_len, self.train_steps, self.batch_size, self.replay_size = (
-            max_len,
-            train_steps,
-            batch_size,
-            replay_size,
-        )
+        self.max_len, self.train_steps, self.batch_size = max_len, train_steps, batch_size
         self.seed = seed
         self.optimizer = optax.adam(learning_rate)
         self.graphdef, self.params = nnx.split(_PrefixValueModel(self.config, nnx.Rngs(seed)), nnx.Param)
         self.opt_state = self.optimizer.init(self.params)
         self.updates = 0
-        self._replay: dict[str, np.ndarray] = {}
+        self.replay = ReplayBuffer(replay_size)
 
     def _tokens(self, prefix_ids: Sequence[np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
         """int32 [N, L] right-padded last-``max_len`` ids and int32 [N] index of each last real token."""
@@ -503,25 +389,21 @@ class TransformerPredictor:
         full = np.zeros((keep.size, self.max_len), np.int32)
         full[:, : tokens.shape[1]] = tokens
         new = {"tokens": full, "last": last, "targets": anchors.targets_n[keep], "weights": anchors.weights_n[keep]}
-        self._replay = {
-            key: np.concatenate([self._replay[key], value])[-self.replay_size :] if self._replay else value
-            for key, value in new.items()
-        }
+        self.replay.add(new)
         rng = np.random.default_rng([self.seed, self.updates])
-        size = self._replay["targets"].shape[0]
         losses = []
         for _ in range(self.train_steps):
-            rows = rng.integers(0, size, self.batch_size)
-            width = min(self.max_len, max(16, 1 << int(self._replay["last"][rows].max()).bit_length()))
-            inputs = (self._replay["tokens"][rows, :width], self._replay["last"][rows])
+            batch = self.replay.sample(rng, self.batch_size)
+            width = min(self.max_len, max(16, 1 << int(batch["last"].max()).bit_length()))
+            inputs = (batch["tokens"][:, :width], batch["last"])
             self.params, self.opt_state, loss = _train_step(
                 self.graphdef,
                 self.optimizer,
                 self.params,
                 self.opt_state,
                 inputs,
-                self._replay["targets"][rows].astype(np.float32),
-                self._replay["weights"][rows].astype(np.float32),
+                batch["targets"].astype(np.float32),
+                batch["weights"].astype(np.float32),
             )
             losses.append(loss)
         self.updates += 1
@@ -532,7 +414,7 @@ class TransformerPredictor:
             "params": jax.tree.map(np.asarray, nnx.to_pure_dict(self.params)),
             "opt_state": [np.asarray(leaf) for leaf in jax.tree.leaves(self.opt_state)],
             "updates": self.updates,
-            "replay": {key: value.copy() for key, value in self._replay.items()},
+            "replay": self.replay.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -540,7 +422,7 @@ class TransformerPredictor:
         treedef = jax.tree.structure(self.opt_state)
         self.opt_state = jax.tree.unflatten(treedef, [jnp.asarray(leaf) for leaf in state["opt_state"]])
         self.updates = int(state["updates"])
-        self._replay = {key: np.asarray(value) for key, value in state.get("replay", {}).items()}
+        self.replay.load_state_dict(state.get("replay", {}))
 
 
 PREDICTORS: Registry[Callable[..., SuccessPredictor]] = Registry(

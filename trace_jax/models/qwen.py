@@ -10,9 +10,23 @@ Every parameter is an ``nnx.Param`` whose ``logical_axes`` metadata names its ax
 axes. Letters in array names: b batch (slot), t new tokens, s cache positions, d hidden, h query heads,
 k kv heads, g queries per kv head, e head dim, f mlp, v vocab, l layers.
 
+Layers are scanned: ``Qwen.layers`` is one ``DecoderLayer`` whose parameters carry a leading ``layers`` axis
+(logical name "layers", never sharded), and ``hidden`` runs them with ``jax.lax.scan`` over ``nnx.split``
+state, so compile time does not grow with depth. ``ModelConfig.remat`` picks what each layer keeps for the
+backward pass (``REMAT_POLICIES``). Attention is ``trace_jax.models.attention.attention`` (float32
+accumulation; reference / cuDNN / splash by backend).
+
+Dtypes: ``param_dtype`` is the stored weights' dtype (and, through ``optax``, the optimizer state's),
+``dtype`` the compute dtype. The usual large-model choice is ``param_dtype="float32", dtype="bfloat16"``:
+float32 master weights and Adam moments, bf16 matmuls (weights are cast per layer inside the scan) with
+float32 accumulation in attention, norms and the LM head's softmax. ``param_dtype="bfloat16"`` halves the
+weights and moments but updates bf16 weights directly (small updates round away); prefer it for inference.
+
 KV cache layout (``KVCache``): ``k`` and ``v`` are ``[layers, batch, max_len, kv_heads, head_dim]`` in the
 compute dtype, ``lengths`` is int32 ``[batch]``, the number of valid positions per slot. Slots are
 independent: each has its own write position, so prompts of different lengths need no left padding.
+The layer scan touches the cache only through ``KVCache.write_layer`` / ``read_layer`` (via
+``attention.attend_cached``), so another cache type with those two methods (a paged one) plugs in.
 """
 
 from __future__ import annotations
@@ -27,7 +41,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trace_jax.models import attention as attention_lib
+from trace_jax.parallel.mesh import constrain
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# What one scanned layer keeps for the backward pass (``jax.checkpoint`` policies; None = no remat):
+# "none" keeps every intermediate, "full" only the layer's input (recomputes the layer in the backward
+# pass), "save_dots" keeps the outputs of the weight matmuls (no batch dimension) and recomputes the rest,
+# attention scores included (as MaxText's "minimal"-style policies do).
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +76,15 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
+    remat: str = "none"  # a key of REMAT_POLICIES: what the layer scan keeps for the backward pass
+    attention: str = "auto"  # a key of attention.ATTENTION or "auto" (per backend)
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; choose one of {sorted(_DTYPES)}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {sorted(REMAT_POLICIES)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads} (GQA groups)"
@@ -212,6 +243,18 @@ class KVCache(NamedTuple):
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    def write_layer(self, layer: jax.Array, positions_bt: jax.Array, k_btke: jax.Array, v_btke: jax.Array) -> KVCache:
+        """Stores one layer's new keys / values of slot b at ``positions_bt[b]`` (int32 [B, T]; ``layer`` may
+        be traced). Positions past ``max_len`` (padding) are dropped, never clipped onto the last position."""
+        slots_b1 = jnp.arange(k_btke.shape[0])[:, None]
+        k = self.k.at[layer, slots_b1, positions_bt].set(k_btke.astype(self.k.dtype), mode="drop")
+        v = self.v.at[layer, slots_b1, positions_bt].set(v_btke.astype(self.v.dtype), mode="drop")
+        return self._replace(k=k, v=v)
+
+    def read_layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """One layer's keys and values, [B, max_len, kv_heads, head_dim] each; position s is key s."""
+        return self.k[layer], self.v[layer]
+
 
 class ModelOutput(NamedTuple):
     logits_btv: jax.Array | None  # float32
@@ -281,13 +324,13 @@ class Attention(nnx.Module):
             out = out + getattr(self, f"{name}_bias").value.astype(dtype)
         if self.config.qk_norm and name in ("q", "k"):
             out = getattr(self, f"{name}_norm")(out)
-        return out
+        return constrain(out, ("batch", "length", "heads" if name == "q" else "kv_heads", None))
 
     def __call__(
         self,
         x_btd: jax.Array,
         positions_bt: jax.Array,
-        layer: int,
+        layer: jax.Array,
         cache: KVCache | None,
         kv_visible_end_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
@@ -296,29 +339,23 @@ class Attention(nnx.Module):
         k_btke = rope(self._project(x_btd, "k"), positions_bt, cfg.rope_theta)
         v_btke = self._project(x_btd, "v")
         if cache is None:
-            keys_bske, values_bske = k_btke, v_btke
             # Row index order is causal order; a packed tree also bounds who may see each key (see ``hidden``).
-            index_t = jnp.arange(x_btd.shape[1])
-            visible_bts = index_t[None, None, :] <= index_t[None, :, None]
-            if kv_visible_end_bt is not None:
-                visible_bts = visible_bts & (index_t[None, :, None] < kv_visible_end_bt[:, None, :])
+            b, t = x_btd.shape[:2]
+            index_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            attended_bthe = attention_lib.attention(
+                q_bthe,
+                k_btke,
+                v_btke,
+                index_bt,
+                kv_visible_end_bt,
+                plain_causal=kv_visible_end_bt is None,
+                implementation=cfg.attention,
+            )
         else:
-            # Each slot writes at its own positions; mode="drop" ignores padding tokens that fall past max_len.
-            slots_b1 = jnp.arange(x_btd.shape[0])[:, None]
-            k_all = cache.k.at[layer, slots_b1, positions_bt].set(k_btke.astype(cache.k.dtype), mode="drop")
-            v_all = cache.v.at[layer, slots_b1, positions_bt].set(v_btke.astype(cache.v.dtype), mode="drop")
-            cache = cache._replace(k=k_all, v=v_all)
-            keys_bske, values_bske = k_all[layer], v_all[layer]
-            visible_bts = jnp.arange(cache.max_len)[None, None, :] <= positions_bt[:, :, None]
-        b, t, h, e = q_bthe.shape
-        groups = h // cfg.num_kv_heads
-        q_btkge = q_bthe.reshape(b, t, cfg.num_kv_heads, groups, e)
-        scores = jnp.einsum("btkge,bske->bkgts", q_btkge, keys_bske.astype(q_btkge.dtype))
-        scores = scores.astype(jnp.float32) / math.sqrt(e)
-        scores = jnp.where(visible_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(values_bske.dtype)
-        attended_bthe = jnp.einsum("bkgts,bske->btkge", probs, values_bske).reshape(b, t, h, e)
-        out_btd = jnp.einsum("bthe,hed->btd", attended_bthe.astype(x_btd.dtype), self.o_proj.value.astype(x_btd.dtype))
+            attended_bthe, cache = attention_lib.attend_cached(
+                cache, layer, q_bthe, k_btke, v_btke, positions_bt, cfg.attention
+            )
+        out_btd = jnp.einsum("bthe,hed->btd", attended_bthe, self.o_proj.value.astype(x_btd.dtype))
         return out_btd, cache
 
 
@@ -333,8 +370,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dtype = x_btd.dtype
-        gate = jax.nn.silu(x_btd @ self.gate_proj.value.astype(dtype))
-        return (gate * (x_btd @ self.up_proj.value.astype(dtype))) @ self.down_proj.value.astype(dtype)
+        gate_btf = jax.nn.silu(x_btd @ self.gate_proj.value.astype(dtype))
+        hidden_btf = constrain(gate_btf * (x_btd @ self.up_proj.value.astype(dtype)), ("batch", "length", "mlp"))
+        return hidden_btf @ self.down_proj.value.astype(dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -350,14 +388,34 @@ class DecoderLayer(nnx.Module):
         return x_btd + self.mlp(self.post_attn_norm(x_btd)), cache
 
 
+# Activations between layers: rows split like the batch, the hidden dim whole (weights split it, not activations).
+_ACTIVATION_AXES = ("batch", "length", None)
+
+
+def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """``num_layers`` independently initialised layers as one module whose params have a leading axis."""
+
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.num_layers)
+    def build(layer_rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(config, layer_rngs)
+
+    layers = build(rngs)
+    for _, variable in nnx.iter_graph(layers):
+        if isinstance(variable, nnx.Variable):
+            variable.set_metadata("logical_axes", ("layers", *variable.get_metadata()["logical_axes"]))
+    return layers
+
+
 class Qwen(nnx.Module):
-    """The decoder: embeddings, ``num_layers`` pre-norm blocks, final norm, tied or separate LM head."""
+    """The decoder: embeddings, ``num_layers`` pre-norm blocks (scanned, stacked params), final norm, tied or
+    separate LM head."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         d, v = config.hidden_size, config.vocab_size
         self.embed = _param(rngs, config, (v, d), ("vocab", "embed"), 1)
-        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
+        self.layers = _stacked_layers(config, rngs)
         self.final_norm = RMSNorm(config, d, "embed")
         if not config.tie_word_embeddings:
             self.lm_head = _param(rngs, config, (d, v), ("embed", "vocab"), d)
@@ -387,9 +445,23 @@ class Qwen(nnx.Module):
             raise ValueError("positions_bt / kv_visible_end_bt are for cache-less (training) forwards only")
         else:
             positions_bt = cache.lengths[:, None] + jnp.arange(t)[None, :]
-        x_btd = self.embed.value.astype(self.config.compute_dtype)[tokens_bt]
-        for layer, block in enumerate(self.layers):
-            x_btd, cache = block(x_btd, positions_bt, layer, cache, kv_visible_end_bt)
+        # Gather the rows first, then cast: the whole table is never copied in the compute dtype.
+        x_btd = jnp.take(self.embed.value, tokens_bt, axis=0).astype(self.config.compute_dtype)
+        x_btd = constrain(x_btd, _ACTIVATION_AXES)
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def one_layer(carry, xs):
+            x_btd, cache = carry
+            state, index = xs
+            x_btd, cache = nnx.merge(graphdef, state)(x_btd, positions_bt, index, cache, kv_visible_end_bt)
+            return (constrain(x_btd, _ACTIVATION_AXES), cache), None
+
+        policy = REMAT_POLICIES[self.config.remat]
+        if cache is None and policy is not None:  # remat matters only where a backward pass may follow
+            one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=False)
+        # The cache rides in the carry (updated in place layer by layer), never stacked as a scan output.
+        layer_index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        (x_btd, cache), _ = jax.lax.scan(one_layer, (x_btd, cache), (layer_state, layer_index))
         if cache is not None:
             added_b = jnp.full((b,), t, jnp.int32) if num_new_b is None else num_new_b.astype(jnp.int32)
             cache = cache._replace(lengths=cache.lengths + added_b)

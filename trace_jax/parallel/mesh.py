@@ -78,6 +78,27 @@ def logical_to_spec(
     return PartitionSpec(*spec)
 
 
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Pins an activation's layout by logical axis names when traced under a mesh (``traced_under``,
+    ``jax.set_mesh``); a no-op without one. Without such pins XLA may lay activations out like the weights
+    (hidden dim split over fsdp, batch whole on every device), multiplying activation memory by the mesh size.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, mesh, x.shape))
+
+
+def traced_under(mesh: Mesh, fn: Callable) -> Callable:
+    """``fn`` whose tracing sees ``mesh`` (so ``constrain`` applies); wrap a function before ``jax.jit``."""
+
+    def wrapped(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
 def logical_sharding(mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None):
     return NamedSharding(mesh, logical_to_spec(logical_axes, mesh, shape))
 

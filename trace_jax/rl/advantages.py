@@ -8,10 +8,10 @@ count a node shared by ``n_y`` leaves ``n_y`` times. The result is returned *ded
     weight(y)    = n_y                                  (leaf paths through y; 0 at the root)
     advantage(y) = (1 / n_y) Σ_{ℓ under y} A(ℓ, y)      (0 where n_y = 0)
 
-so that ``weight(y) * advantage(y) = Σ_ℓ A(ℓ, y)``: training node ``y``'s tokens once with this weight gives
-the same policy gradient as training every path (exactly when ``A(ℓ, y)`` does not depend on ``ℓ``, as
-for ``treerl`` and ``node_value``; inside the PPO trust region otherwise, where the loss is linear in A).
-``trace_jax.rl.batch`` turns these per-node values into per-token rows.
+so that ``weight(y) * advantage(y) = Σ_ℓ A(ℓ, y)``. Every estimator's path view has the form
+``A(ℓ, y) = leaf_part[ℓ] + node_part[y]`` (kept on ``NodeAdvantages``): ``trace_jax.rl.batch`` needs it,
+not just the mean, because a clipped loss is linear in A only per sign of A; it trains node ``y`` once
+with the sums of the positive and of the negative ``A(ℓ, y)`` over its leaves, which is exact.
 
 Notation: ``r_ℓ`` leaf reward; ``V̂(y)`` backed-up value (mean reward of leaves under ``y``,
 ``RolloutTree.values``); ``n_y`` leaves under ``y``; ``mean``/``std`` population statistics; ``ε`` = eps.
@@ -33,13 +33,25 @@ class NodeAdvantages:
     """Per-node advantages of one tree (index = node id).
 
     Attributes:
-      advantages: float32 [num_nodes]: the advantage of every token of the node's turn; 0 at the root.
+      advantages: float32 [num_nodes]: mean over the node's leaves of ``A(ℓ, y)``; 0 at the root.
       weights: float32 [num_nodes]: how many times the node's tokens count in the loss (dedup weight n_y);
         0 at the root and at nodes with no finished leaf under them.
+      leaf_part / node_part: float64 [num_leaves] (``tree.leaves()`` order) / [num_nodes]: the path view,
+        ``A(ℓ, y) = leaf_part[ℓ] + node_part[y]`` for node ``y`` on leaf ``ℓ``'s path. None: node-constant,
+        ``A(ℓ, y) = advantages[y]``.
     """
 
     advantages: np.ndarray
     weights: np.ndarray
+    leaf_part: np.ndarray | None = None
+    node_part: np.ndarray | None = None
+
+    def path_advantages(self, tree: RolloutTree) -> np.ndarray:
+        """float64 [num_nodes, num_leaves]: ``A(ℓ, y)`` for every node and leaf (meaningful where y is on ℓ's path)."""
+        num_leaves = len(tree.leaves())
+        node = self.advantages if self.node_part is None else self.node_part
+        leaf = np.zeros(num_leaves) if self.leaf_part is None else self.leaf_part
+        return np.asarray(node, np.float64)[:, None] + np.asarray(leaf, np.float64)[None, :]
 
 
 Estimator = Callable[..., list[NodeAdvantages]]
@@ -54,32 +66,23 @@ def compute_advantages(name: str, trees: Sequence[RolloutTree], eps: float = 1e-
 
 
 # ------------------------------------------------------------------------------------------- helpers
-def _leaves_under(tree: RolloutTree) -> list[list[int]]:
-    """For every node, the positions (in ``tree.leaves()`` order) of the leaves under it."""
-    index = {leaf: i for i, leaf in enumerate(tree.leaves())}
-    under: list[list[int]] = [[] for _ in range(len(tree))]
-    for node in reversed(tree.nodes):  # children always come after their parent
-        if node.node_id in index:
-            under[node.node_id].append(index[node.node_id])
-        if node.parent is not None:
-            under[node.parent].extend(under[node.node_id])
-    return under
-
-
 def from_leaf_advantages(tree: RolloutTree, leaf_advantages: np.ndarray) -> NodeAdvantages:
     """Dedup of a path-constant advantage: ``A(ℓ, y) = leaf_advantages[ℓ]`` for every node of ℓ's path."""
-    under = _leaves_under(tree)
-    counts = np.asarray([len(u) for u in under], np.float32)
-    sums = np.asarray([leaf_advantages[u].sum() if u else 0.0 for u in under], np.float64)
+    leaf_advantages = np.asarray(leaf_advantages, np.float64)
+    sums = tree.subtree_sums(np.stack([np.ones_like(leaf_advantages), leaf_advantages], axis=1))
+    counts = sums[:, 0].astype(np.float32)
     counts[ROOT] = 0.0
     return NodeAdvantages(
-        advantages=np.where(counts > 0, sums / np.maximum(counts, 1), 0.0).astype(np.float32), weights=counts
+        advantages=np.where(counts > 0, sums[:, 1] / np.maximum(counts, 1), 0.0).astype(np.float32),
+        weights=counts,
+        leaf_part=leaf_advantages,
+        node_part=np.zeros(len(tree)),
     )
 
 
 def from_node_advantages(tree: RolloutTree, node_advantages: np.ndarray) -> NodeAdvantages:
     """Dedup of a node-constant advantage: ``A(ℓ, y) = node_advantages[y]`` on every path through y."""
-    counts = tree.leaf_counts().astype(np.float32)
+    counts = tree.subtree_sums().astype(np.float32)
     counts[ROOT] = 0.0
     values = np.where(counts > 0, np.nan_to_num(node_advantages), 0.0)
     return NodeAdvantages(advantages=values.astype(np.float32), weights=counts)
@@ -150,8 +153,7 @@ def treerl(trees: Sequence[RolloutTree], *, eps: float = 1e-6) -> list[NodeAdvan
     del eps
     out = []
     for tree in trees:
-        values = tree.values()
-        counts = tree.leaf_counts()
+        counts, values = tree.backups()
         node_adv = np.zeros(len(tree))
         for node in tree.nodes[1:]:
             if counts[node.node_id] == 0:
@@ -171,8 +173,7 @@ def node_value(trees: Sequence[RolloutTree], *, eps: float = 1e-6) -> list[NodeA
     """
     out = []
     for tree in trees:
-        values = tree.values()
-        counts = tree.leaf_counts()
+        counts, values = tree.backups()
         turns = np.asarray([n.node_id for n in tree.nodes[1:] if counts[n.node_id] > 0], np.int64)
         node_adv = np.zeros(len(tree))
         if turns.size:

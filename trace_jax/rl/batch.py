@@ -1,17 +1,20 @@
-"""Rollout trees -> ``TrainBatch``: one row per leaf path, each turn trained once, shapes bucketed.
+"""Rollout trees -> ``TrainBatch``: per-token tokens, attention layout, weights and advantages, shapes bucketed.
 
-Row layout. Leaf ``ℓ``'s row holds the exact token ids of its history (``tree.prefix_ids(ℓ)``: the prompt,
-then every turn's sampled ids and observation ids, as sampled; text is never re-tokenized), right-padded
-to a bucketed length. Per-token arrays are aligned with the tokens: entry ``t`` is about token ``t``.
+Layout (``trace_jax.rl.packing``): ``BatchConfig.layout="tree"`` packs each tree's unique tokens (several trees
+per row) so every token is processed once; ``"paths"`` gives one row per leaf path (the fallback). Token ids
+are exactly as sampled (text is never re-tokenized). Per-token arrays are aligned with the tokens.
 
-Dedup. A turn node shared by several leaves appears in several rows; only the first row (in leaf order)
-that contains it trains it, with the node's dedup weight (``NodeAdvantages.weights``: the number of leaf
-paths through it, or 1 with ``segment_weight="one"``). In the other rows it is context only (weight 0).
-Prompt tokens, observation (tool) tokens and padding always have weight 0.
+Objective. Training every root-to-leaf path separately, aggregated as ``LossConfig.aggregation`` says, is
+the reference (``trace_jax.rl.losses``). Each sampled turn token is trained at exactly one place with the
+sums over the paths through it of ``c_ℓ``, ``c_ℓ·max(A(ℓ, y), 0)`` and ``c_ℓ·min(A(ℓ, y), 0)`` (``c_ℓ`` the
+aggregation's path coefficient), which gives the per-path loss and gradient exactly for ppo / grpo /
+gspo_turn. ``check_objective`` refuses the combinations that cannot be exact. Prompt tokens, observation
+(tool) tokens, context copies and padding have weight 0. Behaviour log-probs are the sampler's
+``sample_logprobs`` (the distribution actually sampled); the trainer may recompute them.
 
 Shapes. The length ``T`` is the smallest of ``length_buckets`` that fits the longest row; the row count is
-padded (with weight-0 rows) to the smallest of ``row_buckets`` that fits, then to a multiple of
-``row_multiple`` (data-parallel shards × micro-batches), so a run compiles a handful of programs.
+padded (with weight-0 rows) to the smallest of ``row_buckets`` that fits (past the largest, a multiple of
+it), then to a multiple of ``row_multiple``, so a run compiles a handful of programs.
 """
 
 from __future__ import annotations
@@ -22,27 +25,39 @@ from typing import NamedTuple
 
 import numpy as np
 
-from trace_jax.rl.advantages import NodeAdvantages, compute_advantages
+from trace_jax.buckets import bucket, round_up
+from trace_jax.rl.advantages import ESTIMATORS, NodeAdvantages, compute_advantages
+from trace_jax.rl.losses import AGGREGATIONS, LossConfig
+from trace_jax.rl.packing import LAYOUTS, RowLayout
 from trace_jax.rollout.tree import RolloutTree
 
 
 class TrainBatch(NamedTuple):
-    """Device-side training rows (a pytree of arrays; ``ref_logprobs`` may be None).
+    """Device-side training rows (a pytree of arrays; ``ref_logprobs`` may be None). Shapes [B, T] unless noted.
 
-    tokens: int32 [B, T] ids exactly as sampled, right-padded with ``pad_id``.
-    weights: float32 [B, T] per-token loss weight = loss mask × dedup weight.
-    advantages: float32 [B, T] advantage of the token's turn (0 where weight is 0).
-    old_logprobs: float32 [B, T] log-probs of the sampling policy (0 where weight is 0).
-    segment_ids: int32 [B, T] the turn's depth (1, 2, ...) on trained tokens, 0 elsewhere.
-    lengths: int32 [B] real tokens per row (0 for padding rows).
-    ref_logprobs: float32 [B, T] reference-policy log-probs, or None until filled in by the trainer.
+    tokens: int32 ids exactly as sampled, ``pad_id`` on padding.
+    positions: int32 RoPE positions along each token's path.
+    visible_end: int32: key i is visible to query j iff i <= j < visible_end[i] (``Qwen.hidden``).
+    predecessor: int32 row index of the token whose hidden state predicts this one (itself: no context).
+    weights: float32 Σ over the token's paths of the aggregation coefficient c_ℓ (0 = not trained here).
+    adv_pos / adv_neg: float32 Σ over the token's paths of c_ℓ·max(A, 0) / c_ℓ·min(A, 0).
+    old_logprobs: float32 behaviour log-probs (0 where weight is 0).
+    segment_ids: int32 the token's turn within its row (1, 2, ...) on trained tokens, 0 elsewhere.
+    paths: float32 [B] number of leaf paths whose leaf turn trains in the row (seq-mean denominators).
+    lengths: int32 [B] filled positions per row.
+    ref_logprobs: float32 reference-policy log-probs, or None until filled in by the trainer.
     """
 
     tokens: np.ndarray
+    positions: np.ndarray
+    visible_end: np.ndarray
+    predecessor: np.ndarray
     weights: np.ndarray
-    advantages: np.ndarray
+    adv_pos: np.ndarray
+    adv_neg: np.ndarray
     old_logprobs: np.ndarray
     segment_ids: np.ndarray
+    paths: np.ndarray
     lengths: np.ndarray
     ref_logprobs: np.ndarray | None = None
 
@@ -51,26 +66,35 @@ class TrainBatch(NamedTuple):
         """float32 [B, T]: 1 on the tokens this batch trains."""
         return (np.asarray(self.weights) > 0).astype(np.float32)
 
+    @property
+    def advantages(self) -> np.ndarray:
+        """float32 [B, T]: the weighted mean advantage of each trained token (0 elsewhere)."""
+        weights = np.asarray(self.weights)
+        total = np.asarray(self.adv_pos) + np.asarray(self.adv_neg)
+        return np.where(weights > 0, total / np.where(weights > 0, weights, 1.0), 0.0).astype(np.float32)
+
 
 @dataclasses.dataclass
 class BatchInfo:
     """Host-side bookkeeping of a batch.
 
     Attributes:
-      tree_index: int32 [B] which input tree a row came from (-1 for padding rows).
-      leaf_id: int32 [B] the node id of the row's leaf (-1 for padding rows).
       num_rows: real rows (before padding).
       num_tokens: real tokens over all rows (what the forward pass processes, padding excluded).
+      num_padded_tokens: rows × T after padding (what the forward pass computes).
+      num_path_tokens: tokens of all leaf paths (what one-row-per-path training would process, unpadded).
       num_trained_tokens: tokens with non-zero weight (each sampled turn token at most once).
       num_trees_skipped: trees left out by ``skip_zero_advantage``.
+      layout: where every token sits (tree / node / offset per position).
     """
 
-    tree_index: np.ndarray
-    leaf_id: np.ndarray
     num_rows: int
     num_tokens: int
+    num_padded_tokens: int
+    num_path_tokens: int
     num_trained_tokens: int
     num_trees_skipped: int
+    layout: RowLayout = dataclasses.field(repr=False)
 
 
 SEGMENT_WEIGHTS = ("leaves", "one")
@@ -81,146 +105,206 @@ class BatchConfig:
     """How trees become rows.
 
     Attributes:
-      length_buckets: allowed row lengths T (ascending); a row longer than the largest is an error.
+      layout: key of ``trace_jax.rl.packing.LAYOUTS``: "tree" (packed, each unique token once) or "paths"
+        (one row per leaf path; for models without packed-row support).
+      length_buckets: allowed row lengths T (ascending); a path longer than the largest is an error.
       row_buckets: allowed row counts before ``row_multiple`` padding; None: no row bucketing.
-      row_multiple: the row count is padded to a multiple of this (data × fsdp shards × micro-batches).
-      segment_weight: "leaves": a turn weighs the number of leaf paths through it (the per-path objective);
-        "one": each turn weighs 1 (a tree-native objective).
+      row_multiple: the row count is padded to a multiple of this (data × fsdp shards × micro-batches ×
+        mini-batches: ``RLTrainer.row_multiple``).
+      pack_length: tokens per packed row ("tree"); None: the length bucket of the longest path, so a packed
+        row costs what a path row costs. Larger packs more trees per row (attention cost grows as T²).
+      segment_weight: "leaves": the per-path objective; "one": each turn weighs 1 whatever its leaf count
+        (a tree-native objective, token-mean only).
       skip_zero_advantage: leave out trees whose every advantage is 0 (no policy-gradient signal).
       pad_id: token id used for padding (never trained, never attended to by real tokens).
     """
 
+    layout: str = "tree"
     length_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
     row_buckets: tuple[int, ...] | None = (8, 16, 32, 64, 128, 256, 512, 1024)
     row_multiple: int = 1
+    pack_length: int | None = None
     segment_weight: str = "leaves"
     skip_zero_advantage: bool = False
     pad_id: int = 0
 
     def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; choose one of {sorted(LAYOUTS)}")
         if self.segment_weight not in SEGMENT_WEIGHTS:
             raise ValueError(f"segment_weight must be one of {SEGMENT_WEIGHTS}, got {self.segment_weight!r}")
         if not self.length_buckets or list(self.length_buckets) != sorted(self.length_buckets):
             raise ValueError(f"length_buckets must be a non-empty ascending tuple, got {self.length_buckets}")
         if self.row_multiple < 1:
             raise ValueError(f"row_multiple must be >= 1, got {self.row_multiple}")
+        if self.pack_length is not None and self.pack_length > self.length_buckets[-1]:
+            raise ValueError(f"pack_length={self.pack_length} exceeds the largest length bucket")
 
 
-def _bucket(size: int, buckets: Sequence[int] | None) -> int:
-    if not buckets:
-        return size
-    for bucket in buckets:
-        if bucket >= size:
-            return bucket
-    return size
+def check_objective(estimator: str | None, loss: LossConfig, batch: BatchConfig) -> None:
+    """Raises ValueError for a combination whose gradient is not the per-path one (call it at config time).
 
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
-class _Row(NamedTuple):
-    tree_index: int
-    leaf_id: int
-    tokens: np.ndarray
-    weights: np.ndarray
-    advantages: np.ndarray
-    old_logprobs: np.ndarray
-    segment_ids: np.ndarray
-
-
-def _tree_rows(tree_index: int, tree: RolloutTree, adv: NodeAdvantages, segment_weight: str) -> list[_Row]:
-    rows = []
-    trained: set[int] = set()
-    for leaf in tree.leaves():
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("tokens", "weights", "advantages", "old", "segments")}
-        for node_id in tree.path(leaf):
-            node = tree[node_id]
-            n_turn, n_obs = node.token_ids.shape[0], node.observation_ids.shape[0]
-            train = node.parent is not None and node_id not in trained and adv.weights[node_id] > 0
-            if train:
-                trained.add(node_id)
-            weight = (adv.weights[node_id] if segment_weight == "leaves" else 1.0) if train else 0.0
-            parts["tokens"] += [node.token_ids, node.observation_ids]
-            # node.loss_mask is 1 on sampled turn tokens and 0 on observations and on the prompt.
-            parts["weights"].append(node.loss_mask * weight)
-            parts["advantages"].append(
-                np.concatenate([np.full(n_turn, adv.advantages[node_id] if train else 0.0), np.zeros(n_obs)])
-            )
-            parts["old"].append(np.concatenate([node.logprobs if train else np.zeros(n_turn), np.zeros(n_obs)]))
-            parts["segments"].append(np.concatenate([np.full(n_turn, node.depth if train else 0), np.zeros(n_obs)]))
-        rows.append(
-            _Row(
-                tree_index,
-                leaf,
-                np.concatenate(parts["tokens"]).astype(np.int32),
-                np.concatenate(parts["weights"]).astype(np.float32),
-                np.concatenate(parts["advantages"]).astype(np.float32),
-                np.concatenate(parts["old"]).astype(np.float32),
-                np.concatenate(parts["segments"]).astype(np.int32),
-            )
+    Every advantage estimator × aggregation is exact with ppo / grpo / gspo_turn (see the module docstring).
+    Refused: ``gspo`` (one ratio per whole path, but a turn shared by several leaves is trained in one row
+    only, so no row is a whole path), and ``segment_weight="one"`` with a per-path aggregation.
+    """
+    if estimator is not None:
+        ESTIMATORS[estimator]  # an unknown name raises with the choices
+    if loss.policy_loss == "gspo":
+        raise ValueError(
+            "policy_loss 'gspo' needs one ratio per whole root-to-leaf path, but turns shared by several leaves "
+            "are trained once, so no row holds a whole path and its sequence ratio drifts from the per-path one; "
+            "use policy_loss='gspo_turn' (a turn-level ratio, exact under sharing) or 'ppo'"
         )
-    return rows
+    if batch.segment_weight == "one" and AGGREGATIONS[loss.aggregation].per_path:
+        raise ValueError(
+            f"segment_weight='one' weighs turns, not paths, so aggregation {loss.aggregation!r} (a mean over "
+            "paths) has no meaning with it; use aggregation='token-mean' or segment_weight='leaves'"
+        )
+
+
+def _row_count(n: int, config: BatchConfig) -> int:
+    """Padded row count: the row bucket (past the largest, a multiple of it), then a multiple of ``row_multiple``."""
+    buckets = config.row_buckets
+    if buckets:
+        n = bucket(n, buckets, "rows") if n <= buckets[-1] else round_up(n, buckets[-1])
+    return round_up(n, config.row_multiple)
+
+
+class _NodeTables(NamedTuple):
+    """Per-node training values of all kept trees, flattened (node g of tree t is ``base[t] + node_id``)."""
+
+    weights: np.ndarray  # float64 [G] Σ c_ℓ over the node's paths
+    adv_pos: np.ndarray  # float64 [G]
+    adv_neg: np.ndarray  # float64 [G]
+    base: np.ndarray  # int64 [trees]
+    logprobs: list[np.ndarray]  # per node: behaviour log-probs of token_ids + zeros for observations
+
+
+def _trained_tokens_per_path(tree: RolloutTree) -> np.ndarray:
+    """int64 [num_leaves]: sampled turn tokens on each leaf's path."""
+    return np.asarray([sum(tree[y].token_ids.shape[0] for y in tree.path(leaf)[1:]) for leaf in tree.leaves()])
+
+
+def _node_tables(
+    trees: Sequence[RolloutTree], advantages: Sequence[NodeAdvantages], config: BatchConfig, loss: LossConfig
+) -> _NodeTables:
+    path_tokens = [_trained_tokens_per_path(t) for t in trees]
+    longest = max((int(n.max()) for n in path_tokens if n.size), default=1)
+    aggregation = AGGREGATIONS[loss.aggregation]
+    weights, pos, neg, logprobs, base = [], [], [], [], []
+    for tree, adv, n_tokens in zip(trees, advantages, path_tokens, strict=True):
+        num_leaves = n_tokens.shape[0]
+        under = tree.subtree_sums(np.eye(num_leaves)) if num_leaves else np.zeros((len(tree), 0))
+        under[0] = 0.0  # the root is never trained
+        coef = under * aggregation.path_coefficients(n_tokens, loss, longest)[None, :]
+        a = adv.path_advantages(tree)
+        w, p, m = coef.sum(1), (coef * np.maximum(a, 0)).sum(1), (coef * np.minimum(a, 0)).sum(1)
+        if config.segment_weight == "one":
+            count = np.maximum(under.sum(1), 1.0)
+            w, p, m = (w > 0).astype(np.float64), p / count, m / count
+        base.append(sum(len(t) for t in trees[: len(base)]))
+        weights.append(w)
+        pos.append(p)
+        neg.append(m)
+        logprobs += [np.r_[node.sample_logprobs, np.zeros(node.observation_ids.shape[0])] for node in tree]
+    return _NodeTables(
+        np.concatenate(weights), np.concatenate(pos), np.concatenate(neg), np.asarray(base, np.int64), logprobs
+    )
 
 
 def build_batch(
-    trees: Sequence[RolloutTree], advantages: Sequence[NodeAdvantages], config: BatchConfig | None = None
+    trees: Sequence[RolloutTree],
+    advantages: Sequence[NodeAdvantages],
+    config: BatchConfig | None = None,
+    loss: LossConfig | None = None,
 ) -> tuple[TrainBatch, BatchInfo]:
-    """Rows for every leaf of every tree (see the module docstring); ``advantages[i]`` belongs to ``trees[i]``."""
+    """Rows for every tree (see the module docstring); ``advantages[i]`` belongs to ``trees[i]``.
+
+    ``loss`` (default ``LossConfig()``) supplies the aggregation, which decides each path's coefficient.
+    """
     config = config or BatchConfig()
+    loss = loss or LossConfig()
+    check_objective(None, loss, config)
     if len(trees) != len(advantages):
         raise ValueError(f"{len(trees)} trees but {len(advantages)} advantage sets")
-    rows: list[_Row] = []
-    skipped = 0
+    kept, skipped = [], 0
     for i, (tree, adv) in enumerate(zip(trees, advantages, strict=True)):
+        if not tree.leaves():
+            continue
         if config.skip_zero_advantage and not np.any(adv.advantages[adv.weights > 0]):
             skipped += 1
             continue
-        rows += _tree_rows(i, tree, adv, config.segment_weight)
-    if not rows:
+        kept.append(i)
+    if not kept:
         raise ValueError(
             f"no rows to train: {len(trees)} trees, {skipped} skipped for zero advantage, the rest without a leaf"
         )
-    longest = max(r.tokens.shape[0] for r in rows)
-    if longest > config.length_buckets[-1]:
+    trees = [trees[i] for i in kept]
+    advantages = [advantages[i] for i in kept]
+    longest_path = max(t.prefix_length(leaf) for t in trees for leaf in t.leaves())
+    if longest_path > config.length_buckets[-1]:
         raise ValueError(
-            f"a row has {longest} tokens, more than the largest length bucket {config.length_buckets[-1]}; "
+            f"a row has {longest_path} tokens, more than the largest length bucket {config.length_buckets[-1]}; "
             "add a larger bucket to length_buckets or lower the rollout token limits"
         )
-    t = _bucket(longest, config.length_buckets)
-    b = _round_up(_bucket(len(rows), config.row_buckets), config.row_multiple)
+    capacity = config.length_buckets[-1]
+    if config.layout == "tree":
+        capacity = config.pack_length or bucket(longest_path, config.length_buckets, "path length")
+    shape = lambda rows, longest: (_row_count(rows, config), bucket(longest, config.length_buckets, "row length"))
+    layout = LAYOUTS[config.layout](trees, capacity, shape, config.pad_id)
+    tables = _node_tables(trees, advantages, config, loss)
 
-    tokens = np.full((b, t), config.pad_id, np.int32)
-    floats = {k: np.zeros((b, t), np.float32) for k in ("weights", "advantages", "old_logprobs")}
-    segment_ids = np.zeros((b, t), np.int32)
-    lengths = np.zeros(b, np.int32)
-    tree_index = np.full(b, -1, np.int32)
-    leaf_id = np.full(b, -1, np.int32)
-    for r, row in enumerate(rows):
-        n = row.tokens.shape[0]
-        tokens[r, :n] = row.tokens
-        floats["weights"][r, :n] = row.weights
-        floats["advantages"][r, :n] = row.advantages
-        floats["old_logprobs"][r, :n] = row.old_logprobs
-        segment_ids[r, :n] = row.segment_ids
-        lengths[r] = n
-        tree_index[r], leaf_id[r] = row.tree_index, row.leaf_id
-    batch = TrainBatch(tokens=tokens, segment_ids=segment_ids, lengths=lengths, **floats)
+    filled = layout.tree >= 0
+    flat = np.where(filled, tables.base[np.maximum(layout.tree, 0)] + np.maximum(layout.node, 0), 0)
+    trains = layout.trains & (tables.weights[flat] > 0)
+    pick = lambda table: np.where(trains, table[flat], 0.0).astype(np.float32)
+    old = np.zeros(layout.tokens.shape, np.float32)
+    rows_t, cols_t = np.nonzero(trains)
+    old[rows_t, cols_t] = [tables.logprobs[g][o] for g, o in zip(flat[trains], layout.offset[trains], strict=True)]
+    segment_ids = np.zeros(layout.tokens.shape, np.int32)
+    for r in range(layout.tokens.shape[0]):
+        ids = flat[r][trains[r]]
+        if ids.size:
+            segment_ids[r][trains[r]] = np.unique(ids, return_inverse=True)[1] + 1
+    paths = np.zeros(layout.tokens.shape[0], np.float32)
+    for t, tree in enumerate(trees):
+        for leaf, n in zip(tree.leaves(), _trained_tokens_per_path(tree), strict=True):
+            if n > 0:
+                paths[layout.leaf_rows[t][leaf]] += 1.0
+    batch = TrainBatch(
+        tokens=layout.tokens,
+        positions=layout.positions,
+        visible_end=layout.visible_end,
+        predecessor=layout.predecessor,
+        weights=pick(tables.weights),
+        adv_pos=pick(tables.adv_pos),
+        adv_neg=pick(tables.adv_neg),
+        old_logprobs=old,
+        segment_ids=segment_ids,
+        paths=paths,
+        lengths=layout.lengths,
+    )
     info = BatchInfo(
-        tree_index=tree_index,
-        leaf_id=leaf_id,
-        num_rows=len(rows),
-        num_tokens=int(lengths.sum()),
-        num_trained_tokens=int((floats["weights"] > 0).sum()),
+        layout=layout,
+        num_rows=int((layout.lengths > 0).sum()),
+        num_tokens=int(layout.lengths.sum()),
+        num_padded_tokens=int(layout.tokens.size),
+        num_path_tokens=int(sum(t.prefix_length(leaf) for t in trees for leaf in t.leaves())),
+        num_trained_tokens=int(trains.sum()),
         num_trees_skipped=skipped,
     )
     return batch, info
 
 
 def trees_to_batch(
-    trees: Sequence[RolloutTree], estimator: str, config: BatchConfig | None = None, eps: float = 1e-6
+    trees: Sequence[RolloutTree],
+    estimator: str,
+    config: BatchConfig | None = None,
+    loss: LossConfig | None = None,
+    eps: float = 1e-6,
 ) -> tuple[TrainBatch, BatchInfo, list[NodeAdvantages]]:
     """``compute_advantages(estimator, trees)`` then ``build_batch``; also returns the advantages (for metrics)."""
     advantages = compute_advantages(estimator, trees, eps=eps)
-    batch, info = build_batch(trees, advantages, config)
+    batch, info = build_batch(trees, advantages, config, loss)
     return batch, info, advantages

@@ -1,22 +1,27 @@
-"""Policy losses (PPO-clip, GRPO, GSPO), KL-to-reference estimators, entropy bonus and loss aggregation.
+"""Policy losses (PPO-clip, GRPO, GSPO-turn), KL-to-reference penalties, entropy bonus and loss aggregation.
 
 Everything is a pure function of [B, T] arrays aligned with the row's tokens: entry ``t`` is about token
-``t`` (its log-prob given tokens ``< t``). ``weights_bt`` is the per-token loss weight: 0 on the prompt,
-on tool / observation tokens, on padding and on tokens another row already trains; otherwise the dedup
-weight of the token's turn (``trace_jax.rl.batch``). No term of the loss reaches a token of weight 0.
+``t`` (its log-prob given the tokens before it on its path). The objective is the *per-path* one: every
+root-to-leaf path ``ℓ`` is a sequence, its trained tokens carry its advantage ``A(ℓ, y)``, and the
+aggregation weighs path ``ℓ`` by a coefficient ``c_ℓ`` (``AGGREGATIONS``) and divides by a denominator. A
+token shared by several paths is trained once (``trace_jax.rl.batch``) with
 
-The loss is returned as a numerator whose denominator depends on the weights only
-(``loss_denominator``), so a trainer that splits a batch into micro-batches computes the denominator once on
-the whole batch and sums the micro-batch gradients of ``numerator / denominator``: the result is the
-full-batch gradient exactly. Metrics are (weighted sum, weight) pairs for the same reason: sum them across
-micro-batches, then divide.
+    weights  = Σ_{ℓ ∋ t} c_ℓ,   adv_pos = Σ_{ℓ ∋ t} c_ℓ · max(A(ℓ, y), 0),   adv_neg = Σ_{ℓ ∋ t} c_ℓ · min(A(ℓ, y), 0).
 
-A "sequence" (for GSPO and the seq-mean modes) is a batch row. With ``trace_jax.rl.batch``'s deduplicated
-rows a turn shared by several leaves is trained in one row only, so the seq-mean modes average over those
-rows, not over leaf paths; ``token-mean`` gives exactly the per-path objective.
+The clipped surrogate is linear in A for each sign of A (``clipped_surrogate``), and the ratio of a shared
+token is the same on every path, so the sum over paths is exactly
+``−adv_pos · min(ρ, 1 + ε_high) + |adv_neg| · max(ρ, 1 − ε_low)``: the same loss and gradient as
+training every path, clipping included. KL and entropy terms are linear in the weight.
 
-Registries, keyed by config strings: ``POLICY_LOSSES`` (ppo, grpo, gspo, gspo_turn), ``KL_ESTIMATORS``
-(k1, k2, k3), ``AGGREGATIONS`` (token-mean, seq-mean-token-mean, seq-mean-token-sum-norm).
+The loss is a numerator whose denominator depends on the batch only (``loss_denominator``), so a trainer
+that splits a batch into micro-batches computes the denominator once and sums the micro-batch gradients of
+``numerator / denominator``: the full-batch gradient exactly. Metrics are (weighted sum, weight) pairs for
+the same reason (names ending in ``_max`` are (max, 1) and combine by max).
+
+Registries, keyed by config strings: ``POLICY_LOSSES`` (ppo, grpo, gspo_turn; gspo is registered but only
+exact when every row is one whole path: ``trace_jax.rl.batch.check_objective`` refuses it with shared
+turns), ``KL_PENALTIES`` (reverse, forward: named by the KL whose gradient they give), ``AGGREGATIONS``
+(token-mean, seq-mean-token-mean, seq-mean-token-sum-norm).
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trace_jax.registry import Registry
 
 # exp() of a log-ratio beyond this is numerically meaningless and overflows float32 in the backward pass.
 MAX_LOG_RATIO = 20.0
 
-Metrics = dict[str, tuple[jax.Array, jax.Array]]  # name -> (weighted sum, total weight)
+Metrics = dict[str, tuple[jax.Array, jax.Array]]  # name -> (weighted sum, total weight), or (max, 1) for *_max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +50,17 @@ class LossConfig:
       policy_loss: key of ``POLICY_LOSSES``.
       clip_low, clip_high: the ratio is clipped to [1 − clip_low, 1 + clip_high] (DAPO's "clip higher").
       dual_clip: None, or c > 1: for A < 0 the per-token loss is capped at −c·A (dual-clip PPO).
-      kl_coef: weight of the KL(π ‖ π_ref) penalty added per token (0 disables it; no reference needed).
-      kl_estimator: key of ``KL_ESTIMATORS``.
-      entropy_coef: weight of the entropy bonus (the loss gets −entropy_coef · H per token).
+      kl_coef: weight of the KL-to-reference penalty per token (0 disables it: no reference log-probs are
+        computed and no reference policy is needed).
+      kl: key of ``KL_PENALTIES``, named by the KL whose gradient the penalty gives in expectation over
+        on-policy samples: "reverse" → ∇ KL(π_θ ‖ π_ref) (the k2 estimator ½(log π_θ − log π_ref)² as a loss;
+        the usual meaning of "a KL penalty"), "forward" → ∇ KL(π_ref ‖ π_θ) (the k3 estimator as a loss, what
+        GRPO's paper uses). (The k1 estimator log π_θ − log π_ref has expected gradient 0 and is not offered.)
+      entropy_coef: weight of the entropy bonus (the loss gets −entropy_coef · H per token); 0: the entropy
+        over the vocabulary is not computed at all.
       aggregation: key of ``AGGREGATIONS``.
-      norm_length: the constant length of ``seq-mean-token-sum-norm``; None uses the row length T.
+      norm_length: the constant length L of ``seq-mean-token-sum-norm``; None: the batch's longest path (in
+        trained tokens).
     """
 
     policy_loss: str = "ppo"
@@ -56,7 +68,7 @@ class LossConfig:
     clip_high: float = 0.28
     dual_clip: float | None = None
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
+    kl: str = "reverse"
     entropy_coef: float = 0.0
     aggregation: str = "token-mean"
     norm_length: int | None = None
@@ -64,7 +76,7 @@ class LossConfig:
     def __post_init__(self):
         for key, registry in (
             ("policy_loss", POLICY_LOSSES),
-            ("kl_estimator", KL_ESTIMATORS),
+            ("kl", KL_PENALTIES),
             ("aggregation", AGGREGATIONS),
         ):
             if getattr(self, key) not in registry:
@@ -73,36 +85,58 @@ class LossConfig:
             raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
         if self.clip_low < 0 or self.clip_low >= 1 or self.clip_high < 0:
             raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.norm_length is not None and self.norm_length < 1:
+            raise ValueError(f"norm_length must be >= 1 (or None), got {self.norm_length}")
 
 
 class LossInputs(NamedTuple):
-    """Per-token inputs, all [B, T] (float32 unless noted).
+    """Per-token inputs, all [B, T] (float32 unless noted); see the module docstring for the weights.
 
     logprobs: log π_θ(token) under the params being trained (differentiated).
-    old_logprobs: log-probs under the policy that sampled the data (the PPO "old" policy).
-    advantages: the advantage of each token.
-    weights: per-token loss weight (0 = no loss at all).
-    segment_ids: int32, id of the token's turn within its row (for turn-level GSPO); any value where weight 0.
+    old_logprobs: log-probs under the behaviour policy (the distribution the tokens were sampled from).
+    adv_pos / adv_neg: Σ over the token's paths of c_ℓ · max(A, 0) / c_ℓ · min(A, 0).
+    weights: Σ over the token's paths of c_ℓ (0 = no loss at all).
+    segment_ids: int32 in [0, T), id of the token's turn within its row (turn-level GSPO); any value where
+      weight is 0.
     ref_logprobs: log-probs under the reference policy, or None (needed when kl_coef > 0).
     entropies: per-token entropy of π_θ, or None (needed when entropy_coef > 0).
     """
 
     logprobs: jax.Array
     old_logprobs: jax.Array
-    advantages: jax.Array
+    adv_pos: jax.Array
+    adv_neg: jax.Array
     weights: jax.Array
     segment_ids: jax.Array
     ref_logprobs: jax.Array | None = None
     entropies: jax.Array | None = None
 
+    @classmethod
+    def from_advantages(cls, logprobs, old_logprobs, advantages, weights, segment_ids, **kwargs) -> LossInputs:
+        """Inputs where every token belongs to one path: ``adv_pos / adv_neg`` = weight × the advantage's part."""
+        weighted = advantages * weights
+        return cls(
+            logprobs,
+            old_logprobs,
+            jnp.maximum(weighted, 0.0),
+            jnp.minimum(weighted, 0.0),
+            weights,
+            segment_ids,
+            **kwargs,
+        )
+
 
 class LossOutput(NamedTuple):
-    numerator: jax.Array  # float32 []: loss = numerator / loss_denominator(weights)
+    numerator: jax.Array  # float32 []: loss = numerator / loss_denominator(...)
     metrics: Metrics
 
 
 def _metric(values_bt: jax.Array, weights_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(values_bt * weights_bt), jnp.sum(weights_bt)
+
+
+def _max_metric(values_bt: jax.Array, weights_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jnp.max(jnp.where(weights_bt > 0, values_bt, -jnp.inf)), jnp.ones((), jnp.float32)
 
 
 def _log_ratio(inputs: LossInputs) -> jax.Array:
@@ -113,24 +147,34 @@ def _log_ratio(inputs: LossInputs) -> jax.Array:
 
 # ------------------------------------------------------------------------------------- policy losses
 PolicyLoss = Callable[[LossInputs, LossConfig], tuple[jax.Array, Metrics]]
-# ``fn(inputs, config) -> (per-token loss [B, T], metrics)`` by name.
+# ``fn(inputs, config) -> (per-token weighted policy loss [B, T], metrics)`` by name.
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 register_policy_loss = POLICY_LOSSES.register
 
 
 def clipped_surrogate(ratio_bt: jax.Array, inputs: LossInputs, config: LossConfig) -> tuple[jax.Array, Metrics]:
-    """Per-token ``max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high))``, then, if dual_clip = c, ``min(·, −c·A)`` for A < 0."""
-    adv = inputs.advantages
-    unclipped = -adv * ratio_bt
-    clipped = -adv * jnp.clip(ratio_bt, 1.0 - config.clip_low, 1.0 + config.clip_high)
-    loss = jnp.maximum(unclipped, clipped)
-    metrics = {"clip_fraction": _metric((clipped > unclipped).astype(jnp.float32), inputs.weights)}
+    """Per token, summed over its paths: ``Σ_ℓ c_ℓ max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high))``.
+
+    For A > 0 that is ``−A·min(ρ, 1+ε_high)``, for A < 0 ``|A|·max(ρ, 1−ε_low)`` (and with dual_clip = c,
+    ``|A|·min(max(ρ, 1−ε_low), c)``): linear in A per sign, hence ``adv_pos`` / ``adv_neg``. The clip
+    fraction is the share of the |advantage| mass whose gradient the clip removes.
+    """
+    low, high = 1.0 - config.clip_low, 1.0 + config.clip_high
+    negative = jnp.maximum(ratio_bt, low)
+    metrics = {}
     if config.dual_clip is not None:
-        cap = -config.dual_clip * adv
-        dual = (adv < 0) & (loss > cap)
-        loss = jnp.where(dual, cap, loss)
-        metrics["dual_clip_fraction"] = _metric(dual.astype(jnp.float32), inputs.weights)
+        dual = (inputs.adv_neg < 0) & (negative > config.dual_clip)
+        negative = jnp.minimum(negative, config.dual_clip)
+        metrics["dual_clip_fraction"] = _metric(dual.astype(jnp.float32), -inputs.adv_neg)
+    loss = -inputs.adv_pos * jnp.minimum(ratio_bt, high) - inputs.adv_neg * negative
+    clipped = inputs.adv_pos * (ratio_bt > high) - inputs.adv_neg * (ratio_bt < low)
+    metrics["clip_fraction"] = (jnp.sum(clipped), jnp.sum(inputs.adv_pos - inputs.adv_neg))
     return loss, metrics
+
+
+def _ratio_metrics(ratio_bt: jax.Array, inputs: LossInputs) -> Metrics:
+    value = jax.lax.stop_gradient(ratio_bt)
+    return {"ratio": _metric(value, inputs.weights), "ratio_max": _max_metric(value, inputs.weights)}
 
 
 @register_policy_loss("ppo")
@@ -138,14 +182,13 @@ def ppo_loss(inputs: LossInputs, config: LossConfig) -> tuple[jax.Array, Metrics
     """PPO-clip with a token-level ratio ``ρ_t = π_θ(y_t) / π_old(y_t)`` (see ``clipped_surrogate``)."""
     ratio = jnp.exp(_log_ratio(inputs))
     loss, metrics = clipped_surrogate(ratio, inputs, config)
-    metrics["ratio"] = _metric(ratio, inputs.weights)
-    return loss, metrics
+    return loss, {**metrics, **_ratio_metrics(ratio, inputs)}
 
 
 @register_policy_loss("grpo")
 def grpo_loss(inputs: LossInputs, config: LossConfig) -> tuple[jax.Array, Metrics]:
     """GRPO's surrogate: the token-level PPO-clip objective; what makes it GRPO is the group advantage
-    (``trace_jax.rl.advantages``) and, in the paper, a KL penalty (``kl_coef``, ``kl_estimator="k3"``)."""
+    (``trace_jax.rl.advantages``) and, in the paper, a KL penalty (``kl_coef``, ``kl="forward"``)."""
     return ppo_loss(inputs, config)
 
 
@@ -165,108 +208,116 @@ def _gspo(inputs: LossInputs, config: LossConfig, segment_bt: jax.Array) -> tupl
     # GSPO-token: the value is the sequence ratio s_i, the gradient flows through each token's own log-prob.
     ratio = jnp.exp(jax.lax.stop_gradient(seq_log_ratio) + inputs.logprobs - jax.lax.stop_gradient(inputs.logprobs))
     loss, metrics = clipped_surrogate(ratio, inputs, config)
-    metrics["ratio"] = _metric(ratio, inputs.weights)
-    return loss, metrics
+    return loss, {**metrics, **_ratio_metrics(ratio, inputs)}
 
 
 @register_policy_loss("gspo")
 def gspo_loss(inputs: LossInputs, config: LossConfig) -> tuple[jax.Array, Metrics]:
     """GSPO, sequence-level ratio: ``s_i = exp(mean_{t ∈ row i} log(π_θ/π_old))``, clipped like PPO.
 
-    The "sequence" is a batch row's trained tokens. GSPO's clip ranges are much tighter than PPO's
-    (the paper uses ~3e-4 / 4e-4): set clip_low / clip_high accordingly.
+    The "sequence" is a batch row's trained tokens, which is a root-to-leaf path only when no turn is shared
+    (``check_objective`` refuses it otherwise). GSPO's clip ranges are much tighter than PPO's (the paper
+    uses ~3e-4 / 4e-4): set clip_low / clip_high accordingly.
     """
     return _gspo(inputs, config, jnp.zeros_like(inputs.segment_ids))
 
 
 @register_policy_loss("gspo_turn")
 def gspo_turn_loss(inputs: LossInputs, config: LossConfig) -> tuple[jax.Array, Metrics]:
-    """GSPO with a turn-level ratio: ``s_{i,k} = exp(mean_{t ∈ turn k of row i} log(π_θ/π_old))``."""
+    """GSPO with a turn-level ratio: ``s_y = exp(mean_{t ∈ turn y} log(π_θ/π_old))``, the same on every path
+    through the turn, hence exact under sharing."""
     return _gspo(inputs, config, inputs.segment_ids)
 
 
-# ------------------------------------------------------------------------------------- KL estimators
-# Per-token estimators of KL(π_θ ‖ π_ref) from samples of π_θ, as functions of d = log π_θ − log π_ref
-# (Schulman, "Approximating KL divergence"): k1 unbiased but noisy, k3 unbiased and always >= 0.
-KL_ESTIMATORS: Registry[Callable[[jax.Array], jax.Array]] = Registry(
-    "kl estimator",
+# ------------------------------------------------------------------------------------- KL penalties
+# Per-token penalties as functions of d = log π_θ(y) − log π_ref(y), y sampled from π_θ. As a loss, the
+# expected gradient of ½d² is E[d ∇log π_θ] = ∇ KL(π_θ ‖ π_ref); that of exp(−d) + d − 1 (k3) is
+# E[(1 − π_ref/π_θ) ∇log π_θ] = −Σ π_ref ∇log π_θ = ∇ KL(π_ref ‖ π_θ). Checked by exact enumeration in tests.
+KL_PENALTIES: Registry[Callable[[jax.Array], jax.Array]] = Registry(
+    "kl penalty",
     {
-        "k1": lambda d: d,
-        "k2": lambda d: 0.5 * jnp.square(d),
-        "k3": lambda d: jnp.exp(-d) + d - 1.0,
+        "reverse": lambda d: 0.5 * jnp.square(d),
+        "forward": lambda d: jnp.expm1(-d) + d,  # exp(−d) + d − 1 without float32 cancellation near d = 0
     },
 )
 
 
+def kl_value_estimate(d: jax.Array) -> jax.Array:
+    """k3 = exp(−d) + d − 1 >= 0: an unbiased per-token estimate of the *value* KL(π_θ ‖ π_ref) (for metrics)."""
+    return jnp.expm1(-d) + d
+
+
 # -------------------------------------------------------------------------------------- aggregation
-Aggregation = Callable[[jax.Array, jax.Array, LossConfig], tuple[jax.Array, jax.Array]]
-# ``fn(loss_bt, weights_bt, config) -> (numerator, denominator)`` by name.
-AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
-register_aggregation = AGGREGATIONS.register
+class Aggregation(NamedTuple):
+    """How paths are weighed: ``c_ℓ = path_coefficients(trained tokens per path [L], config, longest)`` on the
+    host, and a denominator of Σ weights (``per_path=False``) or of the number of paths (``per_path=True``)."""
+
+    path_coefficients: Callable[[np.ndarray, LossConfig, int], np.ndarray]
+    per_path: bool
 
 
-def _rows_with_loss(weights_bt: jax.Array) -> jax.Array:
-    return jnp.sum((jnp.sum(weights_bt, axis=1) > 0).astype(jnp.float32))
+AGGREGATIONS: Registry[Aggregation] = Registry(
+    "loss aggregation",
+    {
+        # Σ_ℓ Σ_{t∈ℓ} ℓ_t / Σ_ℓ |ℓ|: every trained path token counts the same (DAPO).
+        "token-mean": Aggregation(lambda n, config, longest: np.ones(n.shape), per_path=False),
+        # mean_ℓ (Σ_{t∈ℓ} ℓ_t / |ℓ|) (the original GRPO).
+        "seq-mean-token-mean": Aggregation(lambda n, config, longest: 1.0 / np.maximum(n, 1), per_path=True),
+        # mean_ℓ (Σ_{t∈ℓ} ℓ_t) / L with a constant L: no length bias (Dr. GRPO).
+        "seq-mean-token-sum-norm": Aggregation(
+            lambda n, config, longest: np.full(n.shape, 1.0 / (config.norm_length or max(longest, 1))), per_path=True
+        ),
+    },
+)
 
 
-@register_aggregation("token-mean")
-def token_mean(loss_bt: jax.Array, weights_bt: jax.Array, config: LossConfig) -> tuple[jax.Array, jax.Array]:
-    """``Σ_{i,t} w·ℓ / Σ_{i,t} w``: every trained token counts the same (DAPO)."""
-    return jnp.sum(loss_bt * weights_bt), jnp.sum(weights_bt)
-
-
-@register_aggregation("seq-mean-token-mean")
-def seq_mean_token_mean(loss_bt: jax.Array, weights_bt: jax.Array, config: LossConfig) -> tuple[jax.Array, jax.Array]:
-    """``mean_i (Σ_t w·ℓ / Σ_t w)`` over rows with trained tokens (the original GRPO)."""
-    row_weight = jnp.sum(weights_bt, axis=1)
-    row_mean = jnp.sum(loss_bt * weights_bt, axis=1) / jnp.maximum(row_weight, 1e-8)
-    return jnp.sum(jnp.where(row_weight > 0, row_mean, 0.0)), _rows_with_loss(weights_bt)
-
-
-@register_aggregation("seq-mean-token-sum-norm")
-def seq_mean_token_sum_norm(
-    loss_bt: jax.Array, weights_bt: jax.Array, config: LossConfig
-) -> tuple[jax.Array, jax.Array]:
-    """``mean_i (Σ_t w·ℓ) / L`` with a constant L (``norm_length``, default T): no length bias (Dr. GRPO)."""
-    length = config.norm_length or loss_bt.shape[1]
-    return jnp.sum(loss_bt * weights_bt) / length, _rows_with_loss(weights_bt)
-
-
-def loss_denominator(weights_bt: jax.Array, config: LossConfig) -> jax.Array:
-    """float32 []: the denominator of ``config.aggregation`` over a whole batch (depends on weights only)."""
-    _, denominator = AGGREGATIONS[config.aggregation](jnp.zeros_like(weights_bt), weights_bt, config)
-    return denominator
+def loss_denominator(weights_bt: jax.Array, paths_b: jax.Array | None, config: LossConfig) -> jax.Array:
+    """float32 []: the denominator of ``config.aggregation`` over a whole batch: Σ weights, or the number of
+    paths (``paths_b``: float32 [B], paths whose leaf trains in each row)."""
+    if AGGREGATIONS[config.aggregation].per_path:
+        if paths_b is None:
+            raise ValueError(f"aggregation {config.aggregation!r} needs the batch's path counts")
+        return jnp.sum(paths_b)
+    return jnp.sum(weights_bt)
 
 
 # -------------------------------------------------------------------------------------------- total
 def compute_loss(inputs: LossInputs, config: LossConfig) -> LossOutput:
-    """Policy loss + kl_coef · KL(π_θ ‖ π_ref) − entropy_coef · H, per token, aggregated to a numerator.
+    """Policy loss + kl_coef · KL penalty − entropy_coef · H, per token, summed to a numerator.
 
-    Divide by ``loss_denominator(all weights of the batch, config)`` to get the loss. Metrics: pg_loss,
-    approx_kl (k3 of π_old vs π_θ), clip fractions, ratio, and kl_ref / entropy when those are given.
+    Divide by ``loss_denominator(...)`` of the whole batch to get the loss. Metrics: pg_loss, approx_kl (k3 of
+    π_old vs π_θ), clip fractions, ratio and ratio_max, and kl_ref / entropy when those are given.
     """
     per_token, metrics = POLICY_LOSSES[config.policy_loss](inputs, config)
-    metrics["pg_loss"] = _metric(per_token, inputs.weights)
+    metrics["pg_loss"] = (jnp.sum(per_token), jnp.sum(inputs.weights))
     log_ratio = _log_ratio(inputs)
-    metrics["approx_kl"] = _metric(KL_ESTIMATORS["k3"](log_ratio), inputs.weights)
+    metrics["approx_kl"] = _metric(kl_value_estimate(jax.lax.stop_gradient(log_ratio)), inputs.weights)
     if inputs.ref_logprobs is not None:
         d = jnp.where(inputs.weights > 0, inputs.logprobs - inputs.ref_logprobs, 0.0)
-        kl = KL_ESTIMATORS[config.kl_estimator](jnp.clip(d, -MAX_LOG_RATIO, MAX_LOG_RATIO))
-        metrics["kl_ref"] = _metric(kl, inputs.weights)
+        d = jnp.clip(d, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+        metrics["kl_ref"] = _metric(kl_value_estimate(jax.lax.stop_gradient(d)), inputs.weights)
         if config.kl_coef:
-            per_token = per_token + config.kl_coef * kl
+            per_token = per_token + config.kl_coef * inputs.weights * KL_PENALTIES[config.kl](d)
     elif config.kl_coef:
         raise ValueError("kl_coef > 0 needs ref_logprobs (reference policy log-probs) in the batch")
     if inputs.entropies is not None:
-        metrics["entropy"] = _metric(inputs.entropies, inputs.weights)
+        metrics["entropy"] = _metric(jax.lax.stop_gradient(inputs.entropies), inputs.weights)
         if config.entropy_coef:
-            per_token = per_token - config.entropy_coef * inputs.entropies
+            per_token = per_token - config.entropy_coef * inputs.weights * inputs.entropies
     elif config.entropy_coef:
         raise ValueError("entropy_coef > 0 needs per-token entropies")
-    numerator, _ = AGGREGATIONS[config.aggregation](per_token, inputs.weights, config)
-    return LossOutput(numerator=numerator, metrics=metrics)
+    return LossOutput(numerator=jnp.sum(per_token), metrics=metrics)
+
+
+def combine_metrics(a: Metrics, b: Metrics) -> Metrics:
+    """Adds (sum, weight) pairs; ``*_max`` pairs combine by max."""
+    out = {}
+    for k in a:
+        op = jnp.maximum if k.endswith("_max") else jnp.add
+        out[k] = (op(a[k][0], b[k][0]), op(a[k][1], b[k][1]))
+    return out
 
 
 def finalize_metrics(metrics: Metrics) -> dict[str, float]:
     """(sum, count) pairs -> plain floats (sum / count; 0 when count is 0). Host side."""
-    return {k: float(s) / float(c) if float(c) else 0.0 for k, (s, c) in metrics.items()}
+    return {k: float(s) / float(c) if float(c) and np.isfinite(float(s)) else 0.0 for k, (s, c) in metrics.items()}

@@ -1,19 +1,25 @@
-"""The RL train step: a jit-compiled, mesh-sharded policy update with micro-batch gradient accumulation.
+"""The RL update: PPO epochs × mini-batches over one rollout batch, each mini-batch one jit-compiled,
+mesh-sharded optimizer step with micro-batch gradient accumulation.
 
 Usage (the wiring ``train.py`` does)::
 
     graphdef, params = nnx.split(model, nnx.Param)         # model built with parallel.mesh.create_sharded
-    trainer = RLTrainer(graphdef, make_optimizer(cfg.optim), from_config(LossConfig, cfg.loss),
-                        mesh=mesh, micro_batches=2, reference_params=params)   # the trainer keeps a copy
+    trainer = RLTrainer(graphdef, make_optimizer(cfg.optim), from_config(LossConfig, cfg.loss), mesh=mesh,
+                        micro_batches=2, update=from_config(UpdateConfig, cfg.update), sampling=engine.sampling,
+                        reference_params=params if loss.kl_coef else None)   # the trainer keeps a copy
+    check_objective(cfg.rl.advantage, trainer.loss_config, batch_config)   # at config time
     state = trainer.init_state(params, jax.random.key(seed))  # takes ownership: params are donated later
-    batch, info = build_batch(trees, compute_advantages("grpo", trees), BatchConfig(row_multiple=trainer.row_multiple))
-    batch = trainer.prepare(state, batch)                  # fills ref log-probs (and optionally old ones)
-    state, metrics = trainer.train_step(state, batch)      # metrics: dict of floats
+    batch, info = build_batch(trees, compute_advantages("grpo", trees),
+                              BatchConfig(row_multiple=trainer.row_multiple), trainer.loss_config)
+    state, metrics = trainer.update(state, batch)          # metrics: dict of floats (ratio stats included)
 
-Inside the step the policy's log-probs (and entropies) are recomputed under the current params from the
-exact token ids of the batch. The loss is ``Σ_micro numerator / denominator(whole batch)`` (see
-``trace_jax.rl.losses``), so any number of micro-batches gives the full-batch gradient. A non-finite loss
-or gradient leaves params and optimizer state untouched, increments ``skipped_steps`` and the run goes on.
+Inside a step the policy's log-probs are recomputed under the current params from the exact token ids of
+the batch (``trace_jax.rl.logprobs``: packed rows, chunked LM head), as log-probs of the *sampling*
+temperature's policy ``softmax(logits / T)``; the entropy over the vocabulary only when
+``entropy_coef != 0`` or ``UpdateConfig.entropy_metric``; reference log-probs only when ``kl_coef != 0``.
+The loss is ``Σ_micro numerator / denominator(whole mini-batch)`` (see ``trace_jax.rl.losses``), so any
+number of micro-batches gives the mini-batch gradient. A non-finite loss or gradient leaves params and
+optimizer state untouched, increments ``skipped_steps`` and the run goes on.
 
 Shardings: params keep the shardings they arrive with (from their logical axes); the optimizer state
 follows the params; the batch is split over the mesh's (data, fsdp) axes; step, rng and counters are
@@ -22,7 +28,7 @@ replicated. The state is donated to the step (the update is in place on device).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -32,12 +38,57 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trace_jax.optim import guarded_update
-from trace_jax.parallel.mesh import batch_sharding
+from trace_jax.optim import guarded_update, init_sharded
+from trace_jax.parallel.mesh import batch_sharding, traced_under
 from trace_jax.rl.batch import TrainBatch
-from trace_jax.rl.losses import LossConfig, LossInputs, compute_loss, finalize_metrics, loss_denominator
+from trace_jax.rl.logprobs import DEFAULT_CHUNK, behaviour_logprobs, policy_logprobs
+from trace_jax.rl.losses import (
+    LossConfig,
+    LossInputs,
+    combine_metrics,
+    compute_loss,
+    finalize_metrics,
+    loss_denominator,
+)
+from trace_jax.rollout.sampling import SamplingConfig
 
-LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, tokens int32 [B, T]) -> logits float32 [B, T, V]
+# Where the behaviour ("old") log-probs of PPO's ratio come from (see ``UpdateConfig``).
+BEHAVIOUR_LOGPROBS = ("sampler", "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """How one rollout batch updates the policy (PPO's outer loop).
+
+    Attributes:
+      ppo_epochs: passes over the rollout batch; each pass after the first trains on data the policy has
+        already moved away from, which is where the clip acts.
+      mini_batches: optimizer steps per epoch; the rows are reshuffled every epoch and split into this many
+        mini-batches (each normalised on its own). ppo_epochs × mini_batches steps per rollout batch.
+      behaviour_logprobs: the "old" log-probs of the ratio. "sampler": the sampler's ``sample_logprobs``,
+        the log-probs of the distribution the tokens were actually drawn from (tempered, top-k / top-p
+        truncated); "recompute": the trainer recomputes them in float32 before the first step under the
+        same transform (temperature, top-k, top-p: ``RLTrainer(sampling=...)``), removing the sampler's
+        numeric mismatch (e.g. bf16 decoding). Either way the trained policy is the tempered one,
+        ``softmax(logits / temperature)``; at the first step the ratio is ``π_T(y) / π_T,truncated(y) <= 1``.
+      entropy_metric: compute (and log) the policy entropy even when ``entropy_coef`` is 0 (costs a pass
+        over the vocabulary per position).
+      shuffle_seed: seed of the per-epoch row shuffles (combined with the state's step).
+    """
+
+    ppo_epochs: int = 2
+    mini_batches: int = 2
+    behaviour_logprobs: str = "sampler"
+    entropy_metric: bool = False
+    shuffle_seed: int = 0
+
+    def __post_init__(self):
+        if self.ppo_epochs < 1 or self.mini_batches < 1:
+            raise ValueError(f"ppo_epochs and mini_batches must be >= 1, got {self.ppo_epochs}, {self.mini_batches}")
+        if self.behaviour_logprobs not in BEHAVIOUR_LOGPROBS:
+            raise ValueError(
+                f"unknown behaviour_logprobs {self.behaviour_logprobs!r}; choose one of {BEHAVIOUR_LOGPROBS}"
+            )
 
 
 class TrainState(NamedTuple):
@@ -57,135 +108,93 @@ class TrainState(NamedTuple):
     skipped_steps: jax.Array
 
 
-def model_logits_fn(graphdef: nnx.GraphDef) -> LogitsFn:
-    """``(params, tokens) -> logits`` for a module whose call returns an object with ``logits_btv``."""
-
-    def logits(params: Any, tokens_bt: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, params)(tokens_bt).logits_btv
-
-    return logits
-
-
-def _target_stats(logits_btv: jax.Array, targets_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Log-prob of each target and the entropy of each distribution, float32 [B, T]."""
-    logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
-    logprobs = jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
-    entropies = -jnp.sum(jnp.exp(logp_btv) * logp_btv, axis=-1)
-    return logprobs, entropies
-
-
-def _shift_in(values_bt: jax.Array) -> jax.Array:
-    """Stats of tokens 1..T-1 -> [B, T] with a 0 for token 0 (which has no context)."""
-    return jnp.concatenate([jnp.zeros((values_bt.shape[0], 1), values_bt.dtype), values_bt], axis=1)
-
-
-def token_logprobs(logits_fn: LogitsFn, params: Any, tokens_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Log-prob and entropy of every token given the tokens before it.
-
-    Returns ``(logprobs_bt, entropies_bt)``, float32 [B, T]; entry t is about token t predicted from
-    positions < t (entry 0, which has no context, is 0). Materialises all [B, T, V] logits.
-    """
-    logprobs, entropies = _target_stats(logits_fn(params, tokens_bt)[:, :-1], tokens_bt[:, 1:])
-    return _shift_in(logprobs), _shift_in(entropies)
-
-
-def chunked_token_logprobs(
-    graphdef: nnx.GraphDef, params: Any, tokens_bt: jax.Array, chunk: int
-) -> tuple[jax.Array, jax.Array]:
-    """``token_logprobs`` for a model with ``hidden(tokens) -> (hidden_btd, cache)`` and ``logits(hidden)``,
-    computing the LM head ``chunk`` positions at a time and recomputing each chunk in the backward pass.
-
-    Peak logits memory is [B, chunk, V] instead of [B, T, V] (with a 150k vocabulary the full tensor is
-    the largest activation of the step). Same values as ``token_logprobs`` up to float rounding.
-    """
-    model = nnx.merge(graphdef, params)
-    hidden_btd, _ = model.hidden(tokens_bt)
-    b, t = tokens_bt.shape
-    n = -(-(t - 1) // chunk)
-    pad = n * chunk - (t - 1)
-    hidden = jnp.pad(hidden_btd[:, :-1], ((0, 0), (0, pad), (0, 0)))
-    targets = jnp.pad(tokens_bt[:, 1:], ((0, 0), (0, pad)))
-    hidden_nbcd = hidden.reshape(b, n, chunk, -1).swapaxes(0, 1)
-    targets_nbc = targets.reshape(b, n, chunk).swapaxes(0, 1)
-
-    @jax.checkpoint
-    def one_chunk(args):
-        h_bcd, y_bc = args
-        return _target_stats(model.logits(h_bcd), y_bc)
-
-    logprobs, entropies = jax.lax.map(one_chunk, (hidden_nbcd, targets_nbc))
-    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, : t - 1]
-    return _shift_in(unchunk(logprobs)), _shift_in(unchunk(entropies))
-
-
 class RLTrainer:
     """Builds the jit'd train step for one policy.
 
     Args:
-      graphdef: the policy's graph definition (``nnx.split(model, nnx.Param)[0]``).
+      graphdef: the policy's graph definition (``nnx.split(model, nnx.Param)[0]``); its model must have
+        ``hidden`` (with packed-row arguments) and ``logits``, as ``Qwen`` does.
       optimizer: e.g. ``trace_jax.optim.make_optimizer(...)``.
       loss_config: what the loss does (``LossConfig``).
       mesh: device mesh with axes (data, fsdp, tensor); None runs on the default device.
-      micro_batches: gradient accumulation steps per update; the batch's row count must divide by
-        ``row_multiple``.
-      reference_params: frozen params of the reference policy, used by ``prepare`` for the KL term.
-      recompute_old_logprobs: ``prepare`` replaces the sampler's log-probs by the trainer's own under the
-        current params (removes sampler/trainer numeric mismatch from the ratio).
-      logits_fn: override of the forward pass (default: ``model_logits_fn(graphdef)``).
-      logprob_chunk: compute the LM head this many positions at a time (``chunked_token_logprobs``; needs a
-        graphdef whose model has ``hidden`` and ``logits``, as ``Qwen`` does); None: all positions at once.
+      micro_batches: gradient accumulation steps per optimizer step.
+      reference_params: frozen params of the reference policy (needed when ``kl_coef != 0``, unused otherwise).
+      update: PPO epochs / mini-batches / behaviour log-probs (``UpdateConfig``; default ``UpdateConfig()``).
+      sampling: the transform rollouts were sampled with (temperature for the trained policy; temperature,
+        top-k, top-p for recomputed behaviour log-probs); default ``SamplingConfig()`` (T = 1, no truncation).
+      logprob_chunk: positions per LM-head chunk (peak logits memory [rows, chunk, V]).
+      recompute_old_logprobs: legacy switch: True means ``update.behaviour_logprobs="recompute"``.
     """
 
     def __init__(
         self,
-        graphdef: nnx.GraphDef | None,
+        graphdef: nnx.GraphDef,
         optimizer: optax.GradientTransformation,
         loss_config: LossConfig,
         *,
         mesh: Mesh | None = None,
         micro_batches: int = 1,
         reference_params: Any = None,
+        update: UpdateConfig | None = None,
+        sampling: SamplingConfig | None = None,
+        logprob_chunk: int = DEFAULT_CHUNK,
         recompute_old_logprobs: bool = False,
-        logits_fn: LogitsFn | None = None,
-        logprob_chunk: int | None = None,
     ):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-        if graphdef is None and logits_fn is None:
-            raise ValueError("RLTrainer needs a graphdef or a logits_fn")
+        if logprob_chunk < 1:
+            raise ValueError(f"logprob_chunk must be >= 1, got {logprob_chunk}")
+        update = update or UpdateConfig()
+        if recompute_old_logprobs:
+            update = dataclasses.replace(update, behaviour_logprobs="recompute")
+        self.graphdef = graphdef
         self.optimizer = optimizer
         self.loss_config = loss_config
         self.mesh = mesh
         self.micro_batches = micro_batches
+        self.update_config = update
+        self.sampling = sampling or SamplingConfig()
+        if self.sampling.greedy:
+            raise ValueError("RLTrainer needs the sampling transform of sampled rollouts (temperature > 0), not greedy")
+        self.logprob_chunk = logprob_chunk
         # A private copy: the caller's params usually become the train state, whose buffers each step donates.
-        self.reference_params = None if reference_params is None else jax.tree.map(jnp.copy, reference_params)
-        self.recompute_old_logprobs = recompute_old_logprobs
-        if logprob_chunk is not None and (graphdef is None or logprob_chunk < 1):
-            raise ValueError(f"logprob_chunk={logprob_chunk} needs a graphdef and a value >= 1")
-        self.logits_fn = logits_fn or model_logits_fn(graphdef)
-        if logprob_chunk is None:
-            self.token_stats = lambda params, tokens: token_logprobs(self.logits_fn, params, tokens)
-        else:
-            self.token_stats = lambda params, tokens: chunked_token_logprobs(graphdef, params, tokens, logprob_chunk)
+        keep_reference = reference_params is not None and loss_config.kl_coef
+        self.reference_params = jax.tree.map(jnp.copy, reference_params) if keep_reference else None
         self._step_fn: Any = None
-        self._logprobs_fn = jax.jit(lambda params, tokens: self.token_stats(params, tokens)[0])
+        # Traced under the mesh (when there is one) so the model's activation constraints apply.
+        under_mesh = (lambda fn: fn) if mesh is None else (lambda fn: traced_under(mesh, fn))
+        self._logprobs_fn = jax.jit(
+            under_mesh(lambda params, batch: self._policy_stats(params, batch, entropy=False)[0])
+        )
+        self._behaviour_fn = jax.jit(
+            under_mesh(
+                lambda params, batch: behaviour_logprobs(graphdef, params, batch, self.sampling, chunk=logprob_chunk)
+            )
+        )
 
     # ------------------------------------------------------------------------------------ placement
     @property
     def row_multiple(self) -> int:
-        """Batch rows must be a multiple of this (batch shards × micro-batches): ``BatchConfig.row_multiple``."""
+        """Batch rows must be a multiple of this (batch shards × micro-batches × mini-batches):
+        ``BatchConfig.row_multiple``."""
+        return self.step_row_multiple * self.update_config.mini_batches
+
+    @property
+    def step_row_multiple(self) -> int:
+        """Rows of one optimizer step's (mini-)batch must be a multiple of this (batch shards × micro-batches)."""
         shards = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         return shards * self.micro_batches
 
     def _replicated(self) -> NamedSharding | None:
         return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
 
-    def _put_batch(self, batch: TrainBatch) -> TrainBatch:
+    def _put_batch(self, batch: TrainBatch, multiple: int | None = None) -> TrainBatch:
         rows = batch.tokens.shape[0]
-        if rows % self.row_multiple:
+        multiple = multiple or self.step_row_multiple
+        if rows % multiple:
             raise ValueError(
-                f"batch has {rows} rows, not a multiple of {self.row_multiple} (batch shards × micro_batches); "
-                "build it with BatchConfig(row_multiple=trainer.row_multiple)"
+                f"batch has {rows} rows, not a multiple of {multiple} (batch shards × micro_batches × "
+                "mini_batches); build it with BatchConfig(row_multiple=trainer.row_multiple)"
             )
         if self.mesh is None:
             return jax.tree.map(jnp.asarray, batch)
@@ -197,15 +206,13 @@ class RLTrainer:
         The state takes ownership of ``params``: ``train_step`` donates them, so use ``state.params`` afterwards
         (e.g. ``nnx.merge(graphdef, state.params)`` for the rollout engine), never the arrays passed here.
         """
-        opt_state = jax.jit(self.optimizer.init)(params)
         replicated = self._replicated()
-        if replicated is not None:
-            # Moments inherit the params' shardings; leaves that do not depend on params (step counts) land on
-            # one device: replicate those over the mesh so the whole state lives on one device set.
-            mesh_devices = set(self.mesh.devices.flat)
-            opt_state = jax.tree.map(
-                lambda x: x if set(x.sharding.device_set) == mesh_devices else jax.device_put(x, replicated), opt_state
-            )
+        if replicated is None:
+            opt_state = jax.jit(self.optimizer.init)(params)
+        else:
+            # Born sharded: each moment takes its parameter's sharding (no whole-model copy on any device);
+            # leaves that do not mirror params (step counts) are replicated over the mesh.
+            opt_state = init_sharded(self.optimizer, params, replicated)
         scalar = (lambda x: jax.device_put(x, replicated)) if replicated is not None else jnp.asarray
         return TrainState(
             params=params,
@@ -216,35 +223,51 @@ class RLTrainer:
         )
 
     # -------------------------------------------------------------------------------------- logprobs
+    def _policy_stats(self, params: Any, batch: TrainBatch, entropy: bool) -> tuple[jax.Array, jax.Array | None]:
+        return policy_logprobs(
+            self.graphdef,
+            params,
+            batch,
+            chunk=self.logprob_chunk,
+            temperature=self.sampling.temperature,
+            entropy=entropy,
+        )
+
     def logprobs(self, params: Any, batch: TrainBatch) -> jax.Array:
-        """float32 [B, T] log-probs of the batch's tokens under ``params`` (sharded like the batch)."""
-        return self._logprobs_fn(params, self._put_batch(batch).tokens)
+        """float32 [B, T] log-probs of the batch's tokens under ``params``' tempered policy (sharded like the batch)."""
+        return self._logprobs_fn(params, self._put_batch(batch, 1))
 
     def prepare(self, state: TrainState, batch: TrainBatch, recompute_old_logprobs: bool | None = None) -> TrainBatch:
-        """Fills ``ref_logprobs`` (if reference params are set) and, with ``recompute_old_logprobs`` (default:
-        the trainer's setting), replaces ``old_logprobs`` by the current policy's. Returns device arrays."""
-        batch = self._put_batch(batch)
-        recompute = self.recompute_old_logprobs if recompute_old_logprobs is None else recompute_old_logprobs
+        """Device batch with its behaviour log-probs (recomputed if ``UpdateConfig.behaviour_logprobs`` is
+        "recompute", or if asked here) and, when ``kl_coef != 0``, the reference log-probs."""
+        batch = self._put_batch(batch, 1)
+        recompute = recompute_old_logprobs
+        if recompute is None:
+            recompute = self.update_config.behaviour_logprobs == "recompute"
+        trained = batch.weights > 0
         if recompute:
-            batch = batch._replace(old_logprobs=self._logprobs_fn(state.params, batch.tokens))
-        if self.reference_params is not None:
-            batch = batch._replace(ref_logprobs=self._logprobs_fn(self.reference_params, batch.tokens))
-        elif self.loss_config.kl_coef:
-            raise ValueError("loss kl_coef > 0 needs RLTrainer(reference_params=...)")
+            batch = batch._replace(old_logprobs=jnp.where(trained, self._behaviour_fn(state.params, batch), 0.0))
+        if self.loss_config.kl_coef:
+            if self.reference_params is None:
+                raise ValueError("loss kl_coef > 0 needs RLTrainer(reference_params=...)")
+            if batch.ref_logprobs is None:
+                batch = batch._replace(ref_logprobs=self._logprobs_fn(self.reference_params, batch))
         return batch
 
     # ------------------------------------------------------------------------------------------ step
     def _loss_and_metrics(self, params: Any, micro: TrainBatch, denominator: jax.Array):
-        logprobs, entropies = self.token_stats(params, micro.tokens)
-        if not self.loss_config.entropy_coef:
+        entropy = bool(self.loss_config.entropy_coef) or self.update_config.entropy_metric
+        logprobs, entropies = self._policy_stats(params, micro, entropy)
+        if entropies is not None and not self.loss_config.entropy_coef:
             entropies = jax.lax.stop_gradient(entropies)  # reported only: keep it out of the backward pass
         inputs = LossInputs(
             logprobs=logprobs,
             old_logprobs=micro.old_logprobs,
-            advantages=micro.advantages,
+            adv_pos=micro.adv_pos,
+            adv_neg=micro.adv_neg,
             weights=micro.weights,
             segment_ids=micro.segment_ids,
-            ref_logprobs=micro.ref_logprobs,
+            ref_logprobs=micro.ref_logprobs if self.loss_config.kl_coef else None,
             entropies=entropies,
         )
         out = compute_loss(inputs, self.loss_config)
@@ -264,15 +287,16 @@ class RLTrainer:
         return jax.tree.map(split, batch)
 
     def _step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Any]]:
-        denominator = jnp.maximum(loss_denominator(batch.weights, self.loss_config), 1e-8)
+        if not self.loss_config.kl_coef:
+            batch = batch._replace(ref_logprobs=None)
+        denominator = jnp.maximum(loss_denominator(batch.weights, batch.paths, self.loss_config), 1e-8)
         grad_fn = jax.value_and_grad(self._loss_and_metrics, has_aux=True)
 
         def accumulate(carry, micro):
             loss_sum, grads_sum, metrics_sum = carry
             (loss, metrics), grads = grad_fn(state.params, micro, denominator)
             grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
-            metrics_sum = jax.tree.map(jnp.add, metrics_sum, metrics)
-            return (loss_sum + loss, grads_sum, metrics_sum), None
+            return (loss_sum + loss, grads_sum, combine_metrics(metrics_sum, metrics)), None
 
         micros = self._micro_batches(batch)
         first = jax.tree.map(lambda x: x[0], micros)
@@ -280,7 +304,10 @@ class RLTrainer:
         zeros = (
             jnp.zeros((), jnp.float32),
             jax.tree.map(jnp.zeros_like, state.params),
-            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes),
+            {
+                k: tuple(jnp.full(s.shape, -jnp.inf if k.endswith("_max") else 0.0, s.dtype) for s in pair)
+                for k, pair in metric_shapes.items()
+            },
         )
         (loss, grads, metrics), _ = jax.lax.scan(accumulate, zeros, micros)
         update = guarded_update(self.optimizer, grads, state.opt_state, state.params, loss)
@@ -306,22 +333,68 @@ class RLTrainer:
         # Inputs arrive placed (params by their logical axes, batch by _put_batch); pin the outputs to the
         # same layout so the state keeps its shardings step after step.
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
-        return jax.jit(self._step, out_shardings=(state_shardings, self._replicated()), donate_argnums=0)
+        # Traced under the mesh so the model's activation constraints (parallel.mesh.constrain) apply.
+        step = traced_under(self.mesh, self._step)
+        return jax.jit(step, out_shardings=(state_shardings, self._replicated()), donate_argnums=0)
 
-    def train_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
-        """One optimizer update on ``batch`` (host or device arrays; see ``prepare`` for ref/old log-probs).
-
-        Returns the new state (the old one is donated: do not reuse it) and host metrics: loss, grad_norm,
-        update_applied (1.0 or 0.0), skipped_steps, and every loss metric (pg_loss, clip_fraction, approx_kl,
-        ratio, entropy, kl_ref, ...) averaged over trained tokens by their weights.
-        """
+    def _device_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Any]]:
         if self.loss_config.kl_coef and batch.ref_logprobs is None:
             raise ValueError("loss kl_coef > 0 but the batch has no ref_logprobs; call trainer.prepare(state, batch)")
         batch = self._put_batch(batch)
         if self._step_fn is None:
             self._step_fn = self._compile(state)
         state, out = self._step_fn(state, batch)
-        out = jax.device_get(out)
+        return state, jax.device_get(out)
+
+    def train_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
+        """One optimizer step on ``batch`` as given (see ``prepare`` for behaviour / reference log-probs).
+
+        Returns the new state (the old one is donated: do not reuse it) and host metrics: loss, grad_norm,
+        update_applied (1.0 or 0.0), skipped_steps, and every loss metric (pg_loss, clip_fraction, approx_kl,
+        ratio, ratio_max, kl_ref, entropy when computed, ...).
+        """
+        state, out = self._device_step(state, batch)
         metrics = finalize_metrics(out.pop("pairs"))
         metrics.update({k: float(v) for k, v in out.items()})
+        return state, metrics
+
+    def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
+        """PPO on one rollout batch: ``prepare``, then ``ppo_epochs`` passes, each over ``mini_batches``
+        reshuffled mini-batches of rows, one optimizer step each.
+
+        Metrics: the loss metrics pooled over every step (``ratio`` is the mean ratio, ``ratio_max`` the
+        largest, ``clip_fraction`` the clipped share; each measured at the start of its step), the same per
+        epoch as ``epoch{e}/ratio``, ``epoch{e}/ratio_max``, ``epoch{e}/clip_fraction`` (e from 1), and loss /
+        grad_norm averaged over steps, update_applied the share of applied steps, skipped_steps, steps.
+        """
+        config = self.update_config
+        prepared = jax.device_get(self.prepare(state, batch))
+        rows = prepared.tokens.shape[0]
+        if rows % self.row_multiple:
+            raise ValueError(
+                f"batch has {rows} rows, not a multiple of {self.row_multiple} (batch shards × micro_batches × "
+                "mini_batches); build it with BatchConfig(row_multiple=trainer.row_multiple)"
+            )
+        rng = np.random.default_rng([config.shuffle_seed, int(jax.device_get(state.step))])
+        pooled: dict[str, Any] | None = None
+        scalars: dict[str, list[float]] = {"loss": [], "grad_norm": [], "update_applied": []}
+        metrics: dict[str, float] = {}
+        for epoch in range(1, config.ppo_epochs + 1):
+            order = rng.permutation(rows) if config.mini_batches > 1 else np.arange(rows)
+            epoch_pairs: dict[str, Any] | None = None
+            for part in np.split(order, config.mini_batches):
+                mini = jax.tree.map(lambda x, part=part: x[part], prepared)
+                state, out = self._device_step(state, mini)
+                pairs = out.pop("pairs")
+                epoch_pairs = pairs if epoch_pairs is None else combine_metrics(epoch_pairs, pairs)
+                for k in scalars:
+                    scalars[k].append(float(out[k]))
+                metrics["skipped_steps"] = float(out["skipped_steps"])
+            pooled = epoch_pairs if pooled is None else combine_metrics(pooled, epoch_pairs)
+            epoch_metrics = finalize_metrics(epoch_pairs)
+            for k in ("ratio", "ratio_max", "clip_fraction"):
+                metrics[f"epoch{epoch}/{k}"] = epoch_metrics[k]
+        metrics.update(finalize_metrics(pooled))
+        metrics.update({k: float(np.mean(v)) for k, v in scalars.items()})
+        metrics["steps"] = float(len(scalars["loss"]))
         return state, metrics

@@ -2,10 +2,11 @@
 
 Every sampled token comes with three numbers:
 
-* ``logprobs``: its log-probability under the *untempered* policy, ``log_softmax(logits)[token]``; this is
-  the "old" log-probability PPO compares against, so it must not depend on the sampling knobs;
+* ``logprobs``: its log-probability under the *untempered* policy, ``log_softmax(logits)[token]``
+  (diagnostics; it does not depend on the sampling knobs);
 * ``sample_logprobs``: its log-probability under the distribution it was actually drawn from (tempered,
-  truncated by top-k / top-p, renormalised); 0 for greedy decoding, which is deterministic;
+  truncated by top-k / top-p, renormalised); 0 for greedy decoding, which is deterministic. These are the
+  behaviour log-probs PPO's ratio needs; ``token_sample_logprobs`` recomputes them for given tokens;
 * ``entropies``: the entropy of the untempered policy at that step (for entropy-guided branching).
 
 Randomness comes only from the keys passed in, one per row, so a row's draw does not depend on the other
@@ -115,3 +116,16 @@ def sample(logits_bv: jax.Array, keys_b: jax.Array, config: SamplingConfig) -> T
         tokens_b = jax.vmap(jax.random.categorical)(keys_b, draw_bv).astype(jnp.int32)
         sample_logprobs_b = _pick(draw_bv, tokens_b) - jax.nn.logsumexp(draw_bv, axis=-1)
     return TokenSample(tokens_b, _pick(logits_bv, tokens_b) - lse_b, sample_logprobs_b, entropy_b)
+
+
+def token_sample_logprobs(logits_nv: jax.Array, tokens_n: jax.Array, config: SamplingConfig) -> jax.Array:
+    """float32 [N]: log-probability of ``tokens_n`` under the distribution ``sample`` draws from given
+    ``logits_nv`` (float [N, V]): tempered and truncated like ``sample``, 0 for greedy (as ``sample`` reports).
+
+    What the trainer uses to recompute behaviour log-probs under the sampling transform; a token outside the
+    truncated support gets -inf.
+    """
+    if config.greedy:
+        return jnp.zeros(tokens_n.shape, jnp.float32)
+    draw_nv = truncated_logits(logits_nv, config)
+    return _pick(draw_nv, tokens_n) - jax.nn.logsumexp(draw_nv, axis=-1)

@@ -43,9 +43,10 @@ class Node:
       parent: parent's id; None at the root.
       depth: 0 at the root, t for the t-th turn.
       token_ids: int32 [n] ids the policy sampled in this turn (the prompt ids at the root).
-      logprobs: float32 [n] log-probabilities of ``token_ids`` under the sampling policy, untempered (the
-        "old" log-probs PPO needs). Zero at the root.
-      sample_logprobs: float32 [n] log-probabilities under the tempered / truncated sampling distribution.
+      logprobs: float32 [n] log-probabilities of ``token_ids`` under the untempered policy (diagnostics).
+        Zero at the root.
+      sample_logprobs: float32 [n] log-probabilities under the distribution the tokens were drawn from
+        (tempered, top-k / top-p truncated): the behaviour log-probs PPO's ratio needs.
       entropies: float32 [n] per-token entropy of the untempered policy (for entropy-guided baselines).
       observation_ids: int32 [o] ids the environment appended after this turn (never trained).
       feature: float32 [d] predictor input at this node as an anchor: the policy's final hidden state at
@@ -179,30 +180,43 @@ class RolloutTree:
     def prefix_length(self, node_id: int) -> int:
         return sum(self.nodes[i].num_tokens for i in self.path(node_id))
 
+    def subtree_sums(self, leaf_values: Sequence[float] | np.ndarray | None = None) -> np.ndarray:
+        """float64 [num_nodes, ...]: for every node, the sum of ``leaf_values`` over the leaves under it.
+
+        ``leaf_values``: [num_leaves, ...] in ``leaves()`` order (default 1 per leaf: the leaf counts). A leaf
+        counts itself. This is the package's one bottom-up traversal: leaf counts, value backups, allocation's
+        backups and the advantages' per-node sums all go through it.
+        """
+        leaves = self.leaves()
+        values = np.ones(len(leaves)) if leaf_values is None else np.asarray(leaf_values, np.float64)
+        if values.shape[:1] != (len(leaves),):
+            raise ValueError(f"leaf_values has {values.shape[:1]} rows for {len(leaves)} leaves")
+        sums = np.zeros((len(self.nodes), *values.shape[1:]))
+        sums[leaves] = values
+        for node in reversed(self.nodes[1:]):  # children always come after their parent
+            sums[node.parent] += sums[node.node_id]
+        return sums
+
+    def backups(self) -> tuple[np.ndarray, np.ndarray]:
+        """(int64 [num_nodes] leaves under each node, float64 [num_nodes] ``V̂``) in one traversal.
+
+        ``V̂(y)`` is the mean reward of the leaves under ``y`` (NaN with no leaf under it).
+        """
+        sums = self.subtree_sums(np.stack([np.ones(len(self.leaves())), self.leaf_rewards()], axis=1))
+        counts = sums[:, 0].astype(np.int64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return counts, np.where(counts > 0, sums[:, 1] / np.maximum(counts, 1), np.nan)
+
     def leaf_counts(self) -> np.ndarray:
         """int64 [num_nodes]: number of leaves under each node (a leaf counts itself)."""
-        counts = np.zeros(len(self.nodes), np.int64)
-        for node in reversed(self.nodes):  # children always come after their parent
-            if node.is_leaf:
-                counts[node.node_id] += 1
-            if node.parent is not None:
-                counts[node.parent] += counts[node.node_id]
-        return counts
+        return self.subtree_sums().astype(np.int64)
 
     def values(self) -> np.ndarray:
         """float64 [num_nodes]: V̂ backups, the mean leaf reward under each node; NaN with no leaf under it."""
-        sums = np.zeros(len(self.nodes))
-        for node in reversed(self.nodes):
-            if node.is_leaf:
-                sums[node.node_id] += node.reward
-            if node.parent is not None:
-                sums[node.parent] += sums[node.node_id]
-        counts = self.leaf_counts()
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+        return self.backups()[1]
 
     def leaf_rewards(self) -> np.ndarray:
-        return np.asarray([self.nodes[i].reward for i in self.leaves()], np.float64)
+        return np.asarray([self.nodes[i].reward for i in self.leaves()], np.float64).reshape(-1)
 
     def is_mixed(self) -> bool:
         """True when the leaves' rewards differ: the tree gives a non-zero group advantage."""

@@ -1,0 +1,95 @@
+"""The one attention function: blockwise reference = one block = jax.nn.dot_product_attention, all masks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax.models import attention as attention_lib
+from trace_jax.models.attention import attention, visible_mask
+
+
+def _qkv(b=2, t=40, h=4, k=2, e=8, seed=0, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (b, t, h, e), dtype)
+    kk = jax.random.normal(keys[1], (b, t, k, e), dtype)
+    v = jax.random.normal(keys[2], (b, t, k, e), dtype)
+    return q, kk, v
+
+
+def _tree_ends(b, t):
+    # Each key is seen up to a random end past itself: a valid (nested or not) visibility bound.
+    rng = np.random.default_rng(0)
+    index = np.arange(t)
+    return jnp.asarray(np.minimum(index + 1 + rng.integers(0, t, (b, t)), t), jnp.int32)
+
+
+def _naive(q, k, v, visible_bts):
+    h, e = q.shape[2:]
+    k_h = jnp.repeat(k, h // k.shape[2], axis=2)
+    v_h = jnp.repeat(v, h // v.shape[2], axis=2)
+    scores = jnp.einsum("bthe,bshe->bhts", q, k_h) / np.sqrt(e)
+    scores = jnp.where(visible_bts[:, None], scores, -jnp.inf)
+    return jnp.einsum("bhts,bshe->bthe", jax.nn.softmax(scores, axis=-1), v_h)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_reference_blockwise_equals_naive_attention(monkeypatch, tree):
+    q, k, v = _qkv()
+    b, t = q.shape[:2]
+    index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    ends = _tree_ends(b, t) if tree else None
+    want = _naive(q, k, v, visible_mask(index, t, ends))
+    monkeypatch.setattr(attention_lib, "REFERENCE_BLOCK", 16)  # 40 queries: 3 blocks, the last one padded
+    got = attention(q, k, v, index, ends, plain_causal=not tree, implementation="reference")
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    # The XLA path of jax.nn.dot_product_attention takes the same masks.
+    fused = attention(q, k, v, index, ends, plain_causal=not tree, implementation="xla")
+    np.testing.assert_allclose(fused, want, atol=1e-5)
+    if tree:  # the premise: the tree bound changes the result
+        assert np.abs(np.asarray(want - _naive(q, k, v, visible_mask(index, t, None)))).max() > 1e-3
+
+
+def test_cached_attention_sees_the_slot_positions_written_so_far():
+    q = _qkv(t=1)[0]
+    cache_k, cache_v = _qkv(t=12, seed=1)[1:]
+    positions = jnp.asarray([[3], [9]], jnp.int32)  # slot 0 has 3 earlier keys, slot 1 has 9
+    got = attention(q, cache_k, cache_v, positions, implementation="reference")
+    for slot, position in enumerate((3, 9)):
+        sl = slice(slot, slot + 1)
+        alone = _naive(
+            q[sl], cache_k[sl, : position + 1], cache_v[sl, : position + 1], jnp.ones((1, 1, position + 1), bool)
+        )
+        np.testing.assert_allclose(got[sl], alone, atol=1e-5)
+
+
+def test_bfloat16_inputs_accumulate_in_float32():
+    q, k, v = _qkv(t=64, e=64)
+    index = jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), (2, 64))
+    exact = attention(q, k, v, index, plain_causal=True, implementation="reference")
+    half = attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), index, plain_causal=True, implementation="reference")
+    assert half.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(half, np.float32) - np.asarray(exact)).max() < 0.05
+
+
+def test_auto_is_the_reference_on_cpu_and_unknown_names_are_clear():
+    assert attention_lib.resolve("auto") == "reference"  # the test machine has no accelerator
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash3'"):
+        attention_lib.resolve("flash3")
+
+
+def test_splash_kernel_in_interpret_mode_equals_the_reference(monkeypatch):
+    # The TPU Pallas kernel run by the Pallas interpreter on CPU (the closest check possible without a TPU).
+    monkeypatch.setattr(attention_lib, "SPLASH_INTERPRET", True)
+    q, k, v = _qkv(b=1, t=128, h=2, k=1, e=128)
+    index = jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), (1, 128))
+    want = attention(q, k, v, index, plain_causal=True, implementation="reference")
+    got = attention(q, k, v, index, plain_causal=True, implementation="splash")
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    # A tree mask is data-dependent: splash hands it to the reference path.
+    ends = _tree_ends(1, 128)
+    np.testing.assert_allclose(
+        attention(q, k, v, index, ends, implementation="splash"),
+        attention(q, k, v, index, ends, implementation="reference"),
+        atol=1e-6,
+    )

@@ -1,0 +1,104 @@
+"""The planner: XLA memory analysis of the real train step / engine, remat and vocabulary effects, the CLI."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from trace_jax.models.qwen import ModelConfig
+from trace_jax.parallel.mesh import make_mesh
+from trace_jax.plan.compile import train_step_memory
+from trace_jax.plan.topology import GIB, parse_topology
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Narrow attention, wide MLP: the layers' activations, not one attention block, dominate the step.
+FOUR_LAYERS = ModelConfig.preset(
+    "qwen3-tiny",
+    num_layers=4,
+    hidden_size=128,
+    intermediate_size=1024,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    vocab_size=256,
+)
+
+
+def _one_device():
+    return make_mesh(devices=jax.devices()[:1])
+
+
+def test_full_remat_keeps_at_most_a_third_of_the_temporaries():
+    temps = {
+        remat: train_step_memory(
+            dataclasses.replace(FOUR_LAYERS, remat=remat), _one_device(), 1, 2048, 1, 256
+        ).temporaries
+        for remat in ("none", "full")
+    }
+    assert temps["full"] <= temps["none"] / 3, temps
+
+
+def test_the_loss_path_does_not_grow_with_the_vocabulary_beyond_one_chunk():
+    rows, seq, chunk = 1, 1024, 128
+    small, large = 256, 4096
+    reports = {
+        v: train_step_memory(dataclasses.replace(FOUR_LAYERS, vocab_size=v), _one_device(), rows, seq, 1, chunk)
+        for v in (small, large)
+    }
+    grown = reports[large].temporaries - reports[small].temporaries
+    params_grown = reports[large].by_kind["weights"] - reports[small].by_kind["weights"]
+    full_logits = rows * seq * (large - small) * 4  # what one float32 [rows, T, V] would add
+    one_chunk = rows * chunk * (large - small) * 4
+    assert grown < full_logits / 4, (grown, full_logits)
+    # Params-shaped temporaries (gradient accumulator, optimizer update) plus a few chunk-sized buffers.
+    assert grown <= 4 * params_grown + 4 * one_chunk, (grown, params_grown, one_chunk)
+
+
+def test_topologies_count_chips_and_memory():
+    v5p = parse_topology("v5p-64")
+    assert (v5p.chips, v5p.memory_bytes) == (32, 95 * GIB)  # v5p names count TensorCores, 2 per chip
+    assert parse_topology("v5e-64").chips == parse_topology("v5litepod-64").chips == 64
+    assert parse_topology("v6e-64").memory_bytes == 32 * GIB
+    with pytest.raises(ValueError, match="unknown topology 'tpu9-8'"):
+        parse_topology("tpu9-8")
+    with pytest.raises(ValueError, match="not a whole number of chips"):
+        parse_topology("v5p-7")
+
+
+def _plan(tmp_path, *extra):
+    out = tmp_path / "plan.json"
+    args = ["--model", "qwen3-tiny", "--topology", "v5p-16", "--rows", "16", "--seq-len", "256", "--slots", "16"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the planner sets the fake device count itself
+    done = subprocess.run(
+        [sys.executable, "-m", "trace_jax.plan", *args, "--no-depth-check", "--json", str(out), *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_the_planner_compiles_the_step_and_the_engine_and_picks_what_fits(tmp_path):
+    stdout, plan = _plan(tmp_path)
+    assert "estimate" in stdout and "train: FITS" in stdout and "engine: FITS" in stdout
+    train, engine = plan["train"]["fits"], plan["engine"]["fits"]
+    assert sum(train["mesh"].values()) and train["mesh"]["fsdp"] * train["mesh"]["tensor"] == 8
+    assert train["per_device_gib"]["temporaries"] > 0 and engine["per_device_gib"]["kv_cache"] >= 0
+    assert train["peak_gib"] <= plan["budget_gib"] and engine["peak_gib"] <= plan["budget_gib"]
+
+
+@pytest.mark.slow
+def test_the_planner_says_plainly_when_nothing_fits(tmp_path):
+    stdout, plan = _plan(tmp_path, "--memory-gib", "0.001", "--prune", "1e9", "--max-compiles", "1")
+    assert plan["train"]["fits"] is None and plan["train"]["tried"]
+    assert "train: nothing fits" in stdout

@@ -1,0 +1,212 @@
+"""One attention function for every caller (training rows, packed trees, cached decoding), fp32 accumulation.
+
+Visibility contract (one form covers all cases): key ``s`` is visible to query ``t`` of row ``b`` iff
+
+    s <= query_index_bt[b, t]   and   query_index_bt[b, t] < kv_end_bs[b, s]   (the second only if given)
+
+* a plain causal forward: ``query_index_bt = 0..T-1`` (keys are the same tokens), no ``kv_end``;
+* a packed tree row: the same, with ``kv_end_bs = kv_visible_end_bt`` (a key is seen by the queries of its
+  own subtree only; see ``Qwen.hidden``);
+* cached decoding: keys are the cache positions, ``query_index_bt`` the position each new token is written
+  at (``KVCache.write_layer`` has already stored it), no ``kv_end``.
+
+Implementations (``ATTENTION``, chosen by ``ModelConfig.attention``; "auto" picks per backend at trace time):
+
+* ``reference``: plain XLA, scores ``[B, K, G, Tq, S]`` accumulated in float32 (``preferred_element_type``),
+  softmax in float32. Long inputs are split into query blocks of ``REFERENCE_BLOCK`` rows, each rematerialised
+  in the backward pass, so at most one block's scores are alive (never a [T, T] mask per head; the boolean
+  mask is built per block as [B, Tq, S] and broadcast over heads). The default on CPU (and TPU fallback).
+* ``xla`` / ``cudnn``: ``jax.nn.dot_product_attention`` (cuDNN flash attention on GPU, fp32 accumulation
+  inside the kernel). "auto" on GPU (``gpu_auto``) takes cuDNN for bf16/fp16 inputs, XLA for float32.
+* ``splash``: the Pallas TPU splash-attention kernel, for the plain causal case only (the tree and cache
+  masks are data-dependent, which splash's static masks cannot express; those fall back to ``reference``).
+  "auto" picks it on TPU only outside a sharding mesh (a ``shard_map`` wrapper for sharded rows and heads is
+  not written yet; under a mesh "auto" is ``reference``).
+  It is imported lazily and guarded; without a TPU here it was checked only in Pallas interpret mode on CPU
+  (``SPLASH_INTERPRET``), not on TPU hardware (speed and the sharded case are untested).
+
+The KV cache's per-layer read and write live behind ``KVCache.write_layer`` / ``KVCache.read_layer`` (see
+``trace_jax.models.qwen``); ``attend_cached`` is the only caller, so a paged cache with the same two methods
+plugs in without touching the layer scan.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.registry import Registry
+
+# Query rows per block of the reference path; a block's float32 scores are [B, H, REFERENCE_BLOCK, S].
+REFERENCE_BLOCK = 512
+# Run the splash kernel in Pallas interpret mode (any backend; for tests on CPU).
+SPLASH_INTERPRET = False
+
+# fn(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs | None, plain_causal) -> out_bthe (q's dtype).
+AttentionFn = Callable[..., jax.Array]
+ATTENTION: Registry[AttentionFn] = Registry("attention implementation")
+
+
+def visible_mask(query_index_bt: jax.Array, num_keys: int, kv_end_bs: jax.Array | None) -> jax.Array:
+    """bool [B, T, S]: the visibility contract of the module docstring."""
+    q_bt1 = query_index_bt[:, :, None]
+    visible_bts = jnp.arange(num_keys)[None, None, :] <= q_bt1
+    if kv_end_bs is not None:
+        visible_bts = visible_bts & (q_bt1 < kv_end_bs[:, None, :])
+    return visible_bts
+
+
+def _attend_block(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs):
+    b, t, h, e = q_bthe.shape
+    kv = k_bske.shape[2]
+    q_btkge = q_bthe.reshape(b, t, kv, h // kv, e)
+    scores = jnp.einsum("btkge,bske->bkgts", q_btkge, k_bske, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(e)
+    visible_bts = visible_mask(query_index_bt, k_bske.shape[1], kv_end_bs)
+    scores = jnp.where(visible_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bske.dtype)
+    out = jnp.einsum("bkgts,bske->btkge", probs, v_bske, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, e).astype(q_bthe.dtype)
+
+
+@ATTENTION.register("reference")
+def reference_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, plain_causal=False):
+    """Float32-accumulated XLA attention, blockwise over queries past ``REFERENCE_BLOCK`` rows."""
+    del plain_causal
+    b, t, h, e = q_bthe.shape
+    if t <= REFERENCE_BLOCK:
+        return _attend_block(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs)
+    n = -(-t // REFERENCE_BLOCK)
+    pad = n * REFERENCE_BLOCK - t
+    q_nbche = jnp.pad(q_bthe, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, REFERENCE_BLOCK, h, e).swapaxes(0, 1)
+    # Padded queries see key 0 only (index 0): finite, and sliced off below.
+    index_nbc = jnp.pad(query_index_bt, ((0, 0), (0, pad))).reshape(b, n, REFERENCE_BLOCK).swapaxes(0, 1)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def one_block(args):
+        q_block, index_block = args
+        return _attend_block(q_block, k_bske, v_bske, index_block, kv_end_bs)
+
+    out_nbche = jax.lax.map(one_block, (q_nbche, index_nbc))
+    return out_nbche.swapaxes(0, 1).reshape(b, n * REFERENCE_BLOCK, h, e)[:, :t]
+
+
+def _dot_product_attention(implementation: str | None) -> AttentionFn:
+    def attend(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, plain_causal=False):
+        if plain_causal:
+            return jax.nn.dot_product_attention(q_bthe, k_bske, v_bske, is_causal=True, implementation=implementation)
+        mask_b1ts = visible_mask(query_index_bt, k_bske.shape[1], kv_end_bs)[:, None]
+        return jax.nn.dot_product_attention(q_bthe, k_bske, v_bske, mask=mask_b1ts, implementation=implementation)
+
+    return attend
+
+
+ATTENTION.register("xla")(_dot_product_attention("xla"))
+ATTENTION.register("cudnn")(_dot_product_attention("cudnn"))
+
+
+@ATTENTION.register("gpu_auto")
+def gpu_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, plain_causal=False):
+    """cuDNN flash attention for half-precision inputs (its requirement), XLA's fused path otherwise."""
+    name = "cudnn" if q_bthe.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    return ATTENTION[name](q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, plain_causal)
+
+
+@ATTENTION.register("splash")
+def splash_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, plain_causal=False):
+    """TPU Pallas splash attention for the plain causal case; anything else goes to ``reference``.
+
+    Checked here only in Pallas interpret mode (no TPU). Inputs must be unsharded over heads within the call
+    (wrap in ``shard_map`` for tensor-parallel heads); the GQA groups share one kernel per kv head (MQA form).
+    """
+    if not plain_causal:
+        return reference_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs)
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    b, t, h, e = q_bthe.shape
+    kv = k_bske.shape[2]
+    g = h // kv
+    mask = splash.MultiHeadMask([splash.CausalMask((t, k_bske.shape[1]))] * g)
+    kernel = splash.make_splash_mqa_single_device(mask=mask, interpret=SPLASH_INTERPRET)
+    q_bkgte = (q_bthe / math.sqrt(e)).reshape(b, t, kv, g, e).transpose(0, 2, 3, 1, 4)
+    k_bkse, v_bkse = k_bske.transpose(0, 2, 1, 3), v_bske.transpose(0, 2, 1, 3)
+    out_bkgte = jax.vmap(jax.vmap(kernel))(q_bkgte, k_bkse, v_bkse)
+    return out_bkgte.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e).astype(q_bthe.dtype)
+
+
+def _splash_available() -> bool:
+    try:
+        from jax.experimental.pallas.ops.tpu import splash_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve(implementation: str) -> str:
+    """The registered implementation "auto" means on the current backend (others are returned as is)."""
+    if implementation != "auto":
+        ATTENTION[implementation]  # unknown names: a clear error now
+        return implementation
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return "gpu_auto"
+    # Splash is a custom kernel the SPMD partitioner cannot split: under a sharding mesh it would need a
+    # shard_map wrapper (not written yet), so "auto" takes it only for unsharded traces.
+    if backend == "tpu" and _splash_available() and jax.sharding.get_abstract_mesh().empty:
+        return "splash"
+    return "reference"
+
+
+def attention(
+    q_bthe: jax.Array,
+    k_bske: jax.Array,
+    v_bske: jax.Array,
+    query_index_bt: jax.Array,
+    kv_end_bs: jax.Array | None = None,
+    *,
+    plain_causal: bool = False,
+    implementation: str = "auto",
+) -> jax.Array:
+    """Grouped-query attention under the module's visibility contract.
+
+    Args:
+      q_bthe: queries [B, T, H, E] (already rotated); k_bske, v_bske: keys / values [B, S, K, E], H % K == 0.
+      query_index_bt: int32 [B, T], each query's index in key order.
+      kv_end_bs: optional int32 [B, S], exclusive end of the queries that may see each key.
+      plain_causal: the caller guarantees ``query_index = 0..T-1``, S == T and no ``kv_end`` (lets fused
+        kernels use their built-in causal mask).
+      implementation: a key of ``ATTENTION`` or "auto".
+
+    Returns:
+      [B, T, H, E] in q's dtype; scores, softmax and the value sum are accumulated in float32.
+    """
+    return ATTENTION[resolve(implementation)](q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, plain_causal)
+
+
+def attend_cached(
+    cache: Any,
+    layer: jax.Array,
+    q_bthe: jax.Array,
+    k_btke: jax.Array,
+    v_btke: jax.Array,
+    positions_bt: jax.Array,
+    implementation: str = "auto",
+) -> tuple[jax.Array, Any]:
+    """Writes this layer's new keys / values at ``positions_bt`` and attends over the slot's cache.
+
+    ``cache`` is any object with ``write_layer(layer, positions_bt, k_btke, v_btke) -> cache`` and
+    ``read_layer(layer) -> (keys_bske, values_bske)`` where key s of slot b sits at position s (a paged cache
+    gathers its pages into that view). Returns ``(out_bthe, updated cache)``.
+    """
+    cache = cache.write_layer(layer, positions_bt, k_btke, v_btke)
+    keys_bske, values_bske = cache.read_layer(layer)
+    dtype = q_bthe.dtype
+    out = attention(
+        q_bthe, keys_bske.astype(dtype), values_bske.astype(dtype), positions_bt, implementation=implementation
+    )
+    return out, cache

@@ -1,0 +1,285 @@
+"""``python -m trace_jax.plan``: pick a mesh, micro-batching and remat policy that fit, from XLA's memory analysis.
+
+    python -m trace_jax.plan --model qwen3-8b --topology v5p-64 --rows 256 --seq-len 4096 [--json out.json]
+
+For the train step the candidates are (fsdp x tensor meshes over all chips) x micro-batches x remat policies,
+tried in order of expected speed (no remat before matmul-saving before full remat; fewer micro-batches and
+less tensor parallelism first). A rough analytic estimate skips candidates that cannot fit; each remaining one
+is compiled (the real ``RLTrainer`` step) until XLA's per-device peak fits the chip's memory less the margin.
+The engine (``Engine.generate``, slots x max_len) tries data x tensor meshes the same way. A 4-layer copy of
+the chosen train step is compiled too, to show that compile time does not grow with depth (scanned layers).
+
+The numbers are XLA:CPU's estimate of per-device memory; XLA:TPU schedules differently (treat as an estimate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from trace_jax.plan.topology import GIB, Topology, parse_topology
+
+REMATS = ("none", "save_dots", "full")
+
+
+def _set_fake_devices(count: int) -> None:
+    if "jax" in sys.modules:
+        import jax
+
+        if len(jax.devices()) < count:
+            raise RuntimeError(f"jax was imported with {len(jax.devices())} devices; the plan needs {count}")
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+# ------------------------------------------------------------------------------------------ estimates
+def _activation_estimate(config: Any, tokens: int, tensor: int, remat: str, rows: int, chunk: int) -> float:
+    """Rough per-device activation bytes of one micro-batch (orders and prunes candidates; XLA decides)."""
+    act = 2 if config.dtype == "bfloat16" else 4
+    d, f, e = config.hidden_size, config.intermediate_size / tensor, config.head_dim
+    heads = (config.num_heads + 2 * config.num_kv_heads) * e / tensor
+    per_layer = tokens * act * (6 * d + 4 * f + 3 * heads)  # what one layer keeps without remat
+    saved = {"none": per_layer, "save_dots": tokens * act * (2 * d + 2 * f + heads), "full": tokens * act * d}[remat]
+    seq = tokens / max(rows, 1)
+    attention = rows * config.num_heads / tensor * min(512, seq) * seq * 4 * 4
+    logits = rows * chunk * config.vocab_size / tensor * 4 * 4
+    # x2.5: XLA:CPU keeps float32 copies around bf16 dots (measured on qwen3-8b: ~2.6x the bf16 count).
+    return 2.5 * (config.num_layers * saved + 2 * per_layer) + attention + logits
+
+
+def _train_candidates(config, topology: Topology, rows: int, seq_len: int, chunk: int):
+    chips = topology.chips
+    for remat in REMATS:
+        for micro in (1, 2, 4, 8, 16, 32):
+            for tensor in (1, 2, 4, 8):
+                fsdp = chips // tensor
+                if chips % tensor or rows % (fsdp * micro):
+                    continue
+                rows_dev = rows // fsdp // micro
+                estimate = _activation_estimate(config, rows_dev * seq_len, tensor, remat, rows_dev, chunk)
+                yield (
+                    {"remat": remat, "micro_batches": micro, "mesh": {"data": 1, "fsdp": fsdp, "tensor": tensor}},
+                    estimate,
+                )
+
+
+def _engine_candidates(topology: Topology, slots: int):
+    for tensor in (1, 2, 4, 8):
+        data = topology.chips // tensor
+        if topology.chips % tensor == 0 and slots % data == 0:
+            yield {"mesh": {"data": data, "fsdp": 1, "tensor": tensor}}
+
+
+# ---------------------------------------------------------------------------------------------- search
+class Planner:
+    """Compiles candidates for one model on fake devices; compiled reports are memoised by (program,
+    mesh, settings), so topologies with the same chip count and different memory share compiles."""
+
+    def __init__(self, args: argparse.Namespace, chips: int):
+        _set_fake_devices(chips)
+        import jax
+
+        from trace_jax.models.qwen import ModelConfig
+
+        self.args = args
+        self.devices = jax.devices()
+        self.config = ModelConfig.preset(args.model, dtype=args.dtype, param_dtype=args.param_dtype)
+        self.memo: dict[str, Any] = {}
+        self.compiles = 0
+
+    def _report(self, key: str, build) -> dict[str, Any]:
+        if key not in self.memo:
+            self.memo[key] = build().as_dict()
+            self.compiles += 1
+        return self.memo[key]
+
+    def train(self, topology: Topology, budget: int, depth_check: bool = False) -> dict[str, Any]:
+        from trace_jax.models.qwen import num_params
+        from trace_jax.parallel.mesh import make_mesh
+        from trace_jax.plan import compile as plan_compile
+
+        args, config = self.args, self.config
+        devices = self.devices[: topology.chips]
+        state_bytes = num_params(config) * (4 if args.param_dtype == "float32" else 2) * 4 / topology.chips
+        out: dict[str, Any] = {"fits": None, "tried": []}
+        fresh = self.compiles + args.max_compiles  # candidates compiled before (memoised) cost nothing
+        for candidate, estimate in _train_candidates(config, topology, args.rows, args.seq_len, args.logprob_chunk):
+            key = json.dumps(["train", candidate])
+            if state_bytes + estimate > budget * args.prune or (key not in self.memo and self.compiles >= fresh):
+                continue
+            build = functools.partial(
+                plan_compile.train_step_memory,
+                dataclasses.replace(config, remat=candidate["remat"]),
+                make_mesh(**candidate["mesh"], devices=devices),
+                args.rows,
+                args.seq_len,
+                candidate["micro_batches"],
+                args.logprob_chunk,
+            )
+            report = self._report(key, build)
+            entry = {**report, "fits": report["peak_gib"] * GIB <= budget}
+            out["tried"].append(entry)
+            print(_row(entry), flush=True)
+            if entry["fits"]:
+                out["fits"] = entry
+                break
+        if out["fits"] and depth_check:
+            chosen = out["fits"]
+            shallow = dataclasses.replace(config, remat=chosen["settings"]["remat"], num_layers=4)
+            report = plan_compile.train_step_memory(
+                shallow,
+                make_mesh(**chosen["mesh"], devices=devices),
+                args.rows,
+                args.seq_len,
+                chosen["settings"]["micro_batches"],
+                args.logprob_chunk,
+            )
+            out["depth_check"] = {
+                "layers": config.num_layers,
+                "compile_seconds": chosen["compile_seconds"],
+                "layers_4_compile_seconds": round(report.compile_seconds, 1),
+                "ratio": round(chosen["compile_seconds"] / max(report.compile_seconds, 1e-9), 2),
+            }
+        return out
+
+    def engine(self, topology: Topology, budget: int) -> dict[str, Any]:
+        from trace_jax.parallel.mesh import make_mesh
+        from trace_jax.plan import compile as plan_compile
+
+        args = self.args
+        devices = self.devices[: topology.chips]
+        config = dataclasses.replace(self.config, param_dtype=args.engine_dtype, dtype=args.engine_dtype)
+        max_len = args.engine_len or args.seq_len
+        out: dict[str, Any] = {"fits": None, "tried": []}
+        fresh = self.compiles + args.max_compiles
+        for candidate in _engine_candidates(topology, args.slots):
+            mesh = make_mesh(**candidate["mesh"], devices=devices)
+            weights = plan_compile.shard_bytes(plan_compile.abstract_params(config, mesh)[1])
+            key = json.dumps(["engine", candidate])
+            if weights > budget or (key not in self.memo and self.compiles >= fresh):
+                continue
+            report = self._report(
+                key,
+                lambda mesh=mesh: plan_compile.generate_memory(
+                    config, mesh, args.slots, max_len, args.steps_per_call, args.engine_dtype
+                ),
+            )
+            entry = {**report, "fits": report["peak_gib"] * GIB <= budget}
+            out["tried"].append(entry)
+            print(_row(entry), flush=True)
+            if entry["fits"]:
+                out["fits"] = entry
+                break
+        return out
+
+
+def plan_one(planner: Planner, topology: Topology, depth_check: bool) -> dict[str, Any]:
+    """The train step and engine plans of ``planner``'s model on ``topology``."""
+    from trace_jax.models.qwen import num_params
+
+    args = planner.args
+    memory = int(args.memory_gib * GIB) if args.memory_gib else topology.memory_bytes
+    budget = int(memory * (1 - args.margin))
+    return {
+        "model": args.model,
+        "params": num_params(planner.config),
+        "topology": {"name": topology.name, "chips": topology.chips, "memory_gib": round(memory / GIB, 1)},
+        "budget_gib": round(budget / GIB, 2),
+        "margin": args.margin,
+        "note": "XLA:CPU memory analysis on fake devices: an estimate of TPU/GPU memory (schedules differ).",
+        "train": planner.train(topology, budget, depth_check) if args.rows else {"fits": None, "tried": []},
+        "engine": planner.engine(topology, budget) if args.slots else {"fits": None, "tried": []},
+    }
+
+
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+    topology = parse_topology(args.topology)
+    return plan_one(Planner(args, topology.chips), topology, args.depth_check)
+
+
+# ------------------------------------------------------------------------------------------------ output
+def _row(entry: dict[str, Any]) -> str:
+    mesh = "x".join(f"{k}{v}" for k, v in entry["mesh"].items() if v > 1) or "1"
+    s = entry["settings"]
+    what = (
+        f"micro={s['micro_batches']} remat={s['remat']}"
+        if entry["program"] == "train_step"
+        else f"slots={s['slots']} len={s['max_len']}"
+    )
+    kinds = " ".join(f"{k}={v:.2f}" for k, v in entry["per_device_gib"].items())
+    verdict = "fits" if entry["fits"] else "too big"
+    return (
+        f"{entry['program']:<10} {mesh:<18} {what:<26} {kinds}  peak={entry['peak_gib']:.2f} GiB  "
+        f"[{verdict}; compiled in {entry['compile_seconds']:.0f}s]"
+    )
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['model']} ({result['params'] / 1e9:.2f}B params) on {result['topology']['name']}: "
+        f"{result['topology']['chips']} chips x {result['topology']['memory_gib']} GiB, budget "
+        f"{result['budget_gib']} GiB per chip (margin {result['margin']:.0%})",
+        f"note: {result['note']}",
+    ]
+    for part in ("train", "engine"):
+        chosen = result[part]["fits"]
+        if chosen is not None:
+            lines.append(f"{part}: FITS  {_row(chosen)}")
+        else:
+            lines.append(f"{part}: nothing fits among the {len(result[part]['tried'])} compiled candidates")
+    if "depth_check" in result["train"]:
+        d = result["train"]["depth_check"]
+        lines.append(
+            f"compile time: {d['layers']} layers {d['compile_seconds']}s vs 4 layers {d['layers_4_compile_seconds']}s "
+            f"(x{d['ratio']})"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sizing options shared by ``python -m trace_jax.plan`` and ``trace_jax.plan.table``."""
+    parser.add_argument("--rows", type=int, default=256, help="train rows per step (0: skip the train step)")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--slots", type=int, default=256, help="engine decode slots (0: skip the engine)")
+    parser.add_argument("--engine-len", type=int, default=0, help="cache positions per slot (default: --seq-len)")
+    parser.add_argument("--steps-per-call", type=int, default=64)
+    parser.add_argument("--logprob-chunk", type=int, default=512)
+    parser.add_argument("--dtype", default="bfloat16", help="train compute dtype")
+    parser.add_argument("--param-dtype", default="float32", help="train weights (and optimizer state) dtype")
+    parser.add_argument("--engine-dtype", default="bfloat16", help="engine weights, compute and KV cache dtype")
+    parser.add_argument("--memory-gib", type=float, default=0, help="override the chip's memory (GiB)")
+    parser.add_argument("--margin", type=float, default=0.1, help="fraction of chip memory kept free")
+    parser.add_argument("--prune", type=float, default=1.5, help="skip candidates estimated above prune x budget")
+    parser.add_argument("--max-compiles", type=int, default=4, help="train-step compiles at most")
+    parser.add_argument("--no-depth-check", dest="depth_check", action="store_false")
+    parser.add_argument("--json", help="also write the result here")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m trace_jax.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a ModelConfig preset, e.g. qwen3-8b")
+    parser.add_argument("--topology", required=True, help="e.g. v5p-64, v5e-64, v6e-64, v4-32, h100-8")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    result = plan(args)
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    print(summary(result))
+    print(f"planned in {result['seconds']}s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

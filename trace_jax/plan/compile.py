@@ -1,0 +1,197 @@
+"""Abstract train / decode state on a mesh, AOT compilation of the real step and engine, memory by kind.
+
+Nothing here allocates model-sized memory: parameters, optimizer state, batches and caches are
+``jax.ShapeDtypeStruct`` with shardings (``nnx.eval_shape`` / ``jax.eval_shape``), and
+``jit(...).lower(...).compile()`` runs XLA's SPMD partitioner for the mesh. ``memory_analysis()`` of the
+compiled program is per device. The kinds reported:
+
+* weights / optimizer / batch / kv_cache: the per-device bytes of those arguments (from their shard shapes);
+* gradients: the per-device bytes of one gradient accumulator (params-shaped, inside the temporaries);
+* temporaries: XLA's ``temp_size_in_bytes`` (activations, gradients, workspace);
+* peak: arguments + temporaries + outputs that do not alias a donated argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from trace_jax.models.qwen import KVCache, ModelConfig, abstract_model
+from trace_jax.optim import make_optimizer, optimizer_shardings
+from trace_jax.parallel import mesh as mesh_lib
+from trace_jax.rl.batch import TrainBatch
+from trace_jax.rl.losses import LossConfig
+from trace_jax.rl.trainer import RLTrainer, TrainState
+from trace_jax.rollout.engine import DecodeState, Engine, EngineConfig
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    """Per-device bytes of one compiled program, by kind (see the module docstring)."""
+
+    program: str
+    mesh: dict[str, int]
+    settings: dict[str, Any]
+    by_kind: dict[str, int]
+    temporaries: int
+    peak: int
+    compile_seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        gib = lambda n: round(n / GIB, 3)
+        return {
+            "program": self.program,
+            "mesh": self.mesh,
+            "settings": self.settings,
+            "per_device_gib": {**{k: gib(v) for k, v in self.by_kind.items()}, "temporaries": gib(self.temporaries)},
+            "peak_gib": gib(self.peak),
+            "compile_seconds": round(self.compile_seconds, 1),
+        }
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct`` / arrays (the largest shard shape)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def abstract_params(config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and its params as sharded ``ShapeDtypeStruct`` (logical-axis rules on ``mesh``)."""
+    graphdef, params = abstract_model(config)
+    return graphdef, _with_shardings(params, mesh_lib.state_shardings(params, mesh))
+
+
+def _compile(program: str, fn: Any, args: tuple, mesh: Mesh, settings: dict, by_kind: dict) -> MemoryReport:
+    start = time.perf_counter()
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # activation constraints see the mesh
+        lowered = fn.lower(*args)
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    peak = (
+        stats.argument_size_in_bytes
+        + stats.temp_size_in_bytes
+        + max(stats.output_size_in_bytes - stats.alias_size_in_bytes, 0)
+    )
+    return MemoryReport(program, dict(mesh.shape), settings, by_kind, stats.temp_size_in_bytes, peak, seconds)
+
+
+# ---------------------------------------------------------------------------------------- train step
+_FLOAT_FIELDS = ("weights", "advantages", "adv_pos", "adv_neg", "paths")  # and every "*logprob*" field
+_ROW_FIELDS = ("lengths", "paths")  # [rows]; every other field is [rows, seq_len]
+
+
+def abstract_batch(rows: int, seq_len: int, mesh: Mesh, with_ref: bool) -> TrainBatch:
+    """A ``TrainBatch`` of ``ShapeDtypeStruct`` split over the batch axes: [rows] for per-row fields, else
+    [rows, seq_len]; float32 for weights / advantages / log-probs / paths, int32 for ids and positions."""
+    fields = {}
+    for name in TrainBatch._fields:
+        if name == "ref_logprobs" and not with_ref:
+            fields[name] = None
+            continue
+        shape = (rows,) if name in _ROW_FIELDS else (rows, seq_len)
+        dtype = jnp.float32 if name in _FLOAT_FIELDS or "logprob" in name else jnp.int32
+        fields[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.batch_sharding(mesh, len(shape)))
+    return TrainBatch(**fields)
+
+
+def train_step_memory(
+    config: ModelConfig,
+    mesh: Mesh,
+    rows: int,
+    seq_len: int,
+    micro_batches: int = 1,
+    logprob_chunk: int | None = 512,
+    loss_config: LossConfig | None = None,
+) -> MemoryReport:
+    """Compiles ``RLTrainer``'s jitted step (AdamW, the trainer's own sharding of state and batch) for
+    ``rows x seq_len`` tokens on ``mesh`` and returns its per-device memory. ``config.remat`` is the policy."""
+    loss_config = loss_config or LossConfig()
+    graphdef, params = abstract_params(config, mesh)
+    optimizer = make_optimizer(weight_decay=0.1)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_state = _with_shardings(
+        jax.eval_shape(optimizer.init, params),
+        optimizer_shardings(optimizer, params, jax.tree.map(lambda x: x.sharding, params), replicated),
+    )
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
+    state = TrainState(params, opt_state, scalar(jnp.int32), scalar(jax.random.key(0).dtype), scalar(jnp.int32))
+    trainer = RLTrainer(
+        graphdef, optimizer, loss_config, mesh=mesh, micro_batches=micro_batches, logprob_chunk=logprob_chunk
+    )
+    batch = abstract_batch(rows, seq_len, mesh, with_ref=bool(loss_config.kl_coef))
+    by_kind = {
+        "weights": shard_bytes(params),
+        "optimizer": shard_bytes(opt_state),
+        "gradients": shard_bytes(params),
+        "batch": shard_bytes(batch),
+    }
+    settings = {
+        "rows": rows,
+        "seq_len": seq_len,
+        "micro_batches": micro_batches,
+        "remat": config.remat,
+        "logprob_chunk": logprob_chunk,
+        "param_dtype": config.param_dtype,
+        "dtype": config.dtype,
+    }
+    return _compile("train_step", trainer._compile(state), (state, batch), mesh, settings, by_kind)
+
+
+# --------------------------------------------------------------------------------------- engine
+def _decode_state_shardings(state: DecodeState, mesh: Mesh) -> DecodeState:
+    """Slots split over the batch axes (the cache too, its kv heads over tensor); stop tables replicated."""
+    cache_axes = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+    cache_sharding = mesh_lib.logical_sharding(mesh, cache_axes, state.cache.k.shape)
+    per_slot = lambda x: mesh_lib.logical_sharding(mesh, ("batch",) + (None,) * (x.ndim - 1), x.shape)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shardings = jax.tree.map(per_slot, state)
+    return shardings._replace(
+        cache=KVCache(cache_sharding, cache_sharding, per_slot(state.cache.lengths)),
+        stops_sw=replicated,
+        stop_len_s=replicated,
+        eos_e=replicated,
+    )
+
+
+def generate_memory(
+    config: ModelConfig, mesh: Mesh, slots: int, max_len: int, steps_per_call: int = 64, cache_dtype: str = "bfloat16"
+) -> MemoryReport:
+    """Compiles ``Engine.generate`` (the jitted decode loop) for ``slots`` slots of ``max_len`` positions,
+    at the widest cache window, and returns its per-device memory."""
+    engine_config = EngineConfig(
+        max_slots=slots, max_len=max_len, steps_per_call=steps_per_call, cache_dtype=cache_dtype
+    )
+    engine = Engine.for_model(config, engine_config)
+    params = abstract_params(config, mesh)[1]
+    state = jax.eval_shape(engine.init_decode_state)
+    state = _with_shardings(state, _decode_state_shardings(state, mesh))
+    by_kind = {"weights": shard_bytes(params), "kv_cache": shard_bytes(state.cache), "decode_state": 0}
+    by_kind["decode_state"] = shard_bytes(state) - by_kind["kv_cache"]
+    settings = {
+        "slots": slots,
+        "max_len": max_len,
+        "steps_per_call": steps_per_call,
+        "cache_dtype": cache_dtype,
+        "param_dtype": config.param_dtype,
+    }
+    # The widest window (a static argument) is the worst case: the loop scans every cache position.
+    args = (params, state, np.int32(slots + 1), max_len)
+    return _compile("generate", engine._generate, args, mesh, settings, by_kind)

@@ -1,0 +1,95 @@
+"""Per-token log-probs (and, when asked, entropies) of training rows, never materialising [rows, T, V].
+
+A token's log-prob comes from the final hidden state of its predecessor on its path (``batch.predecessor``:
+the parent node's last token for a node's first token in a packed tree row; ``t - 1`` in a path row). The
+LM head and the softmax over the vocabulary run ``chunk`` positions at a time under ``jax.checkpoint``, so
+the backward pass recomputes one chunk's logits instead of storing all of them: peak logits memory is
+[rows, chunk, V]. The entropy (a second pass over the vocabulary per position) is computed only on request.
+
+Needs a model with ``hidden(tokens, positions_bt=..., kv_visible_end_bt=...) -> (hidden_btd, _)`` and
+``logits(hidden) -> float32 [..., V]``, as ``trace_jax.models.qwen.Qwen``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.rollout.sampling import SamplingConfig, token_sample_logprobs
+
+DEFAULT_CHUNK = 128
+
+
+def predecessor_hidden(model: Any, batch: Any) -> jax.Array:
+    """[B, T, D]: the final hidden state that predicts each token (its predecessor's on its path)."""
+    hidden_btd, _ = model.hidden(batch.tokens, positions_bt=batch.positions, kv_visible_end_bt=batch.visible_end)
+    return jnp.take_along_axis(hidden_btd, batch.predecessor[..., None], axis=1)
+
+
+def map_chunks(
+    fn: Callable[[jax.Array, jax.Array], dict[str, jax.Array]], hidden_btd: jax.Array, targets_bt: jax.Array, chunk: int
+) -> dict[str, jax.Array]:
+    """``fn(hidden [B, C, D], targets [B, C]) -> {name: [B, C]}`` over ``chunk``-position slices, each
+    rematerialised in the backward pass; returns {name: [B, T]}."""
+    b, t = targets_bt.shape
+    chunk = max(1, min(chunk, t))
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    hidden = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, -1).swapaxes(0, 1)
+    targets = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
+    out = jax.lax.map(jax.checkpoint(lambda args: fn(*args)), (hidden, targets))
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :t], out)
+
+
+def _has_context(batch: Any) -> jax.Array:
+    return batch.predecessor != jnp.arange(batch.tokens.shape[1])[None, :]
+
+
+def policy_logprobs(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    batch: Any,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    temperature: float = 1.0,
+    entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """``(logprobs_bt, entropies_bt or None)``, float32 [B, T], of the policy ``softmax(logits / temperature)``.
+
+    ``batch`` has ``tokens``, ``positions``, ``visible_end`` and ``predecessor`` ([B, T] int32, as
+    ``TrainBatch``). Tokens without context (a prompt's first token, padding) get 0. Differentiable.
+    """
+    model = nnx.merge(graphdef, params)
+
+    def stats(h_bcd: jax.Array, y_bc: jax.Array) -> dict[str, jax.Array]:
+        logits = model.logits(h_bcd) / temperature
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        out = {"logprobs": jnp.take_along_axis(logits, y_bc[..., None], axis=-1)[..., 0] - lse}
+        if entropy:
+            out["entropies"] = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
+        return out
+
+    out = map_chunks(stats, predecessor_hidden(model, batch), batch.tokens, chunk)
+    keep = _has_context(batch)
+    mask = lambda x: jnp.where(keep, x, 0.0)
+    return mask(out["logprobs"]), mask(out["entropies"]) if entropy else None
+
+
+def behaviour_logprobs(
+    graphdef: nnx.GraphDef, params: Any, batch: Any, sampling: SamplingConfig, *, chunk: int = DEFAULT_CHUNK
+) -> jax.Array:
+    """float32 [B, T]: log-probs of the tokens under the sampling distribution (``sampling``'s temperature,
+    top-k and top-p applied to ``params``' logits, exactly as the sampler does). Not for differentiation."""
+    model = nnx.merge(graphdef, params)
+
+    def stats(h_bcd: jax.Array, y_bc: jax.Array) -> dict[str, jax.Array]:
+        b, c = y_bc.shape
+        logits = model.logits(h_bcd).reshape(b * c, -1)
+        return {"logprobs": token_sample_logprobs(logits, y_bc.reshape(-1), sampling).reshape(b, c)}
+
+    out = map_chunks(stats, predecessor_hidden(model, batch), batch.tokens, chunk)
+    return jnp.where(_has_context(batch), out["logprobs"], 0.0)
