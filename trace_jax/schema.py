@@ -52,7 +52,7 @@ class RLConfig:
     checkpoint_every: save the whole state every this many steps (and at the last step).
     keep_checkpoints: how many recent checkpoints to keep.
     logprob_chunk: compute the LM head this many positions at a time in the train step (peak logits memory
-      [rows, chunk, vocab] instead of [rows, length, vocab]; same values up to float rounding); None: at once.
+      [rows, chunk, vocab] instead of [rows, length, vocab]); None: the trainer's default chunk.
     """
 
     steps: int = 30

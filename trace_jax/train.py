@@ -106,7 +106,8 @@ class Training:
                 micro_batches=config.rl.micro_batches,
                 reference_params=params if loss_config.kl_coef else None,  # the trainer keeps its own copy
                 recompute_old_logprobs=config.rl.recompute_old_logprobs,
-                logprob_chunk=config.rl.get("logprob_chunk"),
+                # None: the trainer's own default chunk.
+                **({} if config.rl.get("logprob_chunk") is None else {"logprob_chunk": config.rl.logprob_chunk}),
             )
             self.state = self.trainer.init_state(params, jax.random.key(config.seed))
             del params
