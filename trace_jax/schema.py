@@ -24,6 +24,7 @@ from trace_jax.optim import OptimizerConfig
 from trace_jax.parallel.distributed import DistributedConfig
 from trace_jax.rl.batch import BatchConfig
 from trace_jax.rl.losses import LossConfig
+from trace_jax.rl.trainer import UpdateConfig
 from trace_jax.rollout.engine import EngineConfig
 from trace_jax.rollout.runner import RunnerConfig
 from trace_jax.sft import SFTConfig
@@ -52,7 +53,7 @@ class RLConfig:
     checkpoint_every: save the whole state every this many steps (and at the last step).
     keep_checkpoints: how many recent checkpoints to keep.
     logprob_chunk: compute the LM head this many positions at a time in the train step (peak logits memory
-      [rows, chunk, vocab] instead of [rows, length, vocab]; same values up to float rounding); None: at once.
+      [rows, chunk, vocab] instead of [rows, length, vocab]); None: the trainer's default chunk.
     """
 
     steps: int = 30
@@ -103,6 +104,7 @@ SECTIONS: dict[str, type] = {
     "allocation": SchedulerConfig,
     "batch": BatchConfig,
     "loss": LossConfig,
+    "update": UpdateConfig,
     "optim": OptimizerConfig,
     "rl": RLConfig,
     "eval": EvalConfig,

@@ -107,8 +107,8 @@ class Training:
                 recompute_old_logprobs=config.rl.recompute_old_logprobs,
                 update=from_config(UpdateConfig, config.update),
                 sampling=from_config(EngineConfig, config.engine).sampling,  # the policy trained is the one sampled
-                # None: the trainer's default chunk (rl/ now always chunks the LM head)
-                **({"logprob_chunk": config.rl.logprob_chunk} if config.rl.get("logprob_chunk") else {}),
+                # None: the trainer's own default chunk.
+                **({} if config.rl.get("logprob_chunk") is None else {"logprob_chunk": config.rl.logprob_chunk}),
             )
             self.state = self.trainer.init_state(params, jax.random.key(config.seed))
             del params
