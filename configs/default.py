@@ -41,7 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.allocation = to_config(SchedulerConfig(policy="trace", rollouts_per_prompt=8.0, max_depth=8))
     config.batch = to_config(BatchConfig(length_buckets=(128, 256, 384, 512), row_buckets=(32, 64, 96, 128, 192, 256)))
     config.loss = to_config(LossConfig(policy_loss="ppo", aggregation="token-mean"))
-    config.update = to_config(UpdateConfig())
+    config.ppo = to_config(UpdateConfig())  # epochs x mini-batches per rollout batch, behaviour log-probs
     config.optim = to_config(
         OptimizerConfig(learning_rate=2e-4, warmup_steps=2, total_steps=30, max_grad_norm=1.0, schedule="constant")
     )

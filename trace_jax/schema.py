@@ -104,7 +104,7 @@ SECTIONS: dict[str, type] = {
     "allocation": SchedulerConfig,
     "batch": BatchConfig,
     "loss": LossConfig,
-    "update": UpdateConfig,
+    "ppo": UpdateConfig,
     "optim": OptimizerConfig,
     "rl": RLConfig,
     "eval": EvalConfig,

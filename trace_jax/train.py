@@ -105,7 +105,7 @@ class Training:
                 micro_batches=config.rl.micro_batches,
                 reference_params=params if loss_config.kl_coef else None,  # the trainer keeps its own copy
                 recompute_old_logprobs=config.rl.recompute_old_logprobs,
-                update=from_config(UpdateConfig, config.update),
+                update=from_config(UpdateConfig, config.ppo),
                 sampling=from_config(EngineConfig, config.engine).sampling,  # the policy trained is the one sampled
                 # None: the trainer's own default chunk.
                 **({} if config.rl.get("logprob_chunk") is None else {"logprob_chunk": config.rl.logprob_chunk}),

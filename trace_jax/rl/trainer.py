@@ -123,7 +123,8 @@ class RLTrainer:
       sampling: the transform rollouts were sampled with (temperature for the trained policy; temperature,
         top-k, top-p for recomputed behaviour log-probs); default ``SamplingConfig()`` (T = 1, no truncation).
       logprob_chunk: positions per LM-head chunk (peak logits memory [rows, chunk, V]).
-      recompute_old_logprobs: legacy switch: True means ``update.behaviour_logprobs="recompute"``.
+      recompute_old_logprobs: legacy switch: True means ``UpdateConfig.behaviour_logprobs="recompute"``
+        (in the main job's config: ``ppo.behaviour_logprobs``).
     """
 
     def __init__(
