@@ -1,6 +1,9 @@
 """Train-step benchmark: the RL step's achieved FLOP/s against a jitted matmul measured in the same process.
 
 ``python -m trace_jax.bench.train_step [--quick] [--out bench_results/train_step.json]`` prints JSON.
+``python -m trace_jax.bench.train_step --trees default [flags of bench.tree_packing]`` measures instead the
+tokens and step time of tree-packed against per-path training on the default run's trees
+(``trace_jax.bench.tree_packing``).
 
 The model is a ~50M-parameter Qwen3 (``BENCH_MODEL``: 10 layers, hidden 512, vocab 32,000, tied). One step
 is ``RLTrainer.train_step`` (forward, chunked log-probs, PPO-clip loss, backward, AdamW) on a synthetic batch
@@ -20,6 +23,7 @@ import dataclasses
 import json
 import os
 import platform
+import sys
 import time
 from typing import Any
 
@@ -136,8 +140,19 @@ def run(rows: int, seq_len: int, steps: int, chunk: int, remat: str, dtype: str,
     }
 
 
+TREE_SETS = ("default",)  # tree sets ``--trees`` can name (the default run's, built by bench.tree_packing)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    trees = argparse.ArgumentParser(add_help=False)
+    trees.add_argument("--trees", choices=TREE_SETS)
+    chosen, rest = trees.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if chosen.trees:
+        from trace_jax.bench import tree_packing
+
+        return tree_packing.main(rest)
     parser = argparse.ArgumentParser(prog="python -m trace_jax.bench.train_step", description=__doc__.split("\n")[0])
+    parser.add_argument("--trees", choices=TREE_SETS, help="packed vs per-path training on these trees instead")
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3)
