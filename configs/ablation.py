@@ -6,22 +6,17 @@ default; set ``--config.allocation.tokens_per_prompt`` (and a large ``rollouts_p
 tokens, as ``trace_jax.bench.train_curve`` does.
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
 from trace_jax.allocation.policies import POLICIES
+from trace_jax.config_utils import load_config_file
 
 
 def _default_config() -> ml_collections.ConfigDict:
     # Loaded by path: config files are run by ml_collections from anywhere, not imported as a package.
-    spec = importlib.util.spec_from_file_location(
-        "trace_jax_default_config", pathlib.Path(__file__).with_name("default.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load_config_file(f"{pathlib.Path(__file__).with_name('default.py')}")
 
 
 def get_config(policy: str = "trace") -> ml_collections.ConfigDict:

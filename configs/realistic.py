@@ -14,12 +14,11 @@ ratio in 20-35%; measure it before using this preset for the experiment (see the
 The policy argument is as for ``configs/ablation.py`` (default ``trace``).
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
-from trace_jax.config_utils import to_config
+from trace_jax.config_utils import load_config_file, to_config
 from trace_jax.data.synthetic import WorldConfig
 
 # ModelConfig overrides of the policy (the tokenizer sets vocab_size): ~3.5M parameters with a 1024 vocab.
@@ -48,12 +47,7 @@ WORLD = WorldConfig(
 
 def _ablation_config(policy: str) -> ml_collections.ConfigDict:
     # Loaded by path: config files are run by ml_collections from anywhere, not imported as a package.
-    spec = importlib.util.spec_from_file_location(
-        "trace_jax_ablation_config", pathlib.Path(__file__).with_name("ablation.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(policy)
+    return load_config_file(f"{pathlib.Path(__file__).with_name('ablation.py')}:{policy}")
 
 
 def get_config(policy: str = "trace") -> ml_collections.ConfigDict:

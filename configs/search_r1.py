@@ -13,12 +13,11 @@ Search-R1 HTTP server at ``retriever.url`` (``python -m trace_jax.envs.retriever
 ``--config.retriever.kind=bm25 --config.retriever.corpus=<corpus.jsonl>`` in process. No SFT warm start.
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
-from trace_jax.config_utils import to_config
+from trace_jax.config_utils import load_config_file, to_config
 from trace_jax.data.search_r1 import SearchR1DataConfig
 from trace_jax.envs.react import ReActConfig
 from trace_jax.envs.retriever import RetrieverConfig
@@ -42,12 +41,7 @@ VARIANTS = {
 
 def _default_config() -> ml_collections.ConfigDict:
     # Loaded by path: config files are run by ml_collections from anywhere, not imported as a package.
-    spec = importlib.util.spec_from_file_location(
-        "trace_jax_default_config", pathlib.Path(__file__).with_name("default.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load_config_file(f"{pathlib.Path(__file__).with_name('default.py')}")
 
 
 def get_config(variant: str = "qwen3-8b") -> ml_collections.ConfigDict:

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from trace_jax import heap
+from trace_jax.bench.report import emit
 
 MIB = 1024 * 1024
 
@@ -88,11 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             memory.end(f"rl step {step}")
         run.checkpointer.close()
     result = {"config": train_argv[1:], "phases": memory.rows, "peak_mib": max(r["peak_mib"] for r in memory.rows)}
-    path = pathlib.Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    return result
+    return emit(result, out)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from trace_jax.bench.report import emit
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.envs.retriever import HttpRetriever
 
@@ -180,11 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         finally:
             server.terminate()
             server.wait(timeout=30)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results, indent=2))
-    return results
+    return emit(results, args.out)
 
 
 if __name__ == "__main__":

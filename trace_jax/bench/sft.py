@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import os
 import pathlib
 import platform
@@ -25,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from trace_jax.bench.report import emit
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.data.tokenizer import train_world_tokenizer
 from trace_jax.envs.react import ReActEnv
@@ -127,11 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "machine": {"platform": platform.platform(), "jax_devices": [str(d) for d in jax.devices()]},
     }
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":
