@@ -12,7 +12,9 @@ import sys
 
 import jax
 
+from trace_jax.cli import Console
 from trace_jax.config_utils import load_config_file
+from trace_jax.metrics import PhaseTimer
 from trace_jax.train import DEFAULT_CONFIG, Training
 
 
@@ -46,7 +48,8 @@ def main(workdir: str, steps: int, overrides: list[str]) -> None:
     handler = CompileLog()
     logging.getLogger("jax").addHandler(handler)
     logging.getLogger("jax").setLevel(logging.DEBUG)
-    run = Training(config, pathlib.Path(workdir))
+    config.warm_start.cache_dir = str(pathlib.Path(workdir) / "warm_start_cache")
+    run = Training(config, pathlib.Path(workdir), Console(verbosity=0), PhaseTimer())
     engine = run.runner.engine
     per_step, engine_counts = [], []
     for _ in range(steps):
