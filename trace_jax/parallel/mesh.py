@@ -8,6 +8,7 @@ their head / mlp / vocab axes over ``tensor`` (Megatron style).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -92,6 +93,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 def traced_under(mesh: Mesh, fn: Callable) -> Callable:
     """``fn`` whose tracing sees ``mesh`` (so ``constrain`` applies); wrap a function before ``jax.jit``."""
 
+    @functools.wraps(fn)  # keeps fn's name in jit's compile logs and profiles
     def wrapped(*args, **kwargs):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return fn(*args, **kwargs)
