@@ -26,7 +26,17 @@ CORE = [
 EXTRAS = {
     # torch is pinned: 2.13.0 is the CPU wheel on these machines; a loose pin pulls a CUDA build.
     # tensorboard: tests read the event files with TensorBoard's own reader; fsspec: the offline fake GCS.
-    "test": ["pytest", "hypothesis", "torch==2.13.0", "nbclient", "nbformat", "ipykernel", "ruff", "tensorboard", "fsspec"],
+    "test": [
+        "pytest",
+        "hypothesis",
+        "torch==2.13.0",
+        "nbclient",
+        "nbformat",
+        "ipykernel",
+        "ruff",
+        "tensorboard",
+        "fsspec",
+    ],
     # gs:// workdirs: epath reaches GCS through fsspec (gcsfs); orbax asks the bucket's layout (google-cloud-storage).
     "gcs": ["gcsfs", "google-cloud-storage"],
     "tpu": ["jax[tpu]>=0.10.2", "gcsfs", "google-cloud-storage"],
