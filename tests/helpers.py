@@ -46,3 +46,21 @@ def torch_logits(model, ids) -> Any:
 
     with torch.no_grad():
         return model(torch.tensor(np.asarray(ids))).logits.float().numpy()
+
+
+def run_with_fake_devices(module: str, timeout: int, devices: int = 8) -> Any:
+    """Runs ``python -m module`` with ``devices`` fake CPU devices and returns the finished process.
+
+    The device count must be set before jax starts, hence a fresh interpreter; a failure shows its output.
+    """
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", module], cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done

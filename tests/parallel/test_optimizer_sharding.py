@@ -1,28 +1,15 @@
 """Optimizer state is born with its parameters' shardings and keeps them through a step and a restore."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import run_with_fake_devices
 
 
 @pytest.fixture(scope="module")
 def report():
-    # 8 fake CPU devices must be configured before jax starts, hence a fresh interpreter.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.parallel.optimizer_sharding_check"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    done = run_with_fake_devices("tests.parallel.optimizer_sharding_check", timeout=300)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -1,9 +1,5 @@
 import dataclasses
 import functools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.helpers import run_with_fake_devices
 from tests.rl.trees import branching_tree, random_tree
 from trace_jax.models.qwen import ModelConfig, Qwen
 from trace_jax.optim import make_optimizer
@@ -20,9 +17,6 @@ from trace_jax.rl.logprobs import policy_logprobs
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLTrainer, UpdateConfig
 from trace_jax.rollout.sampling import SamplingConfig, sampling_logprobs
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 # Smaller than qwen3-tiny to keep compiles short; the trees' token ids are all < 100.
 CONFIG = ModelConfig.preset(
@@ -238,15 +232,5 @@ def test_wrong_row_count_and_missing_reference_are_clear_errors():
 
 @pytest.mark.slow
 def test_sharded_step_matches_one_device():
-    # 8 fake CPU devices must be configured before jax starts, hence a fresh interpreter.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.rl.sharded_step_check"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_with_fake_devices("tests.rl.sharded_step_check", timeout=300)
     assert "SHARDED_OK" in result.stdout
