@@ -13,9 +13,10 @@ import sys
 import jax
 
 from trace_jax.cli import Console
+from trace_jax.command_line import DEFAULT_CONFIG
 from trace_jax.config_utils import load_config_file
 from trace_jax.metrics import PhaseTimer
-from trace_jax.train import DEFAULT_CONFIG, Training
+from trace_jax.training import Training
 
 
 class CompileLog(logging.Handler):

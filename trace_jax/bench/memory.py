@@ -66,10 +66,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_argv = [a for a in argv if not a.startswith(("--steps=", "--out="))]
     memory = PhaseMemory()
     _reset_peak()
-    from trace_jax import cli, train
+    from trace_jax import cli, command_line, training
 
     cli.quiet_third_party(0)
-    config, _ = train.load_config(train_argv)
+    config, _ = command_line.load_config(train_argv)
     import jax
 
     from trace_jax import validate
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     memory.end("imports + jax runtime")
     console = cli.Console(verbosity=-1)
     with tempfile.TemporaryDirectory() as workdir:
-        run = train.Training(config, pathlib.Path(workdir), console, PhaseTimer())
+        run = training.Training(config, pathlib.Path(workdir), console, PhaseTimer())
         memory.end("warm start + setup")
         run.evaluate("evaluation")
         memory.end("evaluation before RL")

@@ -39,12 +39,12 @@ import jax
 import numpy as np
 
 from trace_jax import recipe
+from trace_jax.command_line import DEFAULT_CONFIG
 from trace_jax.config_utils import from_config
 from trace_jax.data.prompts import PromptStream
 from trace_jax.rollout.backend import ContinuationRequest
 from trace_jax.rollout.tree import ROOT, RolloutTree
 from trace_jax.sft import SFTConfig, run_sft
-from trace_jax.train import DEFAULT_CONFIG
 
 
 def _setup(workdir: pathlib.Path):

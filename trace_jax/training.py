@@ -1,0 +1,185 @@
+"""One run's state between RL steps (policy, optimizer, engine, scheduler, prompt stream) and the step itself.
+
+``trace_jax.train`` orchestrates it: warm start, evaluation, the RL loop, checkpoints and logs.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from trace_jax import rundir
+from trace_jax.cli import Console
+
+
+def eval_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    return {f"eval/em/{row['group']}" if row["group"] != "all" else "eval/em": row["em"] for row in rows}
+
+
+class Training:
+    """Everything one run holds between steps, and the step itself."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, console: Console, timer: Any):
+        import jax
+
+        from trace_jax import recipe, recipes
+        from trace_jax.checkpoint.state import StateCheckpointer
+        from trace_jax.config_utils import from_config
+        from trace_jax.models.qwen import abstract_model
+        from trace_jax.optim import make_optimizer
+        from trace_jax.parallel.mesh import make_mesh, shard_state
+        from trace_jax.rl.batch import BatchConfig
+        from trace_jax.rl.losses import LossConfig
+        from trace_jax.rl.trainer import RLTrainer, UpdateConfig
+        from trace_jax.rollout.engine import EngineConfig
+
+        self.config, self.workdir, self.console, self.timer = config, workdir, console, timer
+        self.mesh = make_mesh(**config.mesh)
+        # config.recipe.kind: the synthetic world + SFT warm start, or a HF checkpoint + Search-R1 data.
+        self.source = recipes.source_of(config)
+        with timer.phase("warm_start"):
+            self.start = self.source.start(config, workdir, self.mesh, progress=console.progress, notify=console.info)
+        console.info(self.start.message)
+        self.world = self.start.world
+        with timer.phase("setup"):
+            self.model_config = self.start.model_config
+            params = shard_state(self.start.params, self.mesh)
+            self.start.params = None  # the train state holds the policy from here on
+            loss_config = from_config(LossConfig, config.loss)
+            self.trainer = RLTrainer(
+                abstract_model(self.model_config)[0],
+                make_optimizer(config.optim),
+                loss_config,
+                mesh=self.mesh,
+                micro_batches=config.rl.micro_batches,
+                reference_params=params if loss_config.kl_coef else None,  # the trainer keeps its own copy
+                recompute_old_logprobs=config.rl.recompute_old_logprobs,
+                update=from_config(UpdateConfig, config.ppo),
+                sampling=from_config(EngineConfig, config.engine).sampling,  # the policy trained is the one sampled
+                # None: the trainer's own default chunk.
+                **({} if config.rl.get("logprob_chunk") is None else {"logprob_chunk": config.rl.logprob_chunk}),
+            )
+            self.state = self.trainer.init_state(params, jax.random.key(config.seed))
+            del params
+            self.batch_config = from_config(
+                BatchConfig,
+                config.batch,
+                row_multiple=self.trainer.row_multiple,
+                pad_id=self.world.tokenizer.pad_token_id,
+            )
+            # One engine (its own sampling copy of the weights) serves both the rollouts and the evaluation.
+            engine = recipe.build_engine(config, self.model_config, self.state.params, mesh=self.mesh)
+            self.runner = recipe.build_runner(
+                config, self.model_config, None, self.world, seed=config.seed, engine=engine
+            )
+            self.eval_runner = recipe.build_runner(
+                config, self.model_config, None, self.world, greedy=True, engine=engine
+            )
+            self.scheduler = recipe.build_scheduler(config, self.runner)
+            self.prompts = self.source.prompt_stream(config, self.world)
+            self.checkpointer = StateCheckpointer(
+                workdir / rundir.CHECKPOINTS, save_every=config.rl.checkpoint_every, keep=config.rl.keep_checkpoints
+            )
+        self.step = 0
+        self.resumes = 0
+        self.eval_before: list[dict[str, Any]] = []
+        self.last_eval: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def save(self, force: bool = False) -> None:
+        # The policy is its own entry (evaluation restores just it); "train" holds the rest of the state once.
+        state = {
+            "params": self.state.params,
+            "train": self.state._replace(params=None),
+            "scheduler": self.scheduler.state_dict(),
+        }
+        metadata = {
+            "prompts": self.prompts.state_dict(),
+            "runner": self.runner.state_dict(),
+            "eval_before": self.eval_before,
+            "last_eval": self.last_eval,
+            "timings": self.timer.state_dict(),
+            "resumes": self.resumes,
+        }
+        self.checkpointer.save(self.step, state, metadata, force=force)
+
+    def resume(self) -> bool:
+        # The scheduler state has data-dependent shapes (a replay buffer that grows): restore it as saved.
+        target = {"params": self.state.params, "train": self.state._replace(params=None), "scheduler": None}
+        restored = self.checkpointer.restore_latest(target=target)
+        if restored is None:
+            return False
+        meta = restored.metadata
+        self.state = restored.state["train"]._replace(params=restored.state["params"])
+        self.scheduler.load_state_dict(restored.state["scheduler"])
+        self.prompts.load_state_dict(meta["prompts"])
+        self.runner.load_state_dict(meta["runner"])
+        self.eval_before, self.last_eval = meta.get("eval_before", []), meta.get("last_eval", [])
+        self.timer.load_state_dict(meta.get("timings", {}))
+        self.resumes = meta.get("resumes", 0) + 1
+        self._set_params()
+        self.step = restored.step
+        return True
+
+    def _set_params(self) -> None:
+        self.runner.set_params(self.state.params)
+        self.eval_runner.set_params(self.state.params)
+
+    # ------------------------------------------------------------------------------------------- step
+    def rl_step(self) -> dict[str, float]:
+        """One RL update; returns its metrics (rollout, allocation, loss, timings)."""
+        import time
+
+        from trace_jax import figures
+        from trace_jax.rl.advantages import compute_advantages
+        from trace_jax.rl.batch import build_batch
+        from trace_jax.rollout.tree import RolloutTree
+
+        start = time.perf_counter()
+        tasks = self.prompts.next_batch()
+        trees = [RolloutTree(self.world.env.prompt_ids(task), task, i) for i, task in enumerate(tasks)]
+        scheduled = self.scheduler.run(trees)
+        rollout_seconds = time.perf_counter() - start
+        advantages = compute_advantages(self.config.rl.advantage, scheduled.trees)
+        batch, info = build_batch(scheduled.trees, advantages, self.batch_config, self.trainer.loss_config)
+        self.state, train_metrics = self.trainer.update(self.state, batch)
+        self._set_params()
+        self.step += 1
+        rewards = np.concatenate([tree.leaf_rewards() for tree in scheduled.trees])
+        metrics = {f"alloc/{k}": v for k, v in scheduled.metrics.items()}
+        metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
+        metrics.update(
+            {
+                "rollout/mean_reward": float(rewards.mean()),
+                "rollout/leaves": float(rewards.size),
+                "alloc/effective_ratio": figures.effective_ratio(scheduled.trees),
+                "alloc/nonzero_adv_token_share": figures.nonzero_advantage_share(scheduled.trees)["tokens"],
+                "batch/rows": float(info.num_rows),
+                "batch/trained_tokens": float(info.num_trained_tokens),
+                "time/rollout_s": rollout_seconds,
+                "time/step_s": time.perf_counter() - start,
+            }
+        )
+        return metrics
+
+    def evaluate(self, description: str, leave: bool = True) -> list[dict[str, Any]]:
+        """Greedy EM/F1 rows (per hop group, then ``all``) on ``config.eval``'s questions, with a progress bar."""
+        from trace_jax.evaluate import evaluate
+
+        config = self.config
+        tasks = self.world.world.questions(config.eval.split)
+        if config.eval.num_questions < len(tasks):  # evenly spaced: the split is ordered by hops, keep every group
+            picked = np.linspace(0, len(tasks) - 1, config.eval.num_questions).round().astype(int)
+            tasks = [tasks[i] for i in picked]
+        # A handful of chunks, each at least the engine's slot count: progress and ETA at little cost.
+        chunk = max(config.engine.max_slots, math.ceil(len(tasks) / 4))
+        with self.timer.phase("evaluation"):
+            bar = self.console.progress(len(tasks), description, unit="question", leave=leave)
+            try:
+                return evaluate(self.eval_runner, self.world.env, tasks, samples=1, progress=bar, chunk_size=chunk).rows
+            finally:
+                bar.close()
