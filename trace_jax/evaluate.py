@@ -1,4 +1,4 @@
-"""Evaluation: EM / F1 per group (hops for the synthetic world, data source for Search-R1 files), pass@k.
+"""Evaluation: EM / F1 per group (kind and hops for the synthetic world, data source for Search-R1 files), pass@k.
 
 ``evaluate(backend, env, tasks, samples)`` samples every task's root ``samples`` times through any
 ``RolloutBackend`` (a greedy runner for EM, a sampling one for pass@k) and scores the final answers.
@@ -35,9 +35,12 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
 
 
-def _group_of(task: Any) -> str:
+def group_of(task: Any) -> str:
+    """A question's evaluation group: ``"2-hop"`` for a synthetic chain question, ``"<kind>/2-hop"`` for the
+    realistic world's other kinds (``buried``, ``trivial``), the ``data_source`` for Search-R1 rows."""
     if "hops" in task:
-        return f"{task['hops']}-hop"
+        kind = task.get("kind", "chain")
+        return f"{task['hops']}-hop" if kind == "chain" else f"{kind}/{task['hops']}-hop"
     return str(task.get("data_source", "all"))
 
 
@@ -88,7 +91,7 @@ def evaluate(
     by_group: dict[str, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
     for tree in trees:
         scores = score_tree(tree)
-        by_group[_group_of(tree.task)].append(scores)
+        by_group[group_of(tree.task)].append(scores)
         by_group["all"].append(scores)
     rows = []
     for group in [*sorted(g for g in by_group if g != "all"), "all"]:

@@ -12,7 +12,7 @@ real engine and runner, and reports (JSON, also written to ``--out``):
   uniform GRPO's expected effective ratio at ``--group-size`` — the chance that G rollouts of a prompt are
   mixed, computed exactly from each prompt's k samples (the hypergeometric share of mixed G-subsets: an
   unbiased estimate of ``1 - p^G - (1-p)^G``);
-* ``by_group``: the same per question kind and hop count;
+* ``by_group``: the same per question kind and hop count (``trace_jax.evaluate.group_of``);
 * ``beta_binomial``: the Beta(a, b) prompt-difficulty distribution fitted to the success counts (maximum
   likelihood of the beta-binomial), which is what the allocation simulator's ``difficulty_a/b`` mean;
 * ``turns``: leaf depths and generated tokens per turn (the simulator's stop probability and turn lengths);
@@ -33,7 +33,7 @@ import math
 import pathlib
 import platform
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -75,11 +75,6 @@ def pool_summary(successes_n: np.ndarray, samples: int, group_size: int, bins: i
         "uniform_effective_ratio": float(mixed_group_probability(counts, samples, group_size).mean()),
         "group_size": group_size,
     }
-
-
-def group_of(task: Mapping[str, Any]) -> str:
-    """A question's group for the tables: ``<kind>/<hops>-hop`` (``chain`` when the row has no kind)."""
-    return f"{task.get('kind', 'chain')}/{task.get('hops', 0)}-hop"
 
 
 def fit_beta_binomial(successes_n: np.ndarray, samples: int) -> dict[str, float]:
@@ -163,6 +158,8 @@ def predictor_informativeness(trees: Sequence[RolloutTree], seed: int = 0, updat
 
 
 def by_group(trees: Sequence[RolloutTree], samples: int, group_size: int) -> dict[str, dict[str, Any]]:
+    from trace_jax.evaluate import group_of
+
     groups: dict[str, list[int]] = collections.defaultdict(list)
     for tree in trees:
         groups[group_of(tree.task)].append(int(tree.leaf_rewards().sum()))
