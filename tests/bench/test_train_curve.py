@@ -9,7 +9,7 @@ from trace_jax.bench import train_curve
 from trace_jax.metrics import MetricWriter, read_jsonl
 
 
-def fake_records(tokens_per_step, em_by_step, eff=0.5):
+def fake_records(tokens_per_step, em_by_step, eff=0.5, step_seconds=1.0):
     """metrics.jsonl records the way ``trace_jax.train.train`` writes them (final eval on a separate line)."""
     records = []
     last = len(tokens_per_step)
@@ -20,6 +20,7 @@ def fake_records(tokens_per_step, em_by_step, eff=0.5):
             "alloc/budget/generated_tokens": float(tokens),
             "alloc/budget/rollouts": 10.0,
             "rollout/mean_reward": 0.4,
+            "time/step_s": step_seconds,
         }
         if step in em_by_step and step != last:
             record["eval/em"] = em_by_step[step]
@@ -77,8 +78,15 @@ def test_aggregate_compares_at_equal_generated_tokens():
 
 def test_plots_are_written(tmp_path):
     runs = fake_runs()
-    paths = train_curve.plot(runs, train_curve.aggregate(runs)["equal_tokens"], tmp_path)
-    assert len(paths) == 3
+    result = train_curve.aggregate(runs)
+    paths = train_curve.plot(runs, result["equal_tokens"], tmp_path, result["equal_seconds"])
+    assert {p.rsplit("/", 1)[1] for p in paths} == {
+        "em_vs_tokens.png",
+        "em_vs_step.png",
+        "effective_ratio.png",
+        "effective_ratio_vs_tokens.png",
+        "em_vs_seconds.png",
+    }
     for path in paths:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -115,3 +123,38 @@ def test_report_only_aggregates_finished_run_dirs(tmp_path, capsys):
     assert "| trace" in capsys.readouterr().out  # the Markdown table is printed
     with pytest.raises(FileNotFoundError, match=r"no summary\.json"):
         train_curve.main([*argv[:2], "1", *argv[3:]])  # seed 1 never ran
+
+
+def test_em_at_equal_time_reads_the_step_wall_clock():
+    # trace: 2 s a step; uniform: 1 s a step; both reach 0.6 at step 4.
+    trace = train_curve.run_curve("trace", 0, fake_records([250] * 4, {2: 0.5, 4: 0.6}, step_seconds=2.0), 0.4)
+    uniform = train_curve.run_curve("uniform", 0, fake_records([250] * 4, {2: 0.5, 4: 0.6}), 0.4)
+    result = train_curve.aggregate([trace, uniform])
+    assert result["equal_seconds"] == 4.0  # uniform's whole run
+    assert result["policies"]["uniform"]["em_at_equal_time"]["mean"] == pytest.approx(0.6)
+    assert result["policies"]["trace"]["em_at_equal_time"]["mean"] == pytest.approx(0.5)  # trace is at step 2
+
+
+def test_paired_differences_against_uniform_with_standard_errors():
+    runs = []
+    for seed, gain in enumerate([0.02, 0.04, 0.0]):
+        runs.append(train_curve.run_curve("uniform", seed, fake_records([500] * 2, {2: 0.5}), sft_em=0.4))
+        trace = fake_records([500] * 2, {2: 0.5 + gain}, eff=0.7)
+        runs.append(train_curve.run_curve("trace", seed, trace, sft_em=0.4))
+    result = train_curve.aggregate(runs)
+    paired = result["paired"]
+    assert paired["baseline"] == "uniform"
+    em = paired["policies"]["trace"]["em_at_equal_tokens"]
+    assert em["mean"] == pytest.approx(0.02)
+    assert em["se"] == pytest.approx(np.std([0.02, 0.04, 0.0], ddof=1) / np.sqrt(3))
+    assert (em["n"], em["wins"]) == (3, 2)
+    assert paired["policies"]["trace"]["mean_effective_ratio"]["mean"] == pytest.approx(0.2)
+    assert "trace | +0.0200 ± 0.0115 (2/3)" in result["markdown"]
+
+
+def test_config_file_selects_the_world():
+    args = train_curve.parse_args(["--quick", "--config-file", str(train_curve.CONFIG_DIR / "realistic.py")])
+    config = train_curve.run_config("trace", 0, args)
+    assert config.world.buried_questions > 0 and config.allocation.policy == "trace"
+    with pytest.raises(SystemExit):
+        train_curve.parse_args(["--config-file", "configs/nope.py"])

@@ -1,23 +1,25 @@
 """Training-curve experiment: allocation policies compared at an equal generated-token budget, over seeds.
 
-    python -m trace_jax.bench.train_curve [--seeds 0,1,2] [--policies trace,uniform] [--steps 16]
-        [--prompts 8] [--tokens-per-prompt 240] [--eval-questions 100] [--eval-every 4]
-        [--workdir runs/train_curve] [--warm-start DIR] [--compile-cache DIR] [--quick] [--report-only]
+    python -m trace_jax.bench.train_curve [--config-file configs/ablation.py] [--seeds 0,1,2]
+        [--policies trace,uniform] [--steps 16] [--prompts 8] [--tokens-per-prompt 240] [--eval-questions 100]
+        [--eval-every 4] [--workdir runs/train_curve] [--compile-cache DIR] [--quick] [--report-only]
         [--out bench_results/train_curve.json]
 
-Every (seed, policy) run is the main job, ``trace_jax.train.train``, on ``configs/ablation.py:<policy>`` with
-a smaller RL budget and one change to the accounting: each step's budget is ``--tokens-per-prompt`` x
-prompts *generated tokens* (``SchedulerConfig.tokens_per_prompt``) instead of a rollout count, so a policy
-whose forks are cheaper gets more rollouts, not more tokens. All runs start from ONE SFT warm start (trained
-once in ``WORKDIR/warm_start``, or copied from ``--warm-start``, which must hold ``sft/`` and ``tokenizer/``
-of the default recipe), and share its held-out evaluation (greedy decoding of the same params gives the same
-answers, so it is computed once and copied into each run as ``eval_before.json``).
+Every (seed, policy) run is the main job, ``trace_jax.train.train``, on ``<config-file>:<policy>`` (default
+``configs/ablation.py``; ``configs/realistic.py`` is the realistic-difficulty world) with a smaller RL budget
+and one change to the accounting: each step's budget is ``--tokens-per-prompt`` x prompts *generated tokens*
+(``SchedulerConfig.tokens_per_prompt``) instead of a rollout count, so a policy whose forks are cheaper gets
+more rollouts, not more tokens. All runs start from ONE SFT warm start (the config's entry of the warm-start
+cache, trained there once), and share its held-out evaluation (greedy decoding of the same params gives the
+same answers, so it is computed once and copied into each run as ``eval_before.json``).
 
 The budget is planned on expected costs, so a step may spend a little more or less than its budget; the
 tokens actually generated are read from each run's ``metrics.jsonl`` (``alloc/budget/generated_tokens``) and
 the comparison is made at equal *cumulative* generated tokens: each run's held-out EM curve is linearly
 interpolated between its evaluations onto a common token axis, and "EM @ equal tokens" is the EM at the
-smallest total any run reached.
+smallest total any run reached ("EM @ equal time" likewise on cumulative RL-step wall seconds, evaluations
+excluded). With several policies over the same seeds, ``paired`` holds per-seed differences against the
+first policy named ``uniform`` (else the last one): mean, standard error and wins.
 
 A run whose directory already holds a finished run is resumed, which only re-evaluates it, so adding seeds
 to a finished experiment trains only the new ones; ``--report-only`` re-aggregates finished runs without any
@@ -44,7 +46,6 @@ from typing import Any
 import numpy as np
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
-SHARED_DIRS = ("sft", "tokenizer")  # what a run reuses from the one warm start
 BEFORE_FILE = "eval_before.json"
 
 
@@ -53,7 +54,8 @@ class RunCurve:
     """What one (policy, seed) run logged, as numpy arrays.
 
     eval_steps / eval_em: int64 [E] / float64 [E], held-out EM at step 0 (the SFT policy) and later steps.
-    steps / generated_tokens / rollouts / effective_ratio / reward: one entry per RL step, float64 [S].
+    steps / generated_tokens / rollouts / effective_ratio / reward / step_seconds: one entry per RL step,
+      float64 [S] (step_seconds: the step's wall time, rollouts + update; NaN when not logged).
     seconds: wall time of the run (0 when unknown).
     """
 
@@ -66,6 +68,7 @@ class RunCurve:
     rollouts: np.ndarray
     effective_ratio: np.ndarray
     reward: np.ndarray
+    step_seconds: np.ndarray | None = None
     seconds: float = 0.0
 
     def cumulative_tokens_at(self, steps: np.ndarray) -> np.ndarray:
@@ -76,6 +79,20 @@ class RunCurve:
     def em_at_tokens(self, tokens: np.ndarray) -> np.ndarray:
         """Held-out EM linearly interpolated at cumulative generated ``tokens`` (held flat past the last eval)."""
         return np.interp(tokens, self.cumulative_tokens_at(self.eval_steps), self.eval_em)
+
+    def cumulative_seconds_at(self, steps: np.ndarray) -> np.ndarray:
+        """float64: RL-step wall seconds spent by the end of each of ``steps`` (0 at step 0; NaN steps count 0)."""
+        per_step = np.zeros(len(self.steps)) if self.step_seconds is None else np.nan_to_num(self.step_seconds)
+        cumulative = np.concatenate([[0.0], np.cumsum(per_step)])
+        return cumulative[np.searchsorted(np.concatenate([[0], self.steps]), steps, side="right") - 1]
+
+    def em_at_seconds(self, seconds: np.ndarray) -> np.ndarray:
+        """Held-out EM linearly interpolated at cumulative RL-step wall ``seconds``."""
+        return np.interp(seconds, self.cumulative_seconds_at(self.eval_steps), self.eval_em)
+
+    @property
+    def total_step_seconds(self) -> float:
+        return float(self.cumulative_seconds_at(self.steps[-1:])[0])
 
 
 def run_curve(policy: str, seed: int, records: Sequence[Mapping[str, Any]], sft_em: float, seconds: float = 0.0):
@@ -102,6 +119,7 @@ def run_curve(policy: str, seed: int, records: Sequence[Mapping[str, Any]], sft_
         column("alloc/budget/rollouts"),
         column("alloc/effective_ratio"),
         column("rollout/mean_reward"),
+        column("time/step_s"),
         seconds,
     )
 
@@ -113,23 +131,76 @@ def _by_policy(runs: Sequence[RunCurve]) -> dict[str, list[RunCurve]]:
     return groups
 
 
+def baseline_policy(policies: Sequence[str]) -> str:
+    """The policy paired differences are taken against: ``uniform`` when it ran, else the last one."""
+    return "uniform" if "uniform" in policies else policies[-1]
+
+
+def paired_differences(runs: Sequence[RunCurve], equal_tokens: float, equal_seconds: float) -> dict[str, Any]:
+    """Per policy, its per-seed differences from the baseline policy (:func:`baseline_policy`) on the seeds both
+    ran: EM at equal tokens, EM at equal time, mean effective ratio. Each: mean, standard error (std with
+    ddof=1 over sqrt(n); NaN for one seed), n and wins (seeds where the policy is strictly ahead)."""
+    groups = _by_policy(runs)
+    baseline = baseline_policy(list(groups))
+    base = {run.seed: run for run in groups[baseline]}
+    figures = {
+        "em_at_equal_tokens": lambda r: float(r.em_at_tokens(np.asarray(equal_tokens))),
+        "em_at_equal_time": lambda r: float(r.em_at_seconds(np.asarray(equal_seconds))),
+        "mean_effective_ratio": lambda r: float(np.nanmean(r.effective_ratio)),
+    }
+    out: dict[str, Any] = {"baseline": baseline, "policies": {}}
+    for policy, group in groups.items():
+        if policy == baseline:
+            continue
+        pairs = [(run, base[run.seed]) for run in group if run.seed in base]
+        if not pairs:
+            continue
+        rows = {}
+        for name, figure in figures.items():
+            diff = np.asarray([figure(a) - figure(b) for a, b in pairs])
+            se = float(np.std(diff, ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else float("nan")
+            rows[name] = {"mean": float(diff.mean()), "se": se, "n": int(diff.size), "wins": int((diff > 0).sum())}
+        out["policies"][policy] = rows
+    return out
+
+
+def paired_markdown(paired: Mapping[str, Any]) -> str:
+    """The paired-difference table: one row per policy, ``mean ± s.e. (wins/n)`` per figure."""
+    lines = [
+        f"| policy − {paired['baseline']} (paired by seed) | EM @ equal tokens | EM @ equal time | eff. ratio |",
+        "| --- | --- | --- | --- |",
+    ]
+    for policy, rows in paired["policies"].items():
+        cells = [
+            f"{r['mean']:+.4f} ± {r['se']:.4f} ({r['wins']}/{r['n']})"
+            for r in (rows["em_at_equal_tokens"], rows["em_at_equal_time"], rows["mean_effective_ratio"])
+        ]
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]:
-    """Per-policy mean ± std over seeds: the table rows, the curves, and EM at the common token budget.
+    """Per-policy mean ± std over seeds: the table rows, the curves, EM at the common token and time budgets,
+    and paired per-seed differences against the baseline (:func:`paired_differences`).
 
     ``equal_tokens`` is the smallest cumulative generated-token total over all runs; every run has spent at
-    least that much, so EM there compares policies at equal cost.
+    least that much, so EM there compares policies at equal cost. ``equal_seconds`` likewise for RL-step wall
+    time (0 when no run logged step times).
     """
     from trace_jax.metrics import format_mean_std, format_table, mean_std_curve
 
     if not runs:
         raise ValueError("no runs to aggregate")
     equal_tokens = float(min(run.generated_tokens.sum() for run in runs))
+    equal_seconds = float(min(run.total_step_seconds for run in runs))
     grid = np.linspace(0.0, equal_tokens, grid_points)
+    time_grid = np.linspace(0.0, equal_seconds, grid_points)
     rows, curves, numbers = [], {}, {}
     for policy, group in _by_policy(runs).items():
         final_em = [run.eval_em[-1] for run in group]
         gain = [run.eval_em[-1] - run.eval_em[0] for run in group]
         em_equal = [float(run.em_at_tokens(np.asarray(equal_tokens))) for run in group]
+        em_time = [float(run.em_at_seconds(np.asarray(equal_seconds))) for run in group]
         eff = [float(np.nanmean(run.effective_ratio)) for run in group]
         tokens = [float(run.generated_tokens.sum()) for run in group]
         rollouts = [float(run.rollouts.sum()) for run in group]
@@ -142,6 +213,7 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
                 "EM final": format_mean_std(final_em),
                 "EM gain": format_mean_std(gain),
                 "EM @ equal tokens": format_mean_std(em_equal),
+                "EM @ equal time": format_mean_std(em_time),
                 "eff. ratio": format_mean_std(eff),
                 "gen. tokens": format_mean_std(tokens, digits=0),
                 "tokens/step": format_mean_std(per_step_tokens, digits=0),
@@ -155,6 +227,7 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
                 "em_final": final_em,
                 "em_gain": gain,
                 "em_at_equal_tokens": em_equal,
+                "em_at_equal_time": em_time,
                 "mean_effective_ratio": eff,
                 "generated_tokens": tokens,
                 "rollouts": rollouts,
@@ -162,27 +235,38 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
             }.items()
         }
         em_tokens = mean_std_curve([(grid, run.em_at_tokens(grid)) for run in group])
+        em_seconds = mean_std_curve([(time_grid, run.em_at_seconds(time_grid)) for run in group])
         em_steps = mean_std_curve([(run.eval_steps, run.eval_em) for run in group])
         eff_steps = mean_std_curve([(run.steps, run.effective_ratio) for run in group])
         curves[policy] = {
             name: {"x": x.tolist(), "mean": m.tolist(), "std": s.tolist()}
             for name, (x, m, s) in {
                 "em_vs_tokens": em_tokens,
+                "em_vs_seconds": em_seconds,
                 "em_vs_step": em_steps,
                 "effective_ratio_vs_step": eff_steps,
             }.items()
         }
+    paired = paired_differences(runs, equal_tokens, equal_seconds)
+    markdown = format_table(rows)
+    if paired["policies"]:
+        markdown += "\n\n" + paired_markdown(paired)
     return {
         "equal_tokens": equal_tokens,
+        "equal_seconds": equal_seconds,
         "table": rows,
-        "markdown": format_table(rows),
+        "markdown": markdown,
         "policies": numbers,
+        "paired": paired,
         "curves": curves,
     }
 
 
-def plot(runs: Sequence[RunCurve], equal_tokens: float, directory: pathlib.Path) -> list[str]:
-    """Three PNGs (mean ± std over seeds per policy): EM vs generated tokens, EM vs step, effective ratio."""
+def plot(
+    runs: Sequence[RunCurve], equal_tokens: float, directory: pathlib.Path, equal_seconds: float = 0.0
+) -> list[str]:
+    """PNGs (mean ± std over seeds per policy): EM vs generated tokens, EM vs step, effective ratio vs step and
+    vs generated tokens, and EM vs RL wall seconds when step times were logged (``equal_seconds`` > 0)."""
     from trace_jax.metrics import plot_mean_std
 
     groups = _by_policy(runs)
@@ -192,6 +276,14 @@ def plot(runs: Sequence[RunCurve], equal_tokens: float, directory: pathlib.Path)
             {p: [(grid, r.em_at_tokens(grid)) for r in g] for p, g in groups.items()},
             "cumulative generated tokens",
             "held-out EM",
+        ),
+        "effective_ratio_vs_tokens.png": (
+            {
+                p: [(grid, np.interp(grid, np.cumsum(r.generated_tokens), r.effective_ratio)) for r in g]
+                for p, g in groups.items()
+            },
+            "cumulative generated tokens",
+            "effective ratio",
         ),
         "em_vs_step.png": (
             {p: [(r.eval_steps, r.eval_em) for r in g] for p, g in groups.items()},
@@ -204,6 +296,13 @@ def plot(runs: Sequence[RunCurve], equal_tokens: float, directory: pathlib.Path)
             "effective ratio",
         ),
     }
+    if equal_seconds > 0:
+        time_grid = np.linspace(0.0, equal_seconds, 25)
+        figures["em_vs_seconds.png"] = (
+            {p: [(time_grid, r.em_at_seconds(time_grid)) for r in g] for p, g in groups.items()},
+            "cumulative RL-step wall seconds",
+            "held-out EM",
+        )
     paths = []
     for name, (data, xlabel, ylabel) in figures.items():
         paths.append(str(plot_mean_std(data, directory / name, xlabel=xlabel, ylabel=ylabel, title=ylabel)))
@@ -212,10 +311,10 @@ def plot(runs: Sequence[RunCurve], equal_tokens: float, directory: pathlib.Path)
 
 # ------------------------------------------------------------------------------------------- running
 def run_config(policy: str, seed: int, args: argparse.Namespace):
-    """``configs/ablation.py:<policy>`` with the experiment's budget; the SFT settings stay the default's."""
+    """``<config-file>:<policy>`` with the experiment's budget; the world and SFT settings stay the file's."""
     from trace_jax.config_utils import load_config_file
 
-    config = load_config_file(f"{CONFIG_DIR / 'ablation.py'}:{policy}")
+    config = load_config_file(f"{args.config_file}:{policy}")
     config.seed = seed
     config.allocation.seed = seed
     # Generated tokens are the currency; the rollout cap is only a backstop far above what the tokens buy.
@@ -233,28 +332,20 @@ def run_config(policy: str, seed: int, args: argparse.Namespace):
 
 
 def warm_start(args: argparse.Namespace, workdir: pathlib.Path) -> pathlib.Path:
-    """The one SFT warm start every run copies: ``--warm-start`` copied in, else trained here (reused later)."""
+    """The one SFT warm start every run starts from: the config's warm-start cache entry (trained there on a
+    miss, so the runs and ``trace_jax.bench.difficulty`` share it). Returns ``WORKDIR/shared``, where the
+    warm start's held-out evaluation is kept for every run."""
     from trace_jax import recipe
-    from trace_jax.config_utils import from_config
-    from trace_jax.sft import SFTConfig, run_sft
 
-    target = workdir / "warm_start"
-    if args.warm_start and not (target / "sft").exists():
-        source = pathlib.Path(args.warm_start)
-        missing = [d for d in SHARED_DIRS if not (source / d).is_dir()]
-        if missing:
-            raise FileNotFoundError(f"--warm-start {source} lacks {missing}; pass a run dir of the default recipe")
-        for name in SHARED_DIRS:
-            shutil.copytree(source / name, target / name, dirs_exist_ok=True)
-    config = run_config(args.policies[0], args.seeds[0], args)
-    world = recipe.build_world(config, target)
-    result = run_sft(from_config(SFTConfig, config.sft), world.world, world.tokenizer, target, env=world.env)
+    warm = recipe.build_warm_start(run_config(args.policies[0], args.seeds[0], args))
     print(
-        f"warm start: {'reused' if result.restored else 'trained'} in {target} "
-        f"(step {result.steps}, loss {result.final_loss:.3f})",
+        f"warm start: {'trained' if warm.trained else 'reused'} in {warm.entry.directory} "
+        f"(step {warm.sft.steps}, loss {warm.sft.final_loss:.3f})",
         file=sys.stderr,
     )
-    return target
+    shared = workdir / "shared"
+    shared.mkdir(parents=True, exist_ok=True)
+    return shared
 
 
 def run_one(policy: str, seed: int, args: argparse.Namespace, shared: pathlib.Path, workdir: pathlib.Path) -> RunCurve:
@@ -262,9 +353,7 @@ def run_one(policy: str, seed: int, args: argparse.Namespace, shared: pathlib.Pa
     from trace_jax.train import train
 
     rundir = workdir / f"{policy}_s{seed}"
-    for name in SHARED_DIRS:
-        if not (rundir / name).exists():
-            shutil.copytree(shared / name, rundir / name)
+    rundir.mkdir(parents=True, exist_ok=True)
     shared_before = shared / f"eval_before_{args.eval_questions}q.json"  # the SFT policy's eval on these questions
     if shared_before.is_file() and not (rundir / BEFORE_FILE).is_file():
         shutil.copy(shared_before, rundir / BEFORE_FILE)
@@ -314,6 +403,9 @@ def _names(text: str) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--config-file", default=str(CONFIG_DIR / "ablation.py"), help="config file taking the policy as argument"
+    )
     parser.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="comma-separated run seeds")
     parser.add_argument("--policies", type=_names, default=["trace", "uniform"], help="allocation policies")
     parser.add_argument("--steps", type=int, default=16, help="RL steps per run")
@@ -326,7 +418,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-questions", type=int, default=100, help="held-out (test split) questions")
     parser.add_argument("--eval-every", type=int, default=4, help="RL steps between held-out evaluations")
     parser.add_argument("--workdir", default="runs/train_curve")
-    parser.add_argument("--warm-start", default=None, help="a run dir whose sft/ and tokenizer/ to start from")
     parser.add_argument(
         "--compile-cache", default=None, help="JAX compilation cache dir (default WORKDIR/jax_cache; 'none': off)"
     )
@@ -340,6 +431,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.seeds, args.steps, args.prompts, args.eval_questions, args.eval_every = args.seeds[:1], 2, 4, 10, 1
     if args.steps < 1 or args.prompts < 1 or args.eval_every < 1 or args.tokens_per_prompt <= 0:
         parser.error("--steps, --prompts, --eval-every and --tokens-per-prompt must be positive")
+    if not pathlib.Path(args.config_file).is_file():
+        parser.error(f"--config-file {args.config_file} does not exist (e.g. configs/realistic.py)")
     return args
 
 
@@ -361,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         shared = warm_start(args, workdir)
         runs = [run_one(policy, seed, args, shared, workdir) for seed in args.seeds for policy in args.policies]
     result = aggregate(runs)
-    result["plots"] = plot(runs, result["equal_tokens"], workdir / "plots")
+    result["plots"] = plot(runs, result["equal_tokens"], workdir / "plots", result["equal_seconds"])
     result["runs"] = [
         {
             "policy": r.policy,
@@ -372,6 +465,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "rollouts": r.rollouts.tolist(),
             "effective_ratio": r.effective_ratio.tolist(),
             "reward": r.reward.tolist(),
+            "step_seconds": None if r.step_seconds is None else r.step_seconds.tolist(),
             "seconds": r.seconds,
         }
         for r in runs
