@@ -52,6 +52,13 @@ def test_beta_binomial_fit_recovers_a_u_shaped_pool():
     assert fit["b"] == pytest.approx(0.4, rel=0.15)
 
 
+def test_capped_stop_probability_inverts_the_capped_geometric_mean():
+    q, cap = 0.3, 6
+    mean = (1 - (1 - q) ** cap) / q
+    assert difficulty.capped_stop_probability(mean, cap) == pytest.approx(q, abs=1e-6)
+    assert difficulty.capped_stop_probability(1.0, cap) == 1.0
+
+
 def test_first_turn_concentration_recovers_kappa():
     rng = np.random.default_rng(1)
     kappa, roots, children = 6.0, [], []
@@ -79,7 +86,7 @@ def test_measure_trees_on_the_simulator_recovers_its_world():
     assert result["pool"]["uniform_effective_ratio"] == pytest.approx(true_mixing, abs=0.04)
     assert result["beta_binomial"]["mean"] == pytest.approx(0.3 / 0.8, abs=0.05)
     assert result["turns"]["max_turns"] == 4
-    assert 0 < result["turns"]["stop_probability"] <= 1
+    assert result["turns"]["stop_probability"] == pytest.approx(config.stop_probability, abs=0.05)
     assert result["prefix"]["prefixes"] > 100
     assert result["prefix"]["kappa"] == pytest.approx(5.0, rel=0.5)
     assert result["predictor"]["auc"] > 0.6  # the simulator's features carry the success signal

@@ -12,6 +12,10 @@ Each (policy, seed) runs ``--warmup`` batches (the predictor and cost model lear
 mean over ``--steps`` batches. The simulator's seed is the run's seed, so every policy sees the same world.
 Budgets are planned on expected costs, so a single batch may spend a few percent more or less than the budget;
 the table reports the mean and the largest share used.
+
+``--calibrated DIFFICULTY_JSON`` (from ``trace_jax.bench.difficulty``) replaces the default simulator by one fitted
+to real rollouts (:func:`calibrated_simulator`) and adds a simulator-vs-real table of effective ratios (real
+uniform from that file; real per-policy figures from ``--real-curve TRAIN_CURVE_JSON`` when given).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -51,6 +57,79 @@ WORLDS = {
     "flatter difficulty (Beta(0.5, 0.5))": {"difficulty_a": 0.5, "difficulty_b": 0.5},
 }
 WORLD_POLICIES = ("uniform", "trace", "oracle")
+
+
+FEATURE_SIGNALS = (0.25, 0.5, 1.0, 2.0)  # candidates when matching the real predictor's held-out AUC
+
+
+def calibrated_simulator(
+    stats: Mapping[str, Any], match_auc: bool = True, seed: int = 0, prompts: int = 128
+) -> tuple[SimulatorConfig, dict[str, Any]]:
+    """The simulator fitted to real-rollout statistics (the JSON of ``trace_jax.bench.difficulty``).
+
+    Prompt difficulty: the fitted beta-binomial Beta(a, b). Turns: the measured turn cap, per-turn stop
+    probability and generated tokens per (non-final / final) turn. Prefix dynamics: the measured first-turn
+    concentration ``kappa`` (when measured and finite). Features: with ``match_auc``, the ``feature_signal``
+    of :data:`FEATURE_SIGNALS` whose simulated trees give the MLP predictor the held-out AUC closest to the
+    real one, by the same protocol (``difficulty.predictor_informativeness`` on k rollouts per prompt).
+    Returns the config and a record of what was fitted.
+    """
+    from trace_jax.bench.difficulty import predictor_informativeness
+
+    beta, turns = stats["beta_binomial"], stats["turns"]
+    fitted = {
+        "difficulty_a": float(beta["a"]),
+        "difficulty_b": float(beta["b"]),
+        "max_turns": int(turns["max_turns"]),
+        "stop_probability": float(turns["stop_probability"]),
+        "answer_tokens_mean": float(turns["answer_tokens_mean"]),
+    }
+    if turns.get("turn_tokens_mean"):
+        fitted["turn_tokens_mean"] = float(turns["turn_tokens_mean"])
+    kappa = stats.get("prefix", {}).get("kappa")
+    if kappa is not None and np.isfinite(kappa) and kappa > 0:
+        fitted["kappa_median"] = float(kappa)
+    config = dataclasses.replace(SimulatorConfig(), **fitted)
+    record: dict[str, Any] = {"fitted": fitted}
+    real_auc = stats.get("predictor", {}).get("auc")
+    if match_auc and real_auc is not None and np.isfinite(real_auc):
+        samples = int(stats.get("setup", {}).get("samples", 8))
+        aucs = {}
+        for signal in FEATURE_SIGNALS:
+            candidate = dataclasses.replace(config, feature_signal=signal)
+            sim = Simulator(candidate, seed)
+            trees = sim.sample_batch(min(prompts, candidate.num_prompts))
+            sim.continue_anchors([ContinuationRequest(t, 0, samples) for t in trees])
+            aucs[signal] = predictor_informativeness(trees, seed)["auc"]
+        best = min(aucs, key=lambda signal: abs(aucs[signal] - real_auc))
+        config = dataclasses.replace(config, feature_signal=best)
+        record.update(feature_signal=best, simulated_auc=aucs, real_auc=float(real_auc))
+    return config, record
+
+
+def simulator_vs_real(
+    results: Mapping[str, Any], stats: Mapping[str, Any], real_curve: Mapping[str, Any] | None
+) -> list[dict[str, Any]]:
+    """Rows ``policy, simulator eff. ratio, real eff. ratio``: real uniform from the difficulty pool (exact, at
+    the bench's group size), real per-policy means from a ``trace_jax.bench.train_curve`` result when given."""
+    real: dict[str, float] = {}
+    by_group = stats["pool"].get("uniform_effective_ratio_by_group_size", {})
+    group_size = str(results["group_size"])
+    if group_size in by_group:
+        real["uniform"] = float(by_group[group_size])
+    real_source = {"uniform": f"difficulty pool, G={group_size}"} if real else {}
+    for policy, numbers in (real_curve or {}).get("policies", {}).items():
+        real[policy] = float(numbers["mean_effective_ratio"]["mean"])
+        real_source[policy] = "train_curve (mean over steps and seeds)"
+    return [
+        {
+            "policy": policy,
+            "simulator": row["effective_ratio"]["mean"],
+            "real": real.get(policy),
+            "real_source": real_source.get(policy, "not measured"),
+        }
+        for policy, row in results["policies"].items()
+    ]
 
 
 def tokens_per_rollout(config: SimulatorConfig, seed: int = 12345, num: int = 4000) -> float:
@@ -190,6 +269,15 @@ def markdown(results: dict[str, Any]) -> str:
             f"{row['budget/rollouts']['mean']:.0f} | "
             f"{row['predictor/brier']['mean']:.3f} / {row['predictor/auc']['mean']:.3f} |"
         )
+    if results.get("simulator_vs_real"):
+        lines += [
+            "",
+            "| policy | simulator eff. ratio % | real eff. ratio % | real measured by |",
+            "| --- | --- | --- | --- |",
+        ]
+        for row in results["simulator_vs_real"]:
+            real = "—" if row["real"] is None else f"{100 * row['real']:.1f}"
+            lines.append(f"| {row['policy']} | {100 * row['simulator']:.1f} | {real} | {row['real_source']} |")
     if results.get("ablation"):
         lines += ["", "| stage 1 | stage 2 | effective ratio % | non-zero-adv. tokens % |", "| --- | --- | --- | --- |"]
         for name, row in results["ablation"].items():
@@ -248,13 +336,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--world-seeds", type=int, default=3, help="seeds per cell of the sensitivity table")
     parser.add_argument("--no-overhead", action="store_true")
     parser.add_argument("--no-predictors", action="store_true", help="skip the predictor calibration table")
+    parser.add_argument(
+        "--calibrated", default=None, help="a trace_jax.bench.difficulty JSON: fit the simulator to it (see README)"
+    )
+    parser.add_argument(
+        "--real-curve", default=None, help="a trace_jax.bench.train_curve JSON: real effective ratios per policy"
+    )
     parser.add_argument("--out", default="bench_results/allocation.json")
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.steps < 1 or args.batch < 1:
         raise SystemExit("--seeds, --steps and --batch must be positive")
 
     start = time.perf_counter()
-    budget = args.group_size * tokens_per_rollout(SimulatorConfig())
+    base = SimulatorConfig()
+    stats = calibration = real_curve = None
+    if args.calibrated:
+        stats = json.loads(pathlib.Path(args.calibrated).read_text())
+        base, calibration = calibrated_simulator(stats)
+    if args.real_curve:
+        real_curve = json.loads(pathlib.Path(args.real_curve).read_text())
+    budget = args.group_size * tokens_per_rollout(base)
     results: dict[str, Any] = {
         "command": "python -m trace_jax.bench.allocation" + ("" if argv is None else " " + " ".join(argv)),
         "seeds": args.seeds,
@@ -262,24 +363,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch": args.batch,
         "group_size": args.group_size,
         "tokens_per_prompt": budget,
-        "simulator": SimulatorConfig().__dict__,
+        "simulator": base.__dict__,
+        "calibration": calibration,
         "policies": {},
         "ablation": {},
         "worlds": {},
     }
     for name in args.policy or list(POLICIES):
-        results["policies"][name] = summarise([run_policy(name, s, args, budget) for s in range(args.seeds)])
+        runs = [run_policy(name, s, args, budget, world=base) for s in range(args.seeds)]
+        results["policies"][name] = summarise(runs)
+    if stats is not None:
+        results["simulator_vs_real"] = simulator_vs_real(results, stats, real_curve)
     if not args.no_ablation:
         for (stage1, stage2), same_as in ABLATION.items():
             if same_as in results["policies"]:
                 results["ablation"][f"{stage1}+{stage2}"] = results["policies"][same_as]
                 continue
             overrides = {"stage1": stage1, "stage2": stage2}
-            runs = [run_policy("trace", s, args, budget, overrides) for s in range(args.seeds)]
+            runs = [run_policy("trace", s, args, budget, overrides, world=base) for s in range(args.seeds)]
             results["ablation"][f"{stage1}+{stage2}"] = summarise(runs)
     if not args.no_worlds:
         for label, knobs in WORLDS.items():
-            world = dataclasses.replace(SimulatorConfig(), **knobs)
+            world = dataclasses.replace(base, **knobs)
             world_budget = args.group_size * tokens_per_rollout(world)
             results["worlds"][label] = {
                 name: summarise([run_policy(name, s, args, world_budget, world=world) for s in range(args.world_seeds)])

@@ -74,6 +74,9 @@ def pool_summary(successes_n: np.ndarray, samples: int, group_size: int, bins: i
         "share_extreme": float(np.mean((p < EXTREME) | (p > 1 - EXTREME))),
         "uniform_effective_ratio": float(mixed_group_probability(counts, samples, group_size).mean()),
         "group_size": group_size,
+        "uniform_effective_ratio_by_group_size": {
+            g: float(mixed_group_probability(counts, samples, g).mean()) for g in (2, 4, 8, 16) if g <= samples
+        },
     }
 
 
@@ -92,6 +95,23 @@ def fit_beta_binomial(successes_n: np.ndarray, samples: int) -> dict[str, float]
     return {"a": float(a), "b": float(b), "mean": float(a / (a + b)), "neg_log_likelihood": float(fit.fun)}
 
 
+def capped_stop_probability(mean_turns: float, max_turns: int) -> float:
+    """The per-turn stop probability q whose turn count, capped at ``max_turns``, has mean ``mean_turns``.
+
+    Turns ~ min(Geometric(q), T) has mean ``(1 - (1 - q)^T) / q``, decreasing in q from T to 1: bisection.
+    """
+    if mean_turns <= 1.0:
+        return 1.0
+    low, high = 1e-6, 1.0
+    for _ in range(60):
+        q = 0.5 * (low + high)
+        if (1.0 - (1.0 - q) ** max_turns) / q > mean_turns:
+            low = q
+        else:
+            high = q
+    return 0.5 * (low + high)
+
+
 def turn_statistics(trees: Sequence[RolloutTree]) -> dict[str, float]:
     """Leaf depth (turns per trajectory) and generated tokens per turn, non-final and final turns apart."""
     depths, middle, final = [], [], []
@@ -106,8 +126,7 @@ def turn_statistics(trees: Sequence[RolloutTree]) -> dict[str, float]:
     return {
         "mean_turns": float(depths_n.mean()),
         "max_turns": int(depths_n.max()),
-        # A trajectory that stops after each turn with probability q has 1/q turns on average (uncapped).
-        "stop_probability": float(1.0 / depths_n.mean()),
+        "stop_probability": capped_stop_probability(float(depths_n.mean()), int(depths_n.max())),
         "turn_tokens_mean": float(np.mean(middle)) if middle else 0.0,
         "answer_tokens_mean": float(np.mean(final)),
     }
