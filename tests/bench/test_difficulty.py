@@ -95,3 +95,16 @@ def test_measure_trees_on_the_simulator_recovers_its_world():
 def test_bad_flags_are_rejected():
     with pytest.raises(SystemExit):
         difficulty.parse_args(["--samples", "4", "--group-size", "8"])
+
+
+def test_reweighted_pool_mixes_measured_groups():
+    stats = {
+        "1-hop": difficulty.pool_summary(np.asarray([8, 8]), 16, 8),
+        "trivial/0-hop": difficulty.pool_summary(np.asarray([16, 16]), 16, 8),
+    }
+    mixed = difficulty.reweighted_pool(stats, {"1-hop": 1.0, "trivial/0-hop": 3.0})
+    assert mixed["share_extreme"] == pytest.approx(0.75)
+    assert mixed["mean_success"] == pytest.approx(0.25 * 0.5 + 0.75)
+    assert mixed["uniform_effective_ratio"] == pytest.approx(0.25 * stats["1-hop"]["uniform_effective_ratio"])
+    with pytest.raises(ValueError, match="no measurement"):
+        difficulty.reweighted_pool(stats, {"5-hop": 1.0})

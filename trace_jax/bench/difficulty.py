@@ -33,7 +33,7 @@ import math
 import pathlib
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -183,6 +183,21 @@ def by_group(trees: Sequence[RolloutTree], samples: int, group_size: int) -> dic
     for tree in trees:
         groups[group_of(tree.task)].append(int(tree.leaf_rewards().sum()))
     return {name: pool_summary(np.asarray(c), samples, group_size) for name, c in sorted(groups.items())}
+
+
+def reweighted_pool(by_group_stats: Mapping[str, Mapping[str, Any]], weights: Mapping[str, float]) -> dict[str, float]:
+    """Pool figures predicted for a different mixture of the measured groups (the tuning aid for a world's
+    ``hop_weights`` / ``buried_questions`` / ``trivial_questions``): each group's measured extreme share,
+    uniform effective ratio and mean success, averaged with ``weights`` (group -> relative share; groups
+    left out get 0). Assumes a group's difficulty does not depend on the mixture (the warm start saw another)."""
+    unknown = set(weights) - set(by_group_stats)
+    if unknown:
+        raise ValueError(f"no measurement for groups {sorted(unknown)}; measured: {sorted(by_group_stats)}")
+    total = float(sum(weights.values()))
+    if total <= 0:
+        raise ValueError("weights must have a positive sum")
+    keys = ("share_extreme", "uniform_effective_ratio", "mean_success")
+    return {key: sum(w * float(by_group_stats[g][key]) for g, w in weights.items()) / total for key in keys}
 
 
 # ------------------------------------------------------------------------------------------- running
