@@ -21,6 +21,7 @@ def fake_records(tokens_per_step, em_by_step, eff=0.5, step_seconds=1.0):
             "alloc/budget/rollouts": 10.0,
             "rollout/mean_reward": 0.4,
             "time/step_s": step_seconds,
+            "alloc/predictor/auc": 0.75,
         }
         if step in em_by_step and step != last:
             record["eval/em"] = em_by_step[step]
@@ -68,6 +69,7 @@ def test_aggregate_compares_at_equal_generated_tokens():
     assert trace["em_gain"]["mean"] == pytest.approx(0.2)
     assert trace["em_final"]["std"] == pytest.approx(np.std([0.58, 0.6, 0.62]))
     assert uniform["generated_tokens"]["mean"] == 2000.0
+    assert trace["predictor_auc"]["mean"] == pytest.approx(0.75)
     em_steps = result["curves"]["trace"]["em_vs_step"]
     assert em_steps["x"] == [0.0, 2.0, 4.0]
     assert result["curves"]["uniform"]["em_vs_tokens"]["x"][-1] == 1000.0

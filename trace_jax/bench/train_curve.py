@@ -56,6 +56,8 @@ class RunCurve:
     eval_steps / eval_em: int64 [E] / float64 [E], held-out EM at step 0 (the SFT policy) and later steps.
     steps / generated_tokens / rollouts / effective_ratio / reward / step_seconds: one entry per RL step,
       float64 [S] (step_seconds: the step's wall time, rollouts + update; NaN when not logged).
+    predictor_auc / predictor_brier: float64 [S], the success predictor's figures on each step's anchors
+      before it learns from them (NaN for policies without a predictor).
     seconds: wall time of the run (0 when unknown).
     """
 
@@ -69,6 +71,8 @@ class RunCurve:
     effective_ratio: np.ndarray
     reward: np.ndarray
     step_seconds: np.ndarray | None = None
+    predictor_auc: np.ndarray | None = None
+    predictor_brier: np.ndarray | None = None
     seconds: float = 0.0
 
     def cumulative_tokens_at(self, steps: np.ndarray) -> np.ndarray:
@@ -120,6 +124,8 @@ def run_curve(policy: str, seed: int, records: Sequence[Mapping[str, Any]], sft_
         column("alloc/effective_ratio"),
         column("rollout/mean_reward"),
         column("time/step_s"),
+        column("alloc/predictor/auc"),
+        column("alloc/predictor/brier"),
         seconds,
     )
 
@@ -129,6 +135,13 @@ def _by_policy(runs: Sequence[RunCurve]) -> dict[str, list[RunCurve]]:
     for run in runs:
         groups.setdefault(run.policy, []).append(run)
     return groups
+
+
+def _nanmean(values: np.ndarray | None) -> float:
+    """Mean over the finite entries (NaN when there are none)."""
+    if values is None or not np.isfinite(values).any():
+        return float("nan")
+    return float(np.nanmean(values))
 
 
 def baseline_policy(policies: Sequence[str]) -> str:
@@ -232,6 +245,8 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
                 "generated_tokens": tokens,
                 "rollouts": rollouts,
                 "seconds": [run.seconds for run in group],
+                "predictor_auc": [_nanmean(run.predictor_auc) for run in group],
+                "predictor_brier": [_nanmean(run.predictor_brier) for run in group],
             }.items()
         }
         em_tokens = mean_std_curve([(grid, run.em_at_tokens(grid)) for run in group])
