@@ -6,7 +6,9 @@ Shaped like JetStream's ``Engine`` (``init_decode_state``, ``insert``, ``bulk_in
 * ``append(params, state, items)`` is the one prefill program: each item appends ids to a slot, either
   starting a fresh sequence in it (``reset``: a prompt or an anchor history, i.e. prefill + insert) or
   continuing it (an observation: prefill-extend). All refills of a host round trip go in one call;
-  ``insert`` and ``extend`` are its two special cases;
+  ``insert`` and ``extend`` are its two special cases. An item may ``hold`` its history's pages (a
+  pages-only ``Prefix``) and a later fresh sequence may ``start`` from such a hold: it shares the pages and
+  computes only the ids past it (``trace_jax.rollout.append``);
 * ``fork(state, sources, children, seeds)`` (``bulk_insert``) starts k new sequences from live slots'
   histories: the children's page tables point at the parents' full KV pages and only the last, partly
   filled page is copied (``trace_jax.rollout.pages``); nothing is recomputed;
@@ -28,7 +30,8 @@ weights compile nothing. One engine serves sampling and greedy evaluation (greed
 
 KV cache: a page pool with a page table per slot (``trace_jax.rollout.pages``); the model runs on a
 ``PagedKVCache`` and reads / writes each layer through the tables (``page_size = max_len`` is the contiguous
-cache). The types the calls take and return live in ``trace_jax.rollout.slots``.
+cache). The types the calls take and return live in ``trace_jax.rollout.slots``; the programs' device code lives in
+``append`` / ``fork`` / ``decode_loop``, the sizes in ``engine_config``; this module holds the state and calls.
 
 Randomness: a sequence's draws depend only on the seed it was started with and the number of tokens it has
 sampled, never on its slot or batch mates: a fork of k slots reproduces k independent runs with those seeds.
