@@ -6,7 +6,9 @@ Given requests "continue anchor A of tree T k times" (roots included), the runne
    (shared KV pages, nothing recomputed); all new histories and all pending observations of one refill go
    to the engine in one ``append`` call, all forks in one ``fork`` call;
 2. runs ``generate`` for the live slots; a slot's turn ends on a stop sequence, EOS, the per-turn token
-   limit or a full cache;
+   limit or a full cache; after each call, a turn whose decoded text holds a stop string the id table missed
+   (the environment's ``text_stops``) ends at the id that completed it (its cache is rebuilt from the kept
+   history if the rollout goes on);
 3. hands every finished turn to the environment: ``done`` makes the turn a leaf with its reward and frees
    the slot; otherwise the observation ids are appended to the slot at the next refill and a new turn starts;
 4. refills freed slots with the next queued continuations (continuous batching), until every continuation
