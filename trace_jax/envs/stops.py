@@ -99,23 +99,23 @@ class TextStops:
         completing = np.zeros(len(tokenizer), bool)
         completing[list(_completing_tokens(tokenizer, stops))] = True
         self._completing = completing  # bool [vocab]: ids that can complete a stop string
+        self._span = max(len(s.encode()) for s in self.stops)  # most ids one stop string can span
 
     def cut(self, ids: Sequence[int] | np.ndarray, checked: int = 0) -> int | None:
         """The number of leading ``ids`` whose decoded text first holds a complete stop string (the id that
-        completes it is the last kept); None when the text of all of ``ids`` holds none.
+        completes it is the last kept); None when no prefix of ``ids`` holds one.
 
         ``checked``: how many leading ids are already known to hold no complete stop string (the previous
-        call's length), so a call with no new id able to complete one decodes nothing. Ids past the
-        tokenizer's vocabulary (a padded embedding) complete nothing.
+        call's length): only ids after them that can complete a stop string are tried, each by decoding the
+        few ids a stop string can span (every id decodes to at least one byte), so a call costs a handful of
+        short decodes, not a decode of the whole turn. Ids past the tokenizer's vocabulary (a padded
+        embedding) complete nothing.
         """
         ids = np.asarray(ids, np.int64).reshape(-1)
-        in_vocab = (ids >= 0) & (ids < len(self._completing))
-        positions = np.flatnonzero(in_vocab)
+        positions = np.flatnonzero((ids >= 0) & (ids < len(self._completing)))
         positions = positions[self._completing[ids[positions]] & (positions >= checked)]
-        if not len(positions) or self._stop_end(ids) is None:
-            return None
-        # The stop string is complete after one of the completing positions: the first such prefix.
-        return next((p + 1 for p in positions if self._stop_end(ids[: p + 1]) is not None), len(ids))
-
-    def _stop_end(self, ids: np.ndarray) -> int | None:
-        return first_stop_end(self.tokenizer.decode(ids.tolist(), skip_special_tokens=False), self.stops)
+        for p in positions.tolist():
+            window = ids[max(p + 1 - self._span, 0) : p + 1].tolist()
+            if first_stop_end(self.tokenizer.decode(window, skip_special_tokens=False), self.stops) is not None:
+                return p + 1
+        return None
