@@ -223,8 +223,9 @@ def test_the_engine_turn_ends_at_a_stop_tag_its_id_table_misses_and_the_next_tur
     model = nnx.merge(abstract_model(model_config)[0], params)
     logprobs = np.asarray(jax.nn.log_softmax(model(jnp.asarray(history[None]))[0][0], axis=-1))
     start = len(history) - len(second.token_ids)
-    want = logprobs[np.arange(start - 1, len(history) - 1), second.token_ids]
-    np.testing.assert_allclose(second.logprobs, want, atol=1e-4)
+    rows = logprobs[np.arange(start - 1, len(history) - 1)]
+    np.testing.assert_allclose(second.logprobs, rows[np.arange(len(rows)), second.token_ids], atol=1e-4)
+    assert second.token_ids.tolist() == rows.argmax(-1).tolist()  # still greedy after the observation
 
 
 def test_a_stalled_retrieval_server_costs_bounded_time_per_search_is_counted_and_the_run_goes_on(greedy_run):
