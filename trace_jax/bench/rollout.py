@@ -99,6 +99,8 @@ def rollout_phase(config, world, engine, steps: int) -> dict[str, Any]:
         "timed_pass_wall_s": round(sum(timed_walls), 2),
         "program_seconds_timed_pass": {k: round(v, 2) for k, v in seconds.items()},
         "calls": counts,
+        # The append program's cost scales with rows x width (padded), not with the ids it appends.
+        "append_padding": round(counts.get("append_padded_tokens", 0) / max(counts.get("append_tokens", 0), 1), 2),
         "compiles_after_warmup": [shapes for _, shapes in engine.programs.late],
     }
 

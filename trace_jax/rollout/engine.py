@@ -262,6 +262,7 @@ class Engine:
         table, packed, kept, held = pack_append(self.config, state, items)
         self.counters["append_calls"] += 1
         self.counters["append_tokens"] += int(packed[:, -APPEND_FIELDS + 1].sum())  # ids the model runs
+        self.counters["append_padded_tokens"] += packed.shape[0] * (packed.shape[1] - APPEND_FIELDS)  # rows x width
         device, hidden_kd = self.programs(
             "append", self._weights(params), state.device, self._put(table), self._put(packed)
         )
