@@ -96,8 +96,9 @@ class AppendResult(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class AppendItem:
-    """Append ``ids`` to ``slot``; ``reset`` starts a fresh sequence there with PRNG ``seed``; ``keep`` keeps
-    the resulting history as a ``Prefix`` to fork from."""
+    """Append ``ids`` to ``slot``; ``reset`` starts a fresh sequence there with PRNG ``seed`` and decoding
+    mode ``greedy`` (both ignored when continuing: a sequence keeps its own); ``keep`` keeps the resulting
+    history as a ``Prefix`` to fork from."""
 
     slot: int
     ids: Sequence[int] | np.ndarray
