@@ -132,7 +132,8 @@ def append_program(
         turn_tokens_b=put(state.turn_tokens_b, zeros),
         turn_limit_b=put(state.turn_limit_b, limit_k),
         stop_reason_b=put(state.stop_reason_b, zeros + StopReason.RUNNING),
-        greedy_b=put(state.greedy_b, greedy_k > 0),
+        # Like the seed, greedy is the sequence's: set when it starts, kept when ids are appended.
+        greedy_b=put(state.greedy_b, jnp.where(reset_k, greedy_k > 0, state.greedy_b[rows_k])),
         recent_bw=put(state.recent_bw, jnp.full((k, state.recent_bw.shape[1]), -1, jnp.int32)),
         bank_logits_rv=state.bank_logits_rv.at[bank_k].set(logits_kv, mode="drop"),
         bank_hidden_rd=state.bank_hidden_rd.at[bank_k].set(hidden_kd, mode="drop"),

@@ -102,8 +102,9 @@ class AppendResult(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class AppendItem:
-    """Append ``ids`` to ``slot``; ``reset`` starts a fresh sequence there with PRNG ``seed``; ``keep`` keeps
-    the resulting history as a ``Prefix`` to fork from; ``hold`` holds its pages as a pages-only ``Prefix``.
+    """Append ``ids`` to ``slot``; ``reset`` starts a fresh sequence there with PRNG ``seed`` and decoding
+    mode ``greedy`` (both ignored when continuing: a sequence keeps its own); ``keep`` keeps the resulting
+    history as a ``Prefix`` to fork from; ``hold`` holds its pages as a pages-only ``Prefix``.
 
     ``start`` (with ``reset``): a held or kept ``Prefix`` whose ids are the first ``start.length`` of ``ids``;
     the slot shares its pages (the last partly filled one copied) and computes only ``ids[start.length - 1:]``.
