@@ -188,7 +188,7 @@ def test_realistic_world_is_a_pure_function_of_its_seed(tmp_path):
         assert not filecmp.cmp(a / name, c / name, shallow=False)
 
 
-def test_realistic_preset_selects_the_world_and_a_few_million_parameter_policy():
+def test_realistic_preset_selects_the_world_and_the_tiny_policy():
     path = pathlib.Path(__file__).resolve().parents[2] / "configs" / "realistic.py"
     config = load_config_file(f"{path}:uniform")
     world = from_config(WorldConfig, config.world)
@@ -196,4 +196,5 @@ def test_realistic_preset_selects_the_world_and_a_few_million_parameter_policy()
     assert world.buried_questions and world.trivial_questions and world.distractor_style == "lookalike"
     assert len(world.hop_weights) == world.max_hops == 5 and config.react.max_turns == 6
     size = num_params(from_config(SFTConfig, config.sft).model_config(config.tokenizer.vocab_size))
-    assert 2e6 < size < 10e6
+    # The default tiny policy: a few-million-parameter one was too slow to warm-start here (configs/realistic.py).
+    assert size == num_params(SFTConfig().model_config(config.tokenizer.vocab_size))
