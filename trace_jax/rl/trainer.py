@@ -262,17 +262,17 @@ class RLTrainer:
     def _micro(self, batch: TrainBatch, rows: np.ndarray) -> TrainBatch:
         """Rows ``rows`` of the host ``batch`` as one placed micro-batch of exactly ``micro_rows`` rows."""
         count = self.update_config.micro_rows
-        micro = self._put_batch(take_rows(batch, rows, count), self.step_row_multiple_of(self.mesh, 1))
-        return micro
+        return self._put_batch(take_rows(batch, rows, count), self.step_row_multiple_of(self.mesh, 1))
 
     def _map_rows(self, name: str, fn: Any, params: Any, batch: TrainBatch) -> np.ndarray:
-        """float32 [B, T] host: ``fn(params, micro)`` over the fixed-shape micro-batches of ``batch``'s rows."""
+        """float32 [B, T] host: ``fn(params, micro)`` over fixed-shape micro-batches of ``batch``'s rows that
+        hold tokens (0 on rows without: they have no context)."""
         batch = jax.device_get(batch)
-        rows = np.asarray(batch.tokens).shape[0]
         out = np.zeros(np.asarray(batch.tokens).shape, np.float32)
+        real = np.flatnonzero(np.asarray(batch.lengths) > 0)
         count = self.update_config.micro_rows
-        for start in range(0, rows, count):
-            part = np.arange(start, min(start + count, rows))
+        for start in range(0, real.size, count):
+            part = real[start : start + count]
             micro = self._micro(batch, part)
             self.programs.add((name, micro.tokens.shape))
             out[part] = np.asarray(jax.device_get(fn(params, micro)))[: part.size]
