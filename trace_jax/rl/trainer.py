@@ -175,11 +175,6 @@ class RLTrainer:
         # A private copy: the caller's params usually become the train state, whose buffers each step donates.
         keep_reference = reference_params is not None and loss_config.kl_coef
         self.reference_params = jax.tree.map(jnp.copy, reference_params) if keep_reference else None
-        if update.micro_rows % self.step_row_multiple_of(mesh, 1):
-            raise ValueError(
-                f"ppo.micro_rows={update.micro_rows} must be a multiple of the batch shards (data × fsdp = "
-                f"{self.step_row_multiple_of(mesh, 1)})"
-            )
         self._step_fn: Any = None
         self._update_fns: dict[str, Any] | None = None
         self.programs: set[tuple[str, tuple[int, ...]]] = set()  # (program, micro-batch shape) run so far
@@ -262,6 +257,11 @@ class RLTrainer:
     def _micro(self, batch: TrainBatch, rows: np.ndarray) -> TrainBatch:
         """Rows ``rows`` of the host ``batch`` as one placed micro-batch of exactly ``micro_rows`` rows."""
         count = self.update_config.micro_rows
+        if count % self.step_row_multiple_of(self.mesh, 1):
+            raise ValueError(
+                f"ppo.micro_rows={count} must be a multiple of the batch shards (data × fsdp = "
+                f"{self.step_row_multiple_of(self.mesh, 1)})"
+            )
         return self._put_batch(take_rows(batch, rows, count), self.step_row_multiple_of(self.mesh, 1))
 
     def _map_rows(self, name: str, fn: Any, params: Any, batch: TrainBatch) -> np.ndarray:
