@@ -36,7 +36,7 @@ def _late(compiles, watched):
 
 
 def test_no_engine_program_compiles_after_the_first_step_by_jax_count(compiles):
-    assert _late(compiles, ("_append_impl", "_fork_impl", "_generate_impl")) == []
+    assert _late(compiles, ("append_program", "fork_program", "decode_program")) == []
 
 
 # The trainer's PPO update runs fixed-shape micro-batch programs (``RLTrainer.update``) on rows of one length
