@@ -197,3 +197,20 @@ def test_one_process_is_the_whole_world():
         multihost.copy_to_each_process(
             {"w": jnp.arange(4.0)}, Mesh(np.asarray(jax.devices()).reshape(1, -1), ("a", "b"))
         )
+
+
+def test_with_one_process_the_main_job_s_process_view_passes_everything_through():
+    from trace_jax.parallel.mesh import make_mesh
+    from trace_jax.parallel.processes import Processes
+    from trace_jax.rollout.tree import RolloutTree
+
+    processes = Processes()
+    assert not processes.multi and processes.is_main and processes.count == 1
+    mesh = make_mesh()
+    params, runner = {"w": jnp.ones(2)}, object()
+    assert processes.sampling_mesh(mesh) is mesh and processes.engine_weights(params, None) is params
+    assert processes.backend(runner) is runner and processes.from_main({"a": 1}) == {"a": 1}
+    assert processes.reduce({"time/step_s": 2.0, "reward": 0.5}) == {"time/step_s": 2.0, "reward": 0.5}
+    trees = [RolloutTree([1, 2], {"id": "train-3"}, 0), RolloutTree([1], {"id": "train-9"}, 1)]
+    assert processes.sampled_questions(runner, trees) == [["train-3", "train-9"]]
+    processes.barrier("nothing to wait for")

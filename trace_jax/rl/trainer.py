@@ -39,6 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax.optim import guarded_update, init_sharded
+from trace_jax.parallel import multihost
 from trace_jax.parallel.mesh import batch_sharding, traced_under
 from trace_jax.rl.batch import TrainBatch
 from trace_jax.rl.logprobs import DEFAULT_CHUNK, behaviour_logprobs, policy_logprobs
@@ -199,7 +200,7 @@ class RLTrainer:
             )
         if self.mesh is None:
             return jax.tree.map(jnp.asarray, batch)
-        return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(self.mesh, np.ndim(x))), batch)
+        return multihost.rows_to_global(batch, self.mesh)  # each process feeds the rows its devices hold
 
     def init_state(self, params: Any, rng: jax.Array) -> TrainState:
         """A fresh TrainState; the optimizer state is created next to (and sharded like) ``params``.
@@ -214,7 +215,8 @@ class RLTrainer:
             # Born sharded: each moment takes its parameter's sharding (no whole-model copy on any device);
             # leaves that do not mirror params (step counts) are replicated over the mesh.
             opt_state = init_sharded(self.optimizer, params, replicated)
-        scalar = (lambda x: jax.device_put(x, replicated)) if replicated is not None else jnp.asarray
+        # Through jit, not device_put: a typed PRNG key cannot be device_put onto other hosts' devices.
+        scalar = jax.jit(lambda x: x, out_shardings=replicated) if replicated is not None else jnp.asarray
         return TrainState(
             params=params,
             opt_state=opt_state,
@@ -369,7 +371,7 @@ class RLTrainer:
         grad_norm averaged over steps, update_applied the share of applied steps, skipped_steps, steps.
         """
         config = self.update_config
-        prepared = jax.device_get(self.prepare(state, batch))
+        prepared = jax.tree.map(multihost.to_host, self.prepare(state, batch))  # whole rows on every process
         rows = prepared.tokens.shape[0]
         if rows % self.row_multiple:
             raise ValueError(
