@@ -66,15 +66,17 @@ def get_config(variant: str = "qwen3-8b") -> ml_collections.ConfigDict:
             stop_variants=True,
         )
     )
-    # Every id spelling of </search> and </answer> is a stop sequence (envs/stops.py): a 150k vocabulary
-    # has a few hundred tokens that can complete one.
+    # Every id spelling of </search> and </answer> that ends in a completing token is a stop sequence
+    # (envs/stops.py): 34 / 106 / 414 of them for Qwen-pattern byte-level BPEs of 16k / 48k / 151k ids trained
+    # here on code and docs; 1024 leaves room for Qwen's own 151k vocabulary (the table is [S, 8] ids, one
+    # compare per decode step). A tokenizer needing more stops the run at start with the flag to raise.
     config.engine = to_config(
         EngineConfig(
             max_slots=slots,
             max_len=max_len,
             steps_per_call=16 if tiny else 64,
             max_turn_tokens=turn_tokens,
-            max_stop_sequences=512,
+            max_stop_sequences=1024,
             max_stop_len=8,
         )
     )

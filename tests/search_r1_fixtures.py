@@ -141,8 +141,6 @@ def write_all(root: str | pathlib.Path, seed: int = 0) -> dict[str, pathlib.Path
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tests.helpers import build_hf_checkpoint
-
     root = pathlib.Path(root)
     train, dev, corpus = world(seed=seed)
     data = root / "data"
@@ -152,7 +150,17 @@ def write_all(root: str | pathlib.Path, seed: int = 0) -> dict[str, pathlib.Path
     corpus_path = root / "corpus.jsonl"
     corpus_path.write_text("".join(json.dumps(row) + "\n" for row in corpus))
     tokenizer = train_tokenizer(_tokenizer_texts(train, corpus))
-    hf = root / "hf"
+    hf = write_checkpoint(root / "hf", tokenizer, seed=seed)
+    return {"hf": hf, "data": data, "corpus": corpus_path, "tokenizer": hf}
+
+
+def write_checkpoint(
+    hf: str | pathlib.Path, tokenizer: PreTrainedTokenizerFast, turn: str = PLANTED_TURN, seed: int = 0
+) -> pathlib.Path:
+    """Saves a tiny random Qwen3 that writes ``turn`` (:func:`plant_search_turn`) and ``tokenizer`` to ``hf``."""
+    from tests.helpers import build_hf_checkpoint
+
+    hf = pathlib.Path(hf)
     model = build_hf_checkpoint(
         hf,
         "qwen3",
@@ -167,6 +175,6 @@ def write_all(root: str | pathlib.Path, seed: int = 0) -> dict[str, pathlib.Path
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    plant_search_turn(model, tokenizer).save_pretrained(str(hf))
+    plant_search_turn(model, tokenizer, turn).save_pretrained(str(hf))
     tokenizer.save_pretrained(str(hf))
-    return {"hf": hf, "data": data, "corpus": corpus_path, "tokenizer": hf}
+    return hf

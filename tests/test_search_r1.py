@@ -28,10 +28,19 @@ from tests import search_r1_fixtures as fixtures
 from tests.helpers import torch_logits
 from trace_jax import recipe, recipes
 from trace_jax.checkpoint.hf import load_hf
+from trace_jax.checkpoint.hf import main as hf_main
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.config_utils import load_config_file
-from trace_jax.envs.react import OBSERVATION_CLOSE, OBSERVATION_OPEN, RETRIEVAL_FAILED_TEXT, format_passages
+from trace_jax.data.tokenizer import load_tokenizer
+from trace_jax.envs.react import (
+    OBSERVATION_CLOSE,
+    OBSERVATION_OPEN,
+    RETRIEVAL_FAILED_TEXT,
+    STOP_TAGS,
+    format_passages,
+)
 from trace_jax.envs.retriever import BM25Retriever, HttpRetriever, make_server
+from trace_jax.envs.stops import stop_id_sequences
 from trace_jax.evaluate import evaluate
 from trace_jax.models.qwen import abstract_model
 from trace_jax.rl.advantages import compute_advantages
@@ -46,14 +55,20 @@ def files(tmp_path_factory):
     return fixtures.write_all(tmp_path_factory.mktemp("search_r1"))
 
 
-class CountingRetriever:
-    """BM25 behind the server, counting the queries it answered."""
+class StallingRetriever:
+    """BM25 behind the server, counting the queries it answered; every ``stall_every``-th search call first
+    sleeps ``stall_s`` (past the client's deadline: that call fails, the next ones are answered)."""
 
-    def __init__(self, inner):
-        self.inner, self.queries = inner, 0
+    def __init__(self, inner, stall_every: int = 0, stall_s: float = 0.0):
+        self.inner, self.queries, self.calls, self.stalls = inner, 0, 0, 0
+        self.stall_every, self.stall_s = stall_every, stall_s
 
     def search(self, queries, topk):
+        self.calls += 1
         self.queries += len(queries)
+        if self.stall_every and self.calls % self.stall_every == 0:
+            self.stalls += 1
+            time.sleep(self.stall_s)
         return self.inner.search(queries, topk)
 
 
@@ -65,10 +80,12 @@ def tiny_config(files, **retriever) -> ml_collections.ConfigDict:
     return config
 
 
-def test_train_over_http_checkpoints_evaluates_and_exports_what_transformers_loads(files, tmp_path):
+def test_train_over_a_stalling_http_server_checkpoints_evaluates_and_exports_what_transformers_loads(files, tmp_path):
+    """One whole run covers the recipe end to end and a retrieval server that stalls on some calls."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    counting = CountingRetriever(BM25Retriever.from_jsonl(files["corpus"]))
+    timeout_s = 1.0
+    counting = StallingRetriever(BM25Retriever.from_jsonl(files["corpus"]), stall_every=3, stall_s=1.3 * timeout_s)
     server = make_server(counting, port=0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     workdir = tmp_path / "run"
@@ -80,6 +97,7 @@ def test_train_over_http_checkpoints_evaluates_and_exports_what_transformers_loa
         f"--config.model.hf_dir={files['hf']}",
         f"--config.data.dir={files['data']}",
         f"--config.retriever.url=http://127.0.0.1:{server.server_port}",
+        f"--config.retriever.timeout_s={timeout_s}",
         "--config.loss.entropy_coef=0.01",  # a gradient even when every reward ties, so the policy moves
         f"--workdir={workdir}",
     ]
@@ -94,6 +112,10 @@ def test_train_over_http_checkpoints_evaluates_and_exports_what_transformers_loa
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["steps"] == 2
     assert counting.queries >= 8  # every rollout of both steps and both evaluations searched over HTTP
+    # A stalled search cost one deadline, was counted in the step's metrics, and the run went on.
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    failures = sum(r.get("rollout/retrieval_failures", 0) for r in records)
+    assert counting.stalls >= 1 and 1 <= failures <= counting.stalls, (counting.stalls, failures)
     assert [row["group"] for row in summary["eval_after"]] == ["hotpotqa", "nq", "all"]  # EM/F1 per source
     assert StateCheckpointer(workdir / recipe.CHECKPOINTS).latest_step() == 2
 
@@ -115,10 +137,20 @@ def test_train_over_http_checkpoints_evaluates_and_exports_what_transformers_loa
     theirs = torch_logits(AutoModelForCausalLM.from_pretrained(export).eval(), ids)
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
-    recipes.main(["export", "--workdir", str(workdir), "--out", str(tmp_path / "again")])  # the CLI, by hand
+    hf_main(["export", "--workdir", str(workdir), "--out", str(tmp_path / "again")])  # the CLI, by hand
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
     np.testing.assert_array_equal(torch_logits(again, ids), theirs)
     assert AutoTokenizer.from_pretrained(tmp_path / "again").get_vocab() == world.tokenizer.get_vocab()
+
+
+def test_a_stop_table_over_the_engine_maximum_fails_at_start_with_the_flag_to_raise(files, tmp_path):
+    config = tiny_config(files, kind="bm25", corpus=str(files["corpus"]))
+    tokenizer = load_tokenizer(files["hf"])
+    count = len(stop_id_sequences(tokenizer, STOP_TAGS, config.react.max_stop_len))
+    assert 2 < count <= config.engine.max_stop_sequences  # premise: several spellings, and they fit
+    config.engine.max_stop_sequences = count - 1
+    with pytest.raises(ValueError, match=f"--config.engine.max_stop_sequences={count} or more"):
+        recipes.source_of(config).start(config, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +191,41 @@ def test_trainer_sees_the_sampled_ids_then_the_observation_ids_with_loss_mask_ze
     assert batch.tokens[row, :n].tolist() == want
     mask = [0] * len(prompt) + [1] * len(turns[0].token_ids) + [0] * len(observation) + [1] * len(turns[1].token_ids)
     assert batch.loss_mask[row, :n].tolist() == mask
+
+
+def test_the_engine_turn_ends_at_a_stop_tag_its_id_table_misses_and_the_next_turn_reads_the_kept_ids(
+    files, greedy_run, tmp_path
+):
+    """A checkpoint writing ``" </search>"`` (a leading-space merge the id table does not list) on the real
+    engine: the turn is cut at the completing id, the slot restarted from the kept history, and the next
+    turn's log-probs equal a plain forward over prompt + kept ids + observation."""
+    world, runner = greedy_run
+    env, tokenizer = world.env, world.tokenizer
+    turn = "<search> Quilon </search>\n"
+    ids = tokenizer.encode(turn, add_special_tokens=False)
+    table = [tuple(s) for s in env.stop_sequences]
+    assert not any(tuple(ids[n - len(s) : n]) == s for s in table for n in range(len(s), len(ids) + 1))  # premise
+    model_config, params = load_hf(fixtures.write_checkpoint(tmp_path / "hf", tokenizer, turn))
+    spaced = recipe.build_runner(
+        tiny_config(files, kind="bm25", corpus=str(files["corpus"])), model_config, params, world, greedy=True,
+        engine=runner.engine,
+    )  # fmt: skip
+    task = world.world.questions("dev")[0]
+    try:
+        (tree,) = evaluate(spaced, env, [task]).trees
+    finally:
+        runner.set_params(load_hf(files["hf"])[1])  # the shared engine back on the fixture's checkpoint
+    (leaf,) = tree.leaves()
+    first, second = (tree[i] for i in tree.path(leaf) if i != 0)
+    assert first.token_ids.tolist() == ids and first.info["stop_reason"] == "stop_sequence"
+    assert first.info["action"] == "search" and len(first.observation_ids)
+    history = np.concatenate([env.prompt_ids(task), first.token_ids, first.observation_ids, second.token_ids])
+    model = nnx.merge(abstract_model(model_config)[0], params)
+    logprobs = np.asarray(jax.nn.log_softmax(model(jnp.asarray(history[None]))[0][0], axis=-1))
+    start = len(history) - len(second.token_ids)
+    rows = logprobs[np.arange(start - 1, len(history) - 1)]
+    np.testing.assert_allclose(second.logprobs, rows[np.arange(len(rows)), second.token_ids], atol=1e-4)
+    assert second.token_ids.tolist() == rows.argmax(-1).tolist()  # still greedy after the observation
 
 
 def test_a_stalled_retrieval_server_costs_bounded_time_per_search_is_counted_and_the_run_goes_on(greedy_run):

@@ -146,6 +146,17 @@ def _hf_dir(config: ml_collections.ConfigDict) -> str:
     return hf_dir
 
 
+def _check_stop_table(config: ml_collections.ConfigDict, env: ReActEnv, tokenizer_dir: str) -> None:
+    """Fails before any model is loaded when the engine's stop table cannot hold the tokenizer's stop-tag
+    spellings (``envs.stops.stop_id_sequences``)."""
+    count, limit = len(env.stop_sequences), config.engine.max_stop_sequences
+    if count > limit:
+        raise ValueError(
+            f"the tokenizer in {tokenizer_dir} spells the stop tags in {count} id sequences but "
+            f"engine.max_stop_sequences={limit}: pass --config.engine.max_stop_sequences={count} or more"
+        )
+
+
 @SOURCES.register("search_r1")
 class SearchR1Source:
     splits = ("train", "dev", "test")
@@ -153,9 +164,10 @@ class SearchR1Source:
     def start(self, config, workdir, mesh=None, progress=None, notify=None):
         hf_dir = _hf_dir(config)
         tokenizer = load_tokenizer(_tokenizer_dir(config))
-        data = SearchR1Data(from_config(SearchR1DataConfig, config.data), paths.as_path(workdir) / "tfds")
         retriever = build_retriever(from_config(RetrieverConfig, config.retriever))
         env = ReActEnv(tokenizer, retriever, from_config(ReActConfig, config.react))
+        _check_stop_table(config, env, _tokenizer_dir(config))
+        data = SearchR1Data(from_config(SearchR1DataConfig, config.data), paths.as_path(workdir) / "tfds")
         dtypes = {k: config.model[k] for k in ("dtype", "param_dtype") if config.model.get(k)}
         model_config, params = load_hf(hf_dir, mesh=mesh, **dtypes)
         if len(tokenizer) > model_config.vocab_size:

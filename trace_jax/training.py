@@ -164,6 +164,9 @@ class Training:
             {
                 "rollout/mean_reward": float(rewards.mean()),
                 "rollout/leaves": float(rewards.size),
+                "rollout/retrieval_failures": float(
+                    sum(bool(node.info.get("retrieval_failed")) for tree in scheduled.trees for node in tree.nodes)
+                ),
                 "alloc/effective_ratio": figures.effective_ratio(scheduled.trees),
                 "alloc/nonzero_adv_token_share": figures.nonzero_advantage_share(scheduled.trees)["tokens"],
                 "batch/rows": float(info.num_rows),

@@ -10,6 +10,7 @@ Command line::
 
     python -m trace_jax.checkpoint.hf import --hf-dir D --out CKPT   # HF dir -> orbax checkpoint
     python -m trace_jax.checkpoint.hf export --ckpt CKPT --out D     # orbax checkpoint -> HF dir
+    python -m trace_jax.checkpoint.hf export --workdir RUN --out D   # a run's newest policy + tokenizer files
 """
 
 from __future__ import annotations
@@ -351,14 +352,21 @@ def main(argv: list[str] | None = None) -> None:
     to_orbax = commands.add_parser("import", help="HF directory -> orbax checkpoint")
     to_orbax.add_argument("--hf-dir", required=True)
     to_orbax.add_argument("--out", required=True)
-    to_hf = commands.add_parser("export", help="orbax checkpoint -> HF directory")
-    to_hf.add_argument("--ckpt", required=True)
+    to_hf = commands.add_parser("export", help="orbax checkpoint or a training run's policy -> HF directory")
+    source = to_hf.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt", help="an orbax checkpoint written by `import`")
+    source.add_argument("--workdir", help="a trace_jax.train run: its newest policy, with its tokenizer files")
     to_hf.add_argument("--out", required=True)
     to_hf.add_argument("--max-shard-bytes", type=int, default=0)
     args = parser.parse_args(argv)
     if args.command == "import":
         config, params = load_hf(args.hf_dir)
         save_orbax(config, params, args.out)
+    elif args.workdir:
+        from trace_jax import recipes  # it builds on this module
+
+        recipes.main(["export", "--workdir", args.workdir, "--out", args.out])
+        return
     else:
         config, params = load_orbax(args.ckpt)
         save_hf(config, params, args.out, args.max_shard_bytes)

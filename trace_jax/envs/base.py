@@ -36,6 +36,8 @@ class AgentEnv(Protocol):
     stop_sequences: token-id sequences that end a turn (e.g. the ids of ``</search>`` and ``</answer>``);
       EOS always ends a turn too.
     max_turns: the turn whose ``depth == max_turns`` must come back ``done``.
+    text_stops (optional): an ``envs.stops.TextStops``; the runner then also ends a turn at the first stop
+      string of its decoded text, however the ids spelled it.
     """
 
     stop_sequences: Sequence[Sequence[int]]

@@ -34,7 +34,7 @@ import numpy as np
 from trace_jax.envs import rewards
 from trace_jax.envs.base import TurnResult
 from trace_jax.envs.retriever import Passage, RetrievalError, Retriever
-from trace_jax.envs.stops import first_stop_end, stop_id_sequences
+from trace_jax.envs.stops import TextStops, first_stop_end, stop_id_sequences
 
 TAGS = ("<think>", "</think>", "<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>")
 STOP_TAGS = ("</search>", "</answer>")
@@ -178,6 +178,7 @@ class ReActEnv:
             self.stop_sequences = stop_id_sequences(tokenizer, STOP_TAGS, config.max_stop_len)
         else:
             self.stop_sequences = [self.encode(tag) for tag in STOP_TAGS]
+        self.text_stops = TextStops(tokenizer, STOP_TAGS)  # the runner ends turns the id table missed
         if config.chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError("ReActConfig.chat_template=True but the tokenizer has no chat template; set it False")
         self._open_ids = self.encode(OBSERVATION_OPEN)

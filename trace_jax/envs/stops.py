@@ -8,15 +8,17 @@ it inside a token that carries text before it (``a</``). The decode engine stops
 finishes a stop string, either whole (``"x</answer>"``) or as its tail (``"er>"``, ``">\\n"``), each
 preceded by the canonical ids of the part of the stop string before it. :func:`first_stop_end` is the
 matching rule on text decoded from the sampled ids, which is what the environment judges; it does not
-depend on how the ids spelled the stop string, so a spelling the id table misses still ends the action
-at the right place (the turn then ends by EOS or its token limit, and its sampled ids are kept as they
-are: nothing the policy wrote is ever re-tokenized).
+depend on how the ids spelled the stop string. :class:`TextStops` applies it to the ids: the rollout
+runner ends a turn whose spelling the id table missed at the id that completed the stop string, keeping
+a prefix of the sampled ids (nothing the policy wrote is ever re-tokenized).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 
 def first_stop_end(text: str, stops: Sequence[str]) -> int | None:
@@ -31,6 +33,17 @@ def first_stop_end(text: str, stops: Sequence[str]) -> int | None:
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+def _completing_tokens(tokenizer: Any, stops: Sequence[str]) -> dict[int, str]:
+    """Every id whose decoded text holds the last character of some stop string, with that text: the only
+    ids that can complete a stop string, however the ones before them spelled it."""
+    finals = {s[-1] for s in stops}
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    # Byte-level and sentencepiece pieces keep printable ASCII as itself: a cheap filter before decoding.
+    candidates = [i for i, piece in enumerate(pieces) if piece and any(c in piece for c in finals)]
+    texts = tokenizer.batch_decode([[i] for i in candidates], skip_special_tokens=False)
+    return {i: text for i, text in zip(candidates, texts, strict=True) if any(c in text for c in finals)}
 
 
 def stop_id_sequences(tokenizer: Any, stops: Sequence[str], max_len: int = 8) -> list[list[int]]:
@@ -49,13 +62,8 @@ def stop_id_sequences(tokenizer: Any, stops: Sequence[str], max_len: int = 8) ->
     if not stops or any(not s for s in stops):
         raise ValueError(f"stop strings must be non-empty, got {list(stops)}")
     canonical = [tuple(_encode(tokenizer, s)) for s in stops]
-    finals = {s[-1] for s in stops}
-    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    # Byte-level and sentencepiece pieces keep printable ASCII as itself: a cheap filter before decoding.
-    candidates = [i for i, piece in enumerate(pieces) if piece and any(c in piece for c in finals)]
-    texts = tokenizer.batch_decode([[i] for i in candidates], skip_special_tokens=False)
     found: set[tuple[int, ...]] = set()
-    for token_id, text in zip(candidates, texts, strict=True):
+    for token_id, text in _completing_tokens(tokenizer, stops).items():
         for stop in stops:
             for j, char in enumerate(text):
                 if char != stop[-1]:
@@ -67,3 +75,47 @@ def stop_id_sequences(tokenizer: Any, stops: Sequence[str], max_len: int = 8) ->
                     found.add((*_encode(tokenizer, stop[: len(stop) - len(head)]), token_id))
     ordered = list(dict.fromkeys(canonical)) + sorted(found - set(canonical))
     return [list(seq) for seq in ordered if 0 < len(seq) <= max_len]
+
+
+class TextStops:
+    """Where a turn ends by the text rule: :func:`first_stop_end` on the text decoded from its ids.
+
+    The engine stops on the id spellings of :func:`stop_id_sequences`; a spelling that table misses (a tag
+    written in unusual pieces, ``</sea`` ``rch>``, or longer than ``max_stop_len`` ids) runs on until EOS or
+    the turn limit. The rollout runner asks :meth:`cut` after each ``generate`` call and ends such a turn at
+    the id that completed the stop string. The kept ids are a prefix of the sampled ids, never re-encoded:
+    a stop string that ends inside a token (``">."``) keeps that whole token, and the environment reads the
+    action from the text up to the stop string's end.
+
+    Args:
+      tokenizer: a HF tokenizer (``decode``, ``batch_decode``, ``convert_ids_to_tokens``, ``len``).
+      stops: the stop strings.
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str]):
+        if not stops or any(not s for s in stops):
+            raise ValueError(f"stop strings must be non-empty, got {list(stops)}")
+        self.tokenizer, self.stops = tokenizer, tuple(stops)
+        completing = np.zeros(len(tokenizer), bool)
+        completing[list(_completing_tokens(tokenizer, stops))] = True
+        self._completing = completing  # bool [vocab]: ids that can complete a stop string
+        self._span = max(len(s.encode()) for s in self.stops)  # most ids one stop string can span
+
+    def cut(self, ids: Sequence[int] | np.ndarray, checked: int = 0) -> int | None:
+        """The number of leading ``ids`` whose decoded text first holds a complete stop string (the id that
+        completes it is the last kept); None when no prefix of ``ids`` holds one.
+
+        ``checked``: how many leading ids are already known to hold no complete stop string (the previous
+        call's length): only ids after them that can complete a stop string are tried, each by decoding the
+        few ids a stop string can span (every id decodes to at least one byte), so a call costs a handful of
+        short decodes, not a decode of the whole turn. Ids past the tokenizer's vocabulary (a padded
+        embedding) complete nothing.
+        """
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        positions = np.flatnonzero((ids >= 0) & (ids < len(self._completing)))
+        positions = positions[self._completing[ids[positions]] & (positions >= checked)]
+        for p in positions.tolist():
+            window = ids[max(p + 1 - self._span, 0) : p + 1].tolist()
+            if first_stop_end(self.tokenizer.decode(window, skip_special_tokens=False), self.stops) is not None:
+                return p + 1
+        return None

@@ -6,7 +6,9 @@ Given requests "continue anchor A of tree T k times" (roots included), the runne
    (shared KV pages, nothing recomputed); all new histories and all pending observations of one refill go
    to the engine in one ``append`` call, all forks in one ``fork`` call;
 2. runs ``generate`` for the live slots; a slot's turn ends on a stop sequence, EOS, the per-turn token
-   limit or a full cache;
+   limit or a full cache; after each call, a turn whose decoded text holds a stop string the id table missed
+   (the environment's ``text_stops``) ends at the id that completed it (its cache is rebuilt from the kept
+   history if the rollout goes on);
 3. hands every finished turn to the environment: ``done`` makes the turn a leaf with its reward and frees
    the slot; otherwise the observation ids are appended to the slot at the next refill and a new turn starts;
 4. refills freed slots with the next queued continuations (continuous batching), until every continuation
@@ -36,6 +38,7 @@ import jax
 import numpy as np
 
 from trace_jax.envs.base import AgentEnv
+from trace_jax.envs.stops import TextStops
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
 from trace_jax.rollout.engine import AppendItem, EngineConfig, GenerateOutput, StopReason
 from trace_jax.rollout.tree import ROOT, RolloutTree
@@ -101,7 +104,10 @@ class _Continuation:
     tree: RolloutTree
     parent: int
     length: int  # tokens in the slot's cache (host mirror, to catch a full context before extending)
+    seed: int = 0
     parts: list[tuple[np.ndarray, ...]] = dataclasses.field(default_factory=list)
+    checked: int = 0  # leading ids of the turn the text stop rule has read
+    restart: bool = False  # the slot's cache holds ids the turn dropped: continue from the history, afresh
 
     def add(self, out: GenerateOutput, slot: int) -> None:
         n = int(out.num_tokens[slot])
@@ -115,8 +121,21 @@ class _Continuation:
         if not self.parts:
             return np.zeros(0, np.int32), *(np.zeros(0, np.float32) for _ in range(3))
         turn = tuple(np.concatenate(column) for column in zip(*self.parts, strict=True))
-        self.parts = []
+        self.parts, self.checked = [], 0
         return turn
+
+    def cut_at_text_stop(self, text_stops: TextStops) -> int | None:
+        """Drops the turn's ids after the one completing its first stop string (decoded text); returns the
+        number dropped (None: no complete stop string yet)."""
+        if not self.parts:
+            return None
+        turn = self.take_turn()
+        keep = text_stops.cut(turn[0], self.checked)
+        self.parts, self.checked = [turn if keep is None else tuple(a[:keep] for a in turn)], len(turn[0])
+        if keep is None:
+            return None
+        self.length -= len(turn[0]) - keep
+        return len(turn[0]) - keep
 
 
 @dataclasses.dataclass
@@ -130,6 +149,7 @@ class _Batch:
     live: dict[int, _Continuation] = dataclasses.field(default_factory=dict)
     free: list[int] = dataclasses.field(default_factory=list)
     observations: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # slot -> ids to append
+    restarts: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # slot -> append afresh
     # (device hidden [k, D] of one append, [(tree, node id, row)]): anchor features fetched at the end
     features: list[tuple[Any, list[tuple[RolloutTree, int, int]]]] = dataclasses.field(default_factory=list)
     stats: RolloutStats = dataclasses.field(default_factory=RolloutStats)
@@ -208,6 +228,7 @@ class RolloutRunner:
                 state, handle = self.engine.generate_async(None, state, refill_after=self.config.refill_after)
             out = handle.result()
             finished = self._collect(batch, out, handle.decoded)
+            state, finished = self._end_at_text_stops(state, batch, handle.decoded, finished)
             handle = None
             if self.config.overlap_env and state.running.any():
                 # The device decodes the slots mid-turn while the host judges the finished ones below.
@@ -257,7 +278,10 @@ class RolloutRunner:
         An anchor history is computed once: it is kept as a prefix (shared KV pages) until its last
         continuation has been forked from it, across refills if the free slots run out."""
         cfg = self.config
-        items = [AppendItem(slot, ids, turn_limit=cfg.max_turn_tokens) for slot, ids in batch.observations.items()]
+        items = [
+            AppendItem(slot, ids, turn_limit=cfg.max_turn_tokens, greedy=cfg.greedy, **batch.restarts.pop(slot, {}))
+            for slot, ids in batch.observations.items()
+        ]
         targets = [(batch.live[s].tree, batch.live[s].parent) for s in batch.observations]
         batch.stats.forward_tokens += sum(len(ids) for ids in batch.observations.values())
         batch.observations = {}
@@ -266,7 +290,7 @@ class RolloutRunner:
         while batch.pending and batch.free:
             key, tree, node_id, seed = batch.pending.popleft()
             slot = batch.free.pop()
-            batch.live[slot] = _Continuation(tree, node_id, len(batch.histories[key]))
+            batch.live[slot] = _Continuation(tree, node_id, len(batch.histories[key]), seed)
             batch.remaining[key] -= 1
             if key in batch.prefixes or key in started:
                 forks.append((key, slot, seed))
@@ -306,6 +330,30 @@ class RolloutRunner:
                 finished.append((slot, int(out.stop_reason[slot])))
         return finished
 
+    def _end_at_text_stops(
+        self, state: Any, batch: _Batch, decoded: np.ndarray, finished: list[tuple[int, int]]
+    ) -> tuple[Any, list[tuple[int, int]]]:
+        """Ends the decoded turns whose text holds a stop string the engine's id table missed
+        (``envs.stops.TextStops``): the turn keeps its ids up to the completing one and ends by
+        STOP_SEQUENCE. A slot that went on past it is freed now (before the next ``generate``) and, if the
+        rollout goes on, restarted from its history (``_finish_turn``)."""
+        text_stops = getattr(self.env, "text_stops", None)
+        if text_stops is None:
+            return state, finished
+        reasons = dict(finished)
+        for slot, rollout in batch.live.items():
+            if not decoded[slot]:
+                continue
+            dropped = rollout.cut_at_text_stop(text_stops)
+            reason = reasons.get(slot, StopReason.RUNNING)
+            if dropped is None or (dropped == 0 and reason in (StopReason.STOP_SEQUENCE, StopReason.EOS)):
+                continue
+            reasons[slot] = StopReason.STOP_SEQUENCE
+            if dropped or reason == StopReason.RUNNING:
+                rollout.restart = True
+                state = self.engine.free_resource(state, [slot])
+        return state, list(reasons.items())
+
     def _finish_turn(self, state: Any, batch: _Batch, slot: int, reason: int) -> Any:
         """Judges the ended turn and adds its node: a leaf frees the slot, otherwise the observation waits
         for the next refill."""
@@ -332,6 +380,11 @@ class RolloutRunner:
         rollout.parent = tree.add_turn(parent, tokens, **turn, observation_ids=observation, info=info)
         rollout.length += len(observation)
         batch.observations[slot] = observation
+        if rollout.restart:  # the cache went past the turn's kept ids: append the whole history afresh
+            batch.observations[slot] = tree.prefix_ids(rollout.parent)
+            seed = int(np.random.SeedSequence((rollout.seed, depth)).generate_state(1)[0] >> 1)
+            batch.restarts[slot] = dict(reset=True, seed=seed)
+            rollout.restart = False
         return state
 
     @staticmethod
