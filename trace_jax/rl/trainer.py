@@ -48,6 +48,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax.optim import guarded_update, init_sharded
+from trace_jax.parallel import multihost
 from trace_jax.parallel.mesh import batch_sharding, traced_under
 from trace_jax.rl.batch import TrainBatch, take_rows
 from trace_jax.rl.logprobs import DEFAULT_CHUNK, behaviour_logprobs, policy_logprobs
@@ -213,7 +214,7 @@ class RLTrainer:
             )
         if self.mesh is None:
             return jax.tree.map(jnp.asarray, batch)
-        return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(self.mesh, np.ndim(x))), batch)
+        return multihost.rows_to_global(batch, self.mesh)  # each process feeds the rows its devices hold
 
     def init_state(self, params: Any, rng: jax.Array) -> TrainState:
         """A fresh TrainState; the optimizer state is created next to (and sharded like) ``params``.
@@ -228,7 +229,8 @@ class RLTrainer:
             # Born sharded: each moment takes its parameter's sharding (no whole-model copy on any device);
             # leaves that do not mirror params (step counts) are replicated over the mesh.
             opt_state = init_sharded(self.optimizer, params, replicated)
-        scalar = (lambda x: jax.device_put(x, replicated)) if replicated is not None else jnp.asarray
+        # Through jit, not device_put: a typed PRNG key cannot be device_put onto other hosts' devices.
+        scalar = jax.jit(lambda x: x, out_shardings=replicated) if replicated is not None else jnp.asarray
         return TrainState(
             params=params,
             opt_state=opt_state,
@@ -267,7 +269,7 @@ class RLTrainer:
     def _map_rows(self, name: str, fn: Any, params: Any, batch: TrainBatch) -> np.ndarray:
         """float32 [B, T] host: ``fn(params, micro)`` over fixed-shape micro-batches of ``batch``'s rows that
         hold tokens (0 on rows without: they have no context)."""
-        batch = jax.device_get(batch)
+        batch = jax.tree.map(multihost.to_host, batch)  # whole rows on every process
         out = np.zeros(np.asarray(batch.tokens).shape, np.float32)
         real = np.flatnonzero(np.asarray(batch.lengths) > 0)
         count = self.update_config.micro_rows
@@ -275,7 +277,7 @@ class RLTrainer:
             part = real[start : start + count]
             micro = self._micro(batch, part)
             self.programs.add((name, micro.tokens.shape))
-            out[part] = np.asarray(jax.device_get(fn(params, micro)))[: part.size]
+            out[part] = multihost.to_host(fn(params, micro))[: part.size]
         return out
 
     def logprobs(self, params: Any, batch: TrainBatch) -> np.ndarray:
@@ -286,7 +288,7 @@ class RLTrainer:
         """Host batch with its behaviour log-probs (recomputed if ``UpdateConfig.behaviour_logprobs`` is
         "recompute", or if asked here) and, when ``kl_coef != 0``, the reference log-probs; both computed
         over fixed-shape micro-batches of ``micro_rows`` rows."""
-        batch = jax.device_get(batch)
+        batch = jax.tree.map(multihost.to_host, batch)  # whole rows on every process
         recompute = recompute_old_logprobs
         if recompute is None:
             recompute = self.update_config.behaviour_logprobs == "recompute"
@@ -442,7 +444,7 @@ class RLTrainer:
         micro_batches (forward/backward calls) and programs (distinct compiled (program, shape) pairs so far).
         """
         config = self.update_config
-        prepared = self.prepare(state, batch)
+        prepared = jax.tree.map(multihost.to_host, self.prepare(state, batch))  # whole rows on every process
         real = np.flatnonzero(np.asarray(prepared.lengths) > 0)  # padding rows carry nothing: not run
         if not real.size:
             raise ValueError("the batch has no rows with tokens")
