@@ -53,3 +53,63 @@ def test_append_text_appends_locally(tmp_path):
     paths.append_text(path, "a\n")
     paths.append_text(str(path), "b\n")
     assert path.read_text() == "a\nb\n"
+
+
+def test_a_bucket_run_directory_keeps_its_url_through_the_main_job_s_writers(tmp_path, monkeypatch):
+    """What ``trace_jax.train`` does with ``--workdir=gs://...``: run checks, config, logs mirrored from a local
+    folder, an orbax checkpoint, the summary, the finished-run check, and a resume on a fresh host."""
+    import jax.numpy as jnp
+    import ml_collections
+
+    from trace_jax import recipe, rundir
+    from trace_jax.checkpoint.state import StateCheckpointer
+    from trace_jax.metrics import MetricWriter, read_jsonl
+    from trace_jax.train import _write_json
+
+    monkeypatch.chdir(tmp_path)
+    config = ml_collections.ConfigDict({"rl": {"steps": 1}, "seed": 0})
+    with fake_gcs(tmp_path / "gcs") as bucket_root:
+        workdir = paths.as_path("gs://bucket/run")
+        rundir.check_usable(workdir)
+        rundir.check_same_run(workdir, config)
+        recipe.save_run_config(config, workdir)
+        logs = paths.LocalMirror(workdir, tmp_path / "host_a")
+        assert logs.mirrored and str(logs.remote) == "gs://bucket/run"
+        writer = MetricWriter(logs.local)
+        writer.write(0, {"eval/em": 0.25})
+        writer.write(1, {"eval/em": 0.5})
+        writer.close()
+        logs.push()
+        checkpointer = StateCheckpointer(workdir / rundir.CHECKPOINTS)
+        checkpointer.save(1, {"params": {"w": jnp.arange(3.0)}}, force=True)
+        checkpointer.close()
+        assert rundir.checkpoint_steps(workdir) == [1]
+        _write_json(workdir / rundir.SUMMARY_FILE, {"steps": 1})
+        assert rundir.finished_summary(workdir, config) == {"steps": 1}
+        # A resume on another host: its mirror starts empty and pulls the logs down first.
+        fresh = paths.LocalMirror(workdir, tmp_path / "host_b")
+        fresh.pull((rundir.LOG_FILE, "metrics.jsonl", "tensorboard"))
+        MetricWriter(fresh.local, resume_step=0).close()
+        fresh.push()
+        restored = StateCheckpointer(workdir / rundir.CHECKPOINTS).restore_latest()
+    run = bucket_root / "bucket" / "run"
+    assert restored.step == 1 and restored.state["params"]["w"].tolist() == [0.0, 1.0, 2.0]
+    assert (run / "config.json").is_file() and (run / "summary.json").is_file()
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0]  # the resume dropped step 1
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run / "checkpoints" / "1").is_dir()
+    assert not (tmp_path / "gs:").exists() and not list(tmp_path.glob("**/gs:"))
+
+
+def test_a_local_run_directory_is_its_own_mirror(tmp_path):
+    logs = paths.LocalMirror(tmp_path / "run")
+    assert not logs.mirrored and logs.local == paths.as_path(tmp_path / "run")
+    logs.pull(("metrics.jsonl",))
+    logs.push()  # nothing to copy
+
+
+def test_the_warm_start_cache_refuses_a_bucket_instead_of_writing_a_local_gs_folder():
+    from trace_jax.warm_start import WarmStartCache
+
+    with pytest.raises(ValueError, match="file locks"):
+        WarmStartCache("gs://bucket/warm_start")

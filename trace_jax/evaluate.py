@@ -14,7 +14,6 @@ import collections
 import dataclasses
 import json
 import math
-import pathlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,10 +105,10 @@ def evaluate(
 
 
 def _main(args: Any) -> None:
-    from trace_jax import cli, recipe, recipes
+    from trace_jax import cli, paths, recipe, recipes
     from trace_jax.metrics import format_table
 
-    workdir = pathlib.Path(args.workdir)
+    workdir = paths.as_path(args.workdir)  # gs://bucket/run stays a URL
     if not (workdir / recipe.CONFIG_FILE).is_file():
         raise cli.MissingFileError(
             f"{workdir} has no {recipe.CONFIG_FILE}: pass the --workdir of a trace_jax.train run"

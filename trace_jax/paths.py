@@ -90,3 +90,49 @@ def copy_tree(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         target.mkdir(parents=True, exist_ok=True)
         for name in filenames:
             (folder / name).copy(target / name, overwrite=True)
+
+
+class LocalMirror:
+    """A local folder for files that libraries can only write locally (logs, TensorBoard events, plots), kept
+    in step with a run directory that may be a bucket.
+
+    For a local ``remote`` the mirror *is* ``remote`` and ``pull`` / ``push`` do nothing. For a URL the files
+    live in ``local`` (a folder under the system's temporary directory, one per URL); ``pull`` first copies
+    down what the bucket already holds (a resumed run appends to its logs), ``push`` copies everything up
+    (call it after each logged step: the files are small).
+    """
+
+    def __init__(self, remote: str | os.PathLike, local: str | os.PathLike | None = None):
+        self.remote = as_path(remote)
+        if not is_url(self.remote):
+            self.local = self.remote
+            return
+        if local is None:
+            import hashlib
+            import tempfile
+
+            digest = hashlib.sha256(os.fspath(self.remote).encode()).hexdigest()[:16]
+            local = os.path.join(tempfile.gettempdir(), "trace_jax_mirror", digest)
+        self.local = as_path(local)
+        self.local.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def mirrored(self) -> bool:
+        return self.local != self.remote
+
+    def pull(self, names: tuple[str, ...]) -> None:
+        """Replaces the local copies of ``names`` (files or folders under the run directory) by the bucket's."""
+        if not self.mirrored:
+            return
+        for name in names:
+            src, dst = self.remote / name, self.local / name
+            if src.is_dir():
+                copy_tree(src, dst)
+            elif src.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                src.copy(dst, overwrite=True)
+
+    def push(self) -> None:
+        """Copies every local file up to the run directory (a no-op for a local run directory)."""
+        if self.mirrored:
+            copy_tree(self.local, self.remote)

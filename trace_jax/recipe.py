@@ -6,6 +6,7 @@ run from the ``config.json`` written into its workdir), so both see exactly the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -24,6 +25,7 @@ from trace_jax.data.tokenizer import load_tokenizer, train_world_tokenizer
 from trace_jax.envs.react import ReActConfig, ReActEnv
 from trace_jax.envs.retriever import RetrieverConfig, build_retriever
 from trace_jax.models.qwen import ModelConfig
+from trace_jax.parallel.processes import Processes
 from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.layout import SamplingLayout
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
@@ -125,10 +127,18 @@ def build_warm_start(
 
     ``progress(total, description)`` makes a tqdm-like bar for the SFT steps (called only when training);
     ``notify(message)`` reports waiting on another process that builds the same entry.
+
+    With several JAX processes (one job) the cache must be on a filesystem they all see: process 0 alone
+    takes the entry's lock and writes the tokenizer and ``warm_start.json``, the others wait for it at a
+    barrier; all of them take part in the SFT (one program over every device), whose orbax checkpoint they
+    write together.
     """
     entry = WarmStartCache(from_config(WarmStartConfig, config.warm_start).cache_dir).entry(config)
-    with entry.building(notify):
-        world = build_world(config, entry.directory)
+    processes = Processes()
+    with entry.building(notify) if processes.is_main else contextlib.nullcontext():
+        world = build_world(config, entry.directory) if processes.is_main else None
+        processes.barrier("warm start: tokenizer written")
+        world = world or build_world(config, entry.directory)  # finds process 0's tokenizer
         sft_config = from_config(SFTConfig, config.sft)
         info = entry.info()
         bar = None if info is not None or progress is None else progress(sft_config.max_steps, "warm start (SFT)")
@@ -138,7 +148,7 @@ def build_warm_start(
             if bar is not None:
                 bar.close()
         start = WarmStart(world, sft, entry, trained=not sft.restored)
-        if info is None or start.trained:
+        if processes.is_main and (info is None or start.trained):
             entry.write_info({"config": key_material(config), **start.describe()})
     return start
 

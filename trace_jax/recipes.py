@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import pathlib
 import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -26,7 +27,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from trace_jax import recipe
+from trace_jax import paths, recipe
 from trace_jax.checkpoint.hf import load_hf, save_hf
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.config_utils import from_config
@@ -36,6 +37,7 @@ from trace_jax.data.tokenizer import load_tokenizer
 from trace_jax.envs.react import ReActConfig, ReActEnv
 from trace_jax.envs.retriever import RetrieverConfig, build_retriever
 from trace_jax.models.qwen import ModelConfig
+from trace_jax.parallel import multihost
 from trace_jax.registry import Registry
 
 EXPORT_DIR = "hf_export"
@@ -165,7 +167,7 @@ class SearchR1Source:
         retriever = build_retriever(from_config(RetrieverConfig, config.retriever))
         env = ReActEnv(tokenizer, retriever, from_config(ReActConfig, config.react))
         _check_stop_table(config, env, _tokenizer_dir(config))
-        data = SearchR1Data(from_config(SearchR1DataConfig, config.data), pathlib.Path(workdir) / "tfds")
+        data = SearchR1Data(from_config(SearchR1DataConfig, config.data), paths.as_path(workdir) / "tfds")
         dtypes = {k: config.model[k] for k in ("dtype", "param_dtype") if config.model.get(k)}
         model_config, params = load_hf(hf_dir, mesh=mesh, **dtypes)
         if len(tokenizer) > model_config.vocab_size:
@@ -179,19 +181,15 @@ class SearchR1Source:
         return Start(world, model_config, params, source, f"policy: {hf_dir}", facts, hf_dir, _tokenizer_dir(config))
 
     def prompt_stream(self, config, world):
-        count = jax.process_count()
-        if config.rl.prompts_per_step % count:
-            raise ValueError(
-                f"rl.prompts_per_step={config.rl.prompts_per_step} must split evenly over {count} processes"
-            )
-        return world.world.stream(
-            config.data.train_split, config.rl.prompts_per_step // count, config.seed, jax.process_index(), count
-        )
+        # Every process reads the whole step's batch: all of them run the scheduler over every tree, and each
+        # samples the trees it owns (``trace_jax.parallel.sharded_rollouts``).
+        return world.world.stream(config.data.train_split, config.rl.prompts_per_step, config.seed, 0, 1)
 
     def finish(self, config, workdir, policy):
-        out = pathlib.Path(workdir) / EXPORT_DIR
+        out = paths.as_path(workdir) / EXPORT_DIR
+        params = jax.tree.map(multihost.to_host, policy.params)  # collective: the weights span every host
         if jax.process_index() == 0:
-            export_policy(policy.model_config, policy.params, policy.tokenizer_dir, out)
+            export_policy(policy.model_config, params, policy.tokenizer_dir, out)
         return {EXPORT_DIR: str(out)}
 
 
@@ -206,8 +204,8 @@ def latest_policy(
 ) -> tuple[Start, nnx.State, str]:
     """The newest policy of a run: the latest RL checkpoint's params, else the starting policy's; with the
     run's start (world, model config) and a description of which policy it is."""
-    start = source_of(config).start(config, pathlib.Path(workdir), mesh)
-    restored = StateCheckpointer(pathlib.Path(workdir) / recipe.CHECKPOINTS).restore_latest(
+    start = source_of(config).start(config, paths.as_path(workdir), mesh)
+    restored = StateCheckpointer(paths.as_path(workdir) / recipe.CHECKPOINTS).restore_latest(
         target={"params": start.params}, keys=["params"]
     )
     if restored is None:
@@ -219,7 +217,13 @@ def export_policy(
     model_config: ModelConfig, params: nnx.State, tokenizer_dir: str | pathlib.Path, out: str | pathlib.Path
 ) -> pathlib.Path:
     """Writes ``params`` as a HF checkpoint directory (``save_hf``) and copies the tokenizer files of
-    ``tokenizer_dir`` beside it, so ``AutoModelForCausalLM`` and ``AutoTokenizer`` both load ``out``."""
+    ``tokenizer_dir`` beside it, so ``AutoModelForCausalLM`` and ``AutoTokenizer`` both load ``out``.
+    ``out`` may be a bucket URL: the directory is written locally, then copied up."""
+    if paths.is_url(out):
+        with tempfile.TemporaryDirectory() as local:
+            export_policy(model_config, params, tokenizer_dir, local)
+            paths.copy_tree(local, out)
+        return paths.as_path(out)
     out = pathlib.Path(out)
     save_hf(model_config, params, out)
     copied = [name for name in TOKENIZER_FILES if (pathlib.Path(tokenizer_dir) / name).is_file()]
@@ -237,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     export.add_argument("--workdir", required=True, help="a trace_jax.train run directory")
     export.add_argument("--out", required=True, help="the HF directory to write")
     args = parser.parse_args(argv)
-    workdir = pathlib.Path(args.workdir)
+    workdir = paths.as_path(args.workdir)
     config = recipe.load_run_config(workdir)
     start, params, source = latest_policy(config, workdir)
     export_policy(start.model_config, params, start.tokenizer_dir, args.out)

@@ -15,6 +15,7 @@ from typing import Any
 
 import ml_collections
 
+from trace_jax import paths
 from trace_jax.cli import ConfigError, WorkdirError
 
 CONFIG_FILE = "config.json"
@@ -28,6 +29,9 @@ EXTENSIBLE = ("rl.steps", "optim.total_steps", "warm_start.cache_dir", "distribu
 
 def check_usable(workdir: pathlib.Path) -> None:
     """Creates ``workdir`` if needed; raises :class:`WorkdirError` if it is a file or cannot be written."""
+    if paths.is_url(workdir):  # a bucket: no local write test; the first write reports a missing permission
+        workdir.mkdir(parents=True, exist_ok=True)
+        return
     if workdir.exists() and not workdir.is_dir():
         raise WorkdirError(f"--workdir {workdir} is a file, not a directory; pass a directory (created if missing)")
     try:

@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
+import os
 import sys
 from typing import Any
 
 import ml_collections
 import numpy as np
+from etils import epath
 
-from trace_jax import cli, rundir
+from trace_jax import cli, paths, rundir
 from trace_jax.cli import Console, Interrupted
 from trace_jax.command_line import DEFAULT_CONFIG, DEFAULT_WORKDIR, USAGE, load_config, verbosity_of
+from trace_jax.metrics import JSONL_NAME, TENSORBOARD_DIR
 from trace_jax.training import Training, eval_metrics
 
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_WORKDIR", "Training", "load_config", "main", "train"]
@@ -69,19 +71,21 @@ def _summary(run: Training, records: list[dict[str, Any]]) -> dict[str, Any]:
         "timings_s": run.timer.state_dict(),
         "resumes": run.resumes,
         "warm_start_dir": str(run.start.directory),
+        # Which process sampled which questions in the last step (one list per process).
+        "processes": {**run.processes.describe(), "last_step_questions": run.sampled_by_process},
         "note": "wall-clock figures: they depend on the machine and its load",
     }
     return summary
 
 
-def _write_json(path: pathlib.Path, value: Any) -> None:
+def _write_json(path: epath.Path, value: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(value, indent=2) + "\n")
     tmp.replace(path)  # atomic: summary.json marks a finished run, so it is never half written
 
 
 def train(
-    config: ml_collections.ConfigDict, workdir: str | pathlib.Path, console: Console | None = None
+    config: ml_collections.ConfigDict, workdir: str | os.PathLike, console: Console | None = None
 ) -> dict[str, Any]:
     """Runs, resumes or extends the run in ``workdir``; returns its summary (also ``workdir/summary.json``).
 
@@ -90,13 +94,20 @@ def train(
     :class:`trace_jax.cli.Interrupted` on Ctrl-C / SIGTERM (saying which checkpoint a rerun resumes from).
     """
     from trace_jax import validate
+    from trace_jax.config_utils import from_config
+    from trace_jax.parallel import distributed
 
     console = console if console is not None else Console()
-    workdir = pathlib.Path(workdir)
+    workdir = paths.as_path(workdir)  # gs://bucket/run stays a URL (pathlib.Path would make it gs:/bucket/run)
     validate.validate(config)
+    # Before anything touches a device: with several processes, each joins the job here.
+    distributed.initialize(from_config(distributed.DistributedConfig, config.distributed))
     rundir.check_usable(workdir)
     rundir.check_same_run(workdir, config)
-    console.attach_log(workdir / rundir.LOG_FILE)
+    logs = paths.LocalMirror(workdir)  # logs, events and plots are written locally; a bucket gets copies
+    if distributed.is_main_process():  # one train.log, written by process 0
+        logs.pull((rundir.LOG_FILE, JSONL_NAME, TENSORBOARD_DIR))
+        console.attach_log(logs.local / rundir.LOG_FILE)
     steps = config.rl.steps
     finished = rundir.finished_summary(workdir, config)
     if finished is not None:
@@ -106,7 +117,7 @@ def train(
         )
         return finished
     try:
-        return _train(config, workdir, console)
+        return _train(config, workdir, console, logs)
     except KeyboardInterrupt:
         done = rundir.checkpoint_steps(workdir)
         where = (
@@ -119,23 +130,24 @@ def train(
         raise Interrupted(f"interrupted; {where}") from None
 
 
-def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path, console: Console) -> dict[str, Any]:
+def _train(
+    config: ml_collections.ConfigDict, workdir: epath.Path, console: Console, logs: paths.LocalMirror
+) -> dict[str, Any]:
     import jax
 
     from trace_jax import heap, recipe, validate
-    from trace_jax.config_utils import from_config
-    from trace_jax.metrics import MetricWriter, PhaseTimer, plot_metrics, read_jsonl
+    from trace_jax.metrics import MetricWriter, PhaseTimer
     from trace_jax.parallel import distributed
 
-    distributed.initialize(from_config(distributed.DistributedConfig, config.distributed))
     validate.check_mesh(config, jax.device_count())
     console.log(f"start: {' '.join(sys.argv[1:]) or '(defaults)'}")
-    recipe.save_run_config(config, workdir)
+    distributed.run_on_main(recipe.save_run_config, config, workdir)
     timer = PhaseTimer()
     run = Training(config, workdir, console, timer)
     resumed = run.resume()
     steps = config.rl.steps
-    writer = MetricWriter(workdir, resume_step=run.step if resumed else None)
+    # Only process 0 writes metrics.jsonl and TensorBoard (the metrics are reduced across processes first).
+    writer = distributed.MainProcessWriter(lambda: MetricWriter(logs.local, resume_step=run.step if resumed else None))
     try:
         heap.release()  # the warm start's and setup's temporaries
         if resumed:
@@ -143,6 +155,7 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path, console: Co
         else:
             run.eval_before = run.last_eval = run.evaluate("evaluation before RL")
             writer.write(0, eval_metrics(run.eval_before))
+            distributed.run_on_main(logs.push)
             run.save(force=True)  # step 0: the evaluation above is logged once, whatever happens next
         with console.progress(steps, "TRACE RL", initial=run.step) as bar:
             while run.step < steps:
@@ -153,6 +166,7 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path, console: Co
                     run.last_eval = run.evaluate(f"evaluation at step {run.step}", leave=False)
                     metrics.update(eval_metrics(run.last_eval))
                 writer.write(run.step, metrics)  # before the checkpoint: a resume never loses a step's record
+                distributed.run_on_main(logs.push)
                 run.save(force=last)
                 heap.release()  # the step's freed temporaries, back to the OS (see trace_jax.heap)
                 bar.set_postfix(
@@ -162,15 +176,25 @@ def _train(config: ml_collections.ConfigDict, workdir: pathlib.Path, console: Co
     finally:
         writer.close()
         run.checkpointer.close()
-    records = read_jsonl(workdir / "metrics.jsonl")
-    for name, keys in PLOTS.items():
-        plot_metrics(records, keys, workdir / "plots" / name)
-    summary = _summary(run, records)
     final = dataclasses.replace(run.start, params=run.state.params, source=f"rl step {run.step}")
-    summary["exports"] = run.source.finish(config, workdir, final)  # search_r1: the HF export
+    exports = run.source.finish(config, workdir, final)  # search_r1: the HF export (collective)
+    summary = distributed.run_on_main(_finish, run, workdir, logs, exports)
+    console.log(f"finished: {run.step} RL steps")
+    distributed.run_on_main(logs.push)
+    return run.processes.from_main(summary)  # every process returns process 0's summary
+
+
+def _finish(run: Training, workdir: epath.Path, logs: paths.LocalMirror, exports: dict[str, str]) -> dict[str, Any]:
+    """Process 0's part of the end of a run: plots, the summary and the warm start's scores."""
+    from trace_jax.metrics import plot_metrics, read_jsonl
+
+    records = read_jsonl(logs.local / JSONL_NAME)
+    for name, keys in PLOTS.items():
+        plot_metrics(records, keys, logs.local / "plots" / name)
+    summary = _summary(run, records)
+    summary["exports"] = exports
     _write_json(workdir / "eval_before.json", {"step": 0, "rows": run.eval_before})  # the warm start's scores
     _write_json(workdir / rundir.SUMMARY_FILE, summary)  # last: its presence marks the run finished
-    console.log(f"finished: {run.step} RL steps")
     return summary
 
 

@@ -32,6 +32,7 @@ class Training:
         from trace_jax.models.qwen import abstract_model
         from trace_jax.optim import make_optimizer
         from trace_jax.parallel.mesh import make_mesh, shard_state
+        from trace_jax.parallel.processes import Processes
         from trace_jax.rl.batch import BatchConfig
         from trace_jax.rl.losses import LossConfig
         from trace_jax.rl.trainer import RLTrainer, UpdateConfig
@@ -39,6 +40,7 @@ class Training:
 
         self.config, self.workdir, self.console, self.timer = config, workdir, console, timer
         self.mesh = make_mesh(**config.mesh)
+        self.processes = Processes()  # one or several JAX processes: who samples what, who writes
         # config.recipe.kind: the synthetic world + SFT warm start, or a HF checkpoint + Search-R1 data.
         self.source = recipes.source_of(config)
         with timer.phase("warm_start"):
@@ -71,15 +73,19 @@ class Training:
                 row_multiple=self.trainer.row_multiple,
                 pad_id=self.world.tokenizer.pad_token_id,
             )
-            # One engine (its own sampling copy of the weights) serves both the rollouts and the evaluation.
-            engine = recipe.build_engine(config, self.model_config, self.state.params, mesh=self.mesh)
+            # One engine (its own sampling copy of the weights) serves both the rollouts and the evaluation; with
+            # several processes each has its own, on its own devices.
+            engine = recipe.build_engine(config, self.model_config, mesh=self.processes.sampling_mesh(self.mesh))
             self.runner = recipe.build_runner(
                 config, self.model_config, None, self.world, seed=config.seed, engine=engine
             )
             self.eval_runner = recipe.build_runner(
                 config, self.model_config, None, self.world, greedy=True, engine=engine
             )
-            self.scheduler = recipe.build_scheduler(config, self.runner)
+            self._set_params()
+            # Each process samples the trees it owns; all hold every tree, so the allocation is the same everywhere.
+            self.rollouts = self.processes.backend(self.runner)
+            self.scheduler = recipe.build_scheduler(config, self.rollouts)
             self.prompts = self.source.prompt_stream(config, self.world)
             self.checkpointer = StateCheckpointer(
                 workdir / rundir.CHECKPOINTS, save_every=config.rl.checkpoint_every, keep=config.rl.keep_checkpoints
@@ -88,6 +94,7 @@ class Training:
         self.resumes = 0
         self.eval_before: list[dict[str, Any]] = []
         self.last_eval: list[dict[str, Any]] = []
+        self.sampled_by_process: list[list[str]] = []  # the last step's questions, per process that sampled them
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save(self, force: bool = False) -> None:
@@ -126,8 +133,9 @@ class Training:
         return True
 
     def _set_params(self) -> None:
-        self.runner.set_params(self.state.params)
-        self.eval_runner.set_params(self.state.params)
+        weights = self.processes.engine_weights(self.state.params, self.runner.engine.layout)
+        self.runner.set_params(weights)
+        self.eval_runner.set_params(weights)  # the same engine: free
 
     # ------------------------------------------------------------------------------------------- step
     def rl_step(self) -> dict[str, float]:
@@ -146,7 +154,7 @@ class Training:
         rollout_seconds = time.perf_counter() - start
         advantages = compute_advantages(self.config.rl.advantage, scheduled.trees)
         batch, info = build_batch(scheduled.trees, advantages, self.batch_config, self.trainer.loss_config)
-        self.state, train_metrics = self.trainer.update(self.state, batch)
+        self.state, train_metrics = self.trainer.update(self.state, batch)  # every process: all rows, its own fed
         self._set_params()
         self.step += 1
         rewards = np.concatenate([tree.leaf_rewards() for tree in scheduled.trees])
@@ -167,7 +175,8 @@ class Training:
                 "time/step_s": time.perf_counter() - start,
             }
         )
-        return metrics
+        self.sampled_by_process = self.processes.sampled_questions(self.rollouts, scheduled.trees)
+        return self.processes.reduce(metrics)
 
     def evaluate(self, description: str, leave: bool = True) -> list[dict[str, Any]]:
         """Greedy EM/F1 rows (per hop group, then ``all``) on ``config.eval``'s questions, with a progress bar."""
@@ -183,6 +192,7 @@ class Training:
         with self.timer.phase("evaluation"):
             bar = self.console.progress(len(tasks), description, unit="question", leave=leave)
             try:
-                return evaluate(self.eval_runner, self.world.env, tasks, samples=1, progress=bar, chunk_size=chunk).rows
+                backend = self.processes.backend(self.eval_runner)  # questions split across processes
+                return evaluate(backend, self.world.env, tasks, samples=1, progress=bar, chunk_size=chunk).rows
             finally:
                 bar.close()

@@ -33,6 +33,8 @@ from typing import Any
 
 import jax
 
+from trace_jax import paths
+
 # Bump when code changes what a given config trains into (rendering, tokenizer training, the SFT loop).
 FORMAT_VERSION = 1
 # The config sections a warm start depends on; anything else (RL, allocation, eval, ...) is not in the key.
@@ -121,6 +123,11 @@ class WarmStartCache:
     """The cache directory; ``entry(config)`` is where that config's warm start lives."""
 
     def __init__(self, cache_dir: str | pathlib.Path):
+        if paths.is_url(cache_dir):
+            raise ValueError(
+                f"warm_start.cache_dir={cache_dir!s}: the warm-start cache takes file locks, which buckets do not "
+                "have; use a local path, or a shared filesystem when several hosts run one job"
+            )
         self.root = pathlib.Path(cache_dir).expanduser().absolute()
 
     def entry(self, config: Mapping[str, Any]) -> CacheEntry:

@@ -64,6 +64,32 @@ class PromptEnv:
         return [1, task["hops"]]
 
 
+class Seeded(Answerer):
+    """A runner-like backend with a running seed count: records the seeds each request was given."""
+
+    def __init__(self):
+        self.next_seed, self.seeds = 100, {}
+
+    def reserve_seeds(self, n):
+        first, self.next_seed = self.next_seed, self.next_seed + n
+        return first
+
+    def continue_anchors(self, requests):
+        for r in requests:
+            first = r.first_seed if r.first_seed is not None else self.reserve_seeds(r.k)
+            self.seeds[r.tree.prompt_index] = list(range(first, first + r.k))
+        return super().continue_anchors(requests)
+
+
+def sharded_seeds() -> dict:
+    """Continuations are seeded as one process would seed them, whichever process samples them."""
+    tasks = [{"hops": 1 + i % 3, "golden_answers": ["a"]} for i in range(5)]
+    sharded, alone = Seeded(), Seeded()
+    evaluate(ProcessShardedBackend(sharded), PromptEnv(), tasks, samples=2)
+    evaluate(alone, PromptEnv(), tasks, samples=2)
+    return {"sharded": sharded.seeds, "alone": alone.seeds, "counts": [sharded.next_seed, alone.next_seed]}
+
+
 def sharded_evaluation() -> dict:
     tasks = [{"hops": 1 + i % 3, "golden_answers": ["a"]} for i in range(10)]
     spy = Spy(Answerer())
@@ -136,6 +162,12 @@ def main(port: int, pid: int, workdir: str, mode: str = "all") -> None:
     out["global_shape"] = list(batch["tokens"].shape)
     out["row_sums"] = np.asarray(multihost.to_host(row_sums)).tolist()
 
+    # The same from a batch every process holds whole: each feeds only the rows its own devices hold.
+    full = np.arange(12, dtype=np.int32).reshape(4, 3) + 10 * np.arange(4, dtype=np.int32)[:, None]
+    whole = multihost.rows_to_global({"tokens": full}, mesh)["tokens"]
+    out["whole_local_rows"] = sorted(np.asarray(s.data).tolist() for s in whole.addressable_shards)
+    out["whole_equal"] = bool((multihost.to_host(whole) == full).all()) and not whole.is_fully_addressable
+
     # A full copy of a globally sharded array on each process's own devices; then host-local work only.
     weights = jax.make_array_from_callback(
         (8, 2), batch_sharding(mesh, 2), lambda idx: np.arange(16.0).reshape(8, 2)[idx]
@@ -176,6 +208,7 @@ def main(port: int, pid: int, workdir: str, mode: str = "all") -> None:
     out["restored"] = restore(workdir, mesh)
     out["scheduling"] = sharded_scheduling(pid)
     out["evaluation"] = sharded_evaluation()
+    out["seeds"] = sharded_seeds()
     print(json.dumps(out), flush=True)
 
 

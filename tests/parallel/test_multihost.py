@@ -84,6 +84,21 @@ def test_global_batch_is_assembled_from_process_local_rows(two_processes):
     assert p0["row_sums"] == p1["row_sums"] == [303, 0, 603, 603]
 
 
+def test_a_batch_every_process_holds_whole_becomes_a_global_array_fed_by_each_process_s_own_rows(two_processes):
+    (p0, p1), _ = two_processes
+    assert p0["whole_equal"] and p1["whole_equal"]
+    full = (np.arange(12).reshape(4, 3) + 10 * np.arange(4)[:, None]).tolist()
+    assert p0["whole_local_rows"] == [full[0:1], full[1:2]] and p1["whole_local_rows"] == [full[2:3], full[3:4]]
+
+
+def test_continuations_get_the_one_process_seeds_whichever_process_samples_them(two_processes):
+    (p0, p1), _ = two_processes
+    s0, s1 = p0["seeds"], p1["seeds"]
+    assert s0["sharded"] and s1["sharded"] and not set(s0["sharded"]) & set(s1["sharded"])
+    assert {**s0["sharded"], **s1["sharded"]} == s0["alone"] == s1["alone"]
+    assert s0["counts"] == s1["counts"] and s0["counts"][0] == s0["counts"][1]  # the running counts agree
+
+
 def test_each_process_gets_a_full_copy_on_its_own_devices_and_computes_alone(two_processes):
     (p0, p1), _ = two_processes
     assert p0["weights_span_both"] and p1["weights_span_both"]  # premise: the source is split across hosts
@@ -182,3 +197,20 @@ def test_one_process_is_the_whole_world():
         multihost.copy_to_each_process(
             {"w": jnp.arange(4.0)}, Mesh(np.asarray(jax.devices()).reshape(1, -1), ("a", "b"))
         )
+
+
+def test_with_one_process_the_main_job_s_process_view_passes_everything_through():
+    from trace_jax.parallel.mesh import make_mesh
+    from trace_jax.parallel.processes import Processes
+    from trace_jax.rollout.tree import RolloutTree
+
+    processes = Processes()
+    assert not processes.multi and processes.is_main and processes.count == 1
+    mesh = make_mesh()
+    params, runner = {"w": jnp.ones(2)}, object()
+    assert processes.sampling_mesh(mesh) is mesh and processes.engine_weights(params, None) is params
+    assert processes.backend(runner) is runner and processes.from_main({"a": 1}) == {"a": 1}
+    assert processes.reduce({"time/step_s": 2.0, "reward": 0.5}) == {"time/step_s": 2.0, "reward": 0.5}
+    trees = [RolloutTree([1, 2], {"id": "train-3"}, 0), RolloutTree([1], {"id": "train-9"}, 1)]
+    assert processes.sampled_questions(runner, trees) == [["train-3", "train-9"]]
+    processes.barrier("nothing to wait for")

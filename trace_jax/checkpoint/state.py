@@ -19,7 +19,9 @@ is skipped with a warning and the previous one is tried.
 Restoring into shardings: pass ``target`` with the same structure as what was saved; leaves may be concrete
 arrays or ``jax.ShapeDtypeStruct`` with a ``sharding`` (abstract target): arrays are read directly into those
 shardings. Typed PRNG keys (``jax.random.key``) are stored as their key data and re-wrapped when the target
-leaf is a typed key. Without a target, arrays come back as saved (nested dicts for custom pytree nodes).
+leaf is a typed key. Without a target, arrays come back as saved (nested dicts for custom pytree nodes), on the
+devices they were saved from, or on this process's first device when those devices are not all here (a
+checkpoint of a 2-process run read by one process, a pod's checkpoint read on a laptop).
 """
 
 from __future__ import annotations
@@ -210,6 +212,8 @@ class StateCheckpointer:
             if key not in saved_keys:
                 continue
             key_target = None if target is None else target.get(key)
+            if key_target is None:
+                key_target = self._portable_target(step, key)
             if key_target is not None:
                 key_target = jax.tree.map(lambda x: _abstract_key_data(x) if _is_typed_key(x) else x, key_target)
             args[key] = ocp.args.StandardRestore(None if key_target is None else {_WRAP: key_target})
@@ -224,6 +228,24 @@ class StateCheckpointer:
                 tree = _data_to_keys(tree, target[key], prng[key])
             state[key] = tree
         return RestoredState(step=step, state=state, metadata=meta)
+
+    def _portable_target(self, step: int, key: str) -> Any:
+        """None when entry ``key`` of ``step`` was saved from devices this process has (restore as saved);
+        else an abstract target of the same arrays on this process's first device."""
+        saved = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / key).tree[_WRAP]
+        here = {d.id for d in jax.devices()}
+
+        def devices_of(leaf: Any) -> set[int]:
+            mesh = getattr(getattr(leaf, "sharding", None), "device_mesh", None)
+            return {d.id for d in jax.tree.leaves(mesh.mesh)} if mesh is not None else set()
+
+        leaves = jax.tree.leaves(saved)
+        if all(devices_of(leaf) <= here for leaf in leaves):
+            return None
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device) if hasattr(m, "shape") else m, saved
+        )
 
     def restore_latest(
         self, target: Mapping[str, Any] | None = None, keys: list[str] | None = None

@@ -4,11 +4,13 @@ On a pod each host runs one process with its own local devices. The pieces of an
 
 - ``process_slice`` / ``shard_for_process``: every process takes a disjoint, deterministic block of the
   step's prompts (same answer on every host, no communication);
+- ``exchange``: any picklable value from every process, in process order;
 - ``allgather_rows``: host rows of any dtype (e.g. per-anchor floats, or the pickled new turns that
   ``sharded_rollouts.ProcessShardedBackend`` shares) gathered exactly and in process order, so every host
   runs the same allocation solver on the same inputs and reaches the same decision;
 - ``global_batch``: a ``jax.Array`` over the whole mesh from each process's local train rows
   (``jax.make_array_from_process_local_data``), after ``common_row_count`` agreed on one padded size;
+  ``rows_to_global``: the same from a batch every process holds whole, each feeding only its devices' rows;
 - ``reduce_metrics``: scalar metrics combined across processes (weighted mean, sum, max or min);
 - ``to_host``: a whole array as numpy on every process, also when it spans other hosts' devices;
 - ``local_mesh`` / ``copy_to_each_process``: sampling needs no other host: each process gets a full copy of
@@ -20,6 +22,8 @@ order, with the same structure (same keys, same trailing shapes). With one proce
 
 from __future__ import annotations
 
+import itertools
+import pickle
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -87,6 +91,14 @@ def allgather_rows(local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([gathered[p, :c] for p, c in enumerate(counts)]), counts
 
 
+def exchange(payload: Any) -> list[Any]:
+    """Every process's ``payload`` (pickled; processes of one job run the same code), in process order."""
+    data = np.frombuffer(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    rows, counts = allgather_rows(data)
+    ends = np.cumsum(counts)
+    return [pickle.loads(rows[end - n : end].tobytes()) for n, end in zip(counts, ends, strict=True)]
+
+
 def common_row_count(n_local: int, multiple: int = 1) -> int:
     """The largest ``n_local`` over processes rounded up to ``multiple``: one padded row count for all.
 
@@ -113,6 +125,36 @@ def global_batch(local_rows: Any, mesh: Mesh) -> Any:
         return jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x)
 
     return jax.tree.map(one, local_rows)
+
+
+def _local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
+    """The contiguous block of rows (axis 0) that this process's devices hold under ``sharding``."""
+    indices = sharding.addressable_devices_indices_map(shape).values()
+    blocks = sorted({index[0].indices(shape[0])[:2] for index in indices})
+    if any(a[1] != b[0] for a, b in itertools.pairwise(blocks)):
+        raise ValueError(f"this process's devices hold rows {blocks} of {shape[0]}: not one block")
+    return slice(blocks[0][0], blocks[-1][1])
+
+
+def rows_to_global(full_rows: Any, mesh: Mesh) -> Any:
+    """A pytree of global ``jax.Array`` batch-sharded over ``mesh`` from host arrays every process holds whole.
+
+    Args:
+      full_rows: pytree of host arrays [n, ...], identical on every process (e.g. a train batch built on each
+        process from the same all-gathered trees); ``n`` must divide over the mesh's batch axes.
+    Returns:
+      the same pytree of global arrays. Each process passes only the rows its own devices hold to
+      ``jax.make_array_from_process_local_data``: nothing crosses hosts. With one process, a ``device_put``.
+    """
+
+    def one(x: Any) -> jax.Array:
+        x = np.asarray(x)
+        sharding = batch_sharding(mesh, x.ndim)
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_process_local_data(sharding, x[_local_rows(sharding, x.shape)], x.shape)
+
+    return jax.tree.map(one, full_rows)
 
 
 def to_host(x: Any) -> np.ndarray:

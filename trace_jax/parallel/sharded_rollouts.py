@@ -4,7 +4,8 @@ How the allocation stays identical on every host: the scheduler (unchanged) runs
 *whole* batch of trees. ``ProcessShardedBackend`` wraps the process's real backend (runner or simulator):
 
 - a request is executed only by the process that owns its tree (``owner``: prompt index modulo the process
-  count), on that process's own devices;
+  count), on that process's own devices, with the sampling seeds the one-process run would give it (the
+  continuations are numbered over the whole batch when the inner backend has ``reserve_seeds``);
 - the turns each process added are then all-gathered and appended, in the same order, to the other
   processes' copies of those trees; ``RolloutStats`` are summed over processes.
 
@@ -21,7 +22,7 @@ With one process the wrapper only forwards.
 
 from __future__ import annotations
 
-import pickle
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,14 +61,6 @@ def _turn(node: Node) -> dict[str, Any]:
     }
 
 
-def _exchange(payload: Any) -> list[Any]:
-    """Every process's ``payload`` (pickled; processes of one job run the same code), in process order."""
-    data = np.frombuffer(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-    rows, counts = multihost.allgather_rows(data)
-    ends = np.cumsum(counts)
-    return [pickle.loads(rows[end - n : end].tobytes()) for n, end in zip(counts, ends, strict=True)]
-
-
 class ProcessShardedBackend:
     """Wraps ``inner`` (a ``RolloutBackend``) so each process samples only the trees it owns.
 
@@ -77,6 +70,12 @@ class ProcessShardedBackend:
 
     def __init__(self, inner: RolloutBackend):
         self.inner = inner
+        self.sampled: set[int] = set()  # prompt indices this process sampled since the last ``take_sampled``
+
+    def take_sampled(self) -> list[int]:
+        """The prompt indices whose continuations this process ran itself since the last call (then reset)."""
+        sampled, self.sampled = sorted(self.sampled), set()
+        return sampled
 
     def featurize_roots(self, trees: Sequence[RolloutTree]) -> None:
         featurize = getattr(self.inner, "featurize_roots", None)
@@ -86,24 +85,36 @@ class ProcessShardedBackend:
         if mine:
             featurize(mine)
         by_index = {tree.prompt_index: tree for tree in trees}
-        for features in _exchange({t.prompt_index: t.root.feature for t in mine}):
+        for features in multihost.exchange({t.prompt_index: t.root.feature for t in mine}):
             for index, feature in features.items():
                 by_index[index].root.feature = feature
+
+    def _globally_seeded(self, requests: Sequence[ContinuationRequest]) -> list[ContinuationRequest]:
+        """Each request with the seeds a one-process runner would draw for it (the running count advances by
+        every process's continuations on every process, so the counts stay equal)."""
+        reserve = getattr(self.inner, "reserve_seeds", None)
+        if reserve is None or any(r.first_seed is not None for r in requests):
+            return list(requests)
+        first = reserve(sum(r.k for r in requests))
+        starts = first + np.cumsum([0] + [r.k for r in requests[:-1]])
+        return [dataclasses.replace(r, first_seed=int(s)) for r, s in zip(requests, starts, strict=True)]
 
     def continue_anchors(self, requests: Sequence[ContinuationRequest]) -> RolloutStats:
         trees = list({id(r.tree): r.tree for r in requests}.values())
         if len({tree.prompt_index for tree in trees}) != len(trees):
             raise ValueError("ProcessShardedBackend needs a distinct prompt_index per tree of a batch")
         sizes = {id(tree): len(tree.nodes) for tree in trees}
+        requests = self._globally_seeded(requests)
         mine = [r for r in requests if owner(r.tree) == jax.process_index()]
         stats = self.inner.continue_anchors(mine) if mine else RolloutStats()
+        self.sampled |= {r.tree.prompt_index for r in mine}
         added = {
             tree.prompt_index: [_turn(node) for node in tree.nodes[sizes[id(tree)] :]]
             for tree in trees
             if owner(tree) == jax.process_index()
         }
         by_index = {tree.prompt_index: tree for tree in trees}
-        for process, turns_by_tree in enumerate(_exchange(added)):
+        for process, turns_by_tree in enumerate(multihost.exchange(added)):
             if process == jax.process_index():
                 continue
             for index, turns in turns_by_tree.items():

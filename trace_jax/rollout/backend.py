@@ -11,11 +11,16 @@ from trace_jax.rollout.tree import RolloutTree
 
 @dataclasses.dataclass(frozen=True)
 class ContinuationRequest:
-    """Continue ``tree`` from the anchor ``node_id`` ``k`` times, each to a finished leaf."""
+    """Continue ``tree`` from the anchor ``node_id`` ``k`` times, each to a finished leaf.
+
+    ``first_seed``: sampling seeds ``first_seed .. first_seed + k - 1`` for the k continuations (a backend
+    shared across processes numbers them globally); None: the backend's own running seed count.
+    """
 
     tree: RolloutTree
     node_id: int
     k: int
+    first_seed: int | None = None
 
 
 @dataclasses.dataclass

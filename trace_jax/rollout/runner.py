@@ -192,6 +192,11 @@ class RolloutRunner:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._next_seed = int(state["next_seed"])
 
+    def reserve_seeds(self, n: int) -> int:
+        """The first of ``n`` consecutive seeds, taken from the running count (for requests' ``first_seed``)."""
+        first, self._next_seed = self._next_seed, self._next_seed + n
+        return first
+
     # -------------------------------------------------------------------------------------------- api
     def featurize_roots(self, trees: Sequence[RolloutTree]) -> None:
         """Sets every featureless root's anchor feature from batched prefills, so stage 1 of the allocation
@@ -270,10 +275,10 @@ class RolloutRunner:
                         f"EngineConfig.max_len={max_len} with room to generate; raise max_len"
                     )
                 batch.histories[key] = history
-            for _ in range(request.k):
-                batch.pending.append((key, request.tree, request.node_id, self._next_seed))
+            for j in range(request.k):
+                seed = self.reserve_seeds(1) if request.first_seed is None else request.first_seed + j
+                batch.pending.append((key, request.tree, request.node_id, seed))
                 batch.remaining[key] += 1
-                self._next_seed += 1
         return batch
 
     def _refill(self, state: Any, batch: _Batch) -> Any:
