@@ -196,3 +196,56 @@ def test_same_config_and_seed_give_the_same_summary_under_cpu_load(finished_run,
     assert summary_b["run"]["warm_start_dir"].startswith(str(tmp_path / "own_cache"))
     assert summary_a["run"]["timings_s"] != summary_b["run"]["timings_s"]  # wall time did differ
     assert without_run_facts(summary_b) == without_run_facts(summary_a)
+
+
+# A world slice where a few RL steps reliably raise EM: 1-hop questions only, a warm start cut short (greedy
+# answers 9 of its 13 training questions, samples at temperature 0.5 about half), every training question in
+# every step, and EM measured on those questions by the policy RL trains (the tempered one, 8 samples each).
+# Measured with seeds 0, 1, 2: sampled EM 0.45 -> 0.60, 0.56, 0.63; greedy EM 0.69 -> 0.92, 0.85, 0.69.
+LEARNS = [
+    "--config.world.scale=1",
+    "--config.world.max_hops=1",
+    "--config.world.ood_hops=2",
+    "--config.world.questions_per_hop=16",
+    "--config.world.ood_questions=4",
+    "--config.tokenizer.vocab_size=400",
+    "--config.sft.max_steps=40",
+    "--config.sft.practice_worlds=0",
+    "--config.engine.max_slots=16",
+    "--config.engine.sampling.temperature=0.5",
+    "--config.allocation.rollouts_per_prompt=8.0",
+    "--config.rl.prompts_per_step=13",
+    "--config.optim.learning_rate=3e-4",
+    "--config.eval.split=train",
+    "--config.eval.num_questions=1000",
+]
+LEARN_STEPS = 6
+
+
+def test_a_few_rl_steps_raise_em_on_the_questions_they_train_on(tmp_path):
+    from trace_jax import recipe
+    from trace_jax.cli import Console
+    from trace_jax.command_line import load_config
+    from trace_jax.evaluate import evaluate
+    from trace_jax.metrics import PhaseTimer
+    from trace_jax.training import Training
+
+    config, _ = load_config(["train", *LEARNS, f"--config.warm_start.cache_dir={tmp_path / 'cache'}"])
+    run = Training(config, tmp_path / "run", Console(verbosity=-1), PhaseTimer())
+    tasks = run.world.world.questions("train")
+    sampler = recipe.build_runner(config, run.model_config, None, run.world, seed=10_000, engine=run.runner.engine)
+
+    def sampled_em() -> float:
+        sampler.load_state_dict({"next_seed": 10_000})  # the same draws before and after
+        return evaluate(sampler, run.world.env, tasks, samples=8).overall["em"]
+
+    before = sampled_em()
+    start = [np.asarray(x) for x in jax.tree.leaves(run.state.params)]
+    grad_norms = [run.rl_step()["train/grad_norm"] for _ in range(LEARN_STEPS)]
+    after = sampled_em()
+    # The premise: every training question in each step, gradients flowed and the policy moved.
+    assert len(tasks) == config.rl.prompts_per_step and min(grad_norms) > 0
+    moved = zip(start, jax.tree.leaves(run.state.params), strict=True)
+    assert any(not np.array_equal(a, np.asarray(b)) for a, b in moved)
+    assert 0.2 < before < 0.8
+    assert after >= before + 0.05, (before, after, grad_norms)
