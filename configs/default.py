@@ -39,7 +39,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.engine = to_config(EngineConfig(max_slots=32, max_len=512, steps_per_call=32, max_turn_tokens=48))
     config.runner = to_config(RunnerConfig(refill_after=4))
     config.allocation = to_config(SchedulerConfig(policy="trace", rollouts_per_prompt=8.0, max_depth=8))
-    config.batch = to_config(BatchConfig(length_buckets=(128, 256, 384, 512), row_buckets=(32, 64, 96, 128, 192, 256)))
+    # fixed_length: every row is 512 long (tree-packed to the largest bucket), so the trainer compiles once.
+    config.batch = to_config(
+        BatchConfig(length_buckets=(128, 256, 384, 512), row_buckets=(32, 64, 96, 128, 192, 256), fixed_length=True)
+    )
     config.loss = to_config(LossConfig(policy_loss="ppo", aggregation="token-mean"))
     config.ppo = to_config(UpdateConfig())  # epochs x mini-batches per rollout batch, behaviour log-probs
     config.optim = to_config(

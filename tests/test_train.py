@@ -173,35 +173,14 @@ def test_sigkill_between_checkpoints_then_rerun_gives_the_uninterrupted_logs_and
     assert step_a == step_b == 3
     for a, b in zip(params_a, params_b, strict=True):
         np.testing.assert_array_equal(a, b)
-    # Each step once, step 0's evaluation included. The final evaluation is compared apart (below).
-    resumed = records_without_timings(workdir)
-    assert _final_eval_apart(resumed) == _final_eval_apart(records)
-    scalars_b, scalars_a = tensorboard_scalars(workdir), tensorboard_scalars(reference)
-    assert _final_eval_apart_tb(scalars_b) == _final_eval_apart_tb(scalars_a)
+    # Each step once, step 0's evaluation included; the final greedy evaluation equal too (a pure function of
+    # the params and the questions, whatever the engine decoded before).
+    assert records_without_timings(workdir) == records
+    assert tensorboard_scalars(workdir) == tensorboard_scalars(reference)
     assert len(list((workdir / "tensorboard").glob("events.out.tfevents.*"))) == 2  # the killed file is still there
     summary_a = json.loads((reference / "summary.json").read_text())
     summary_b = json.loads((workdir / "summary.json").read_text())
-    apart = lambda summary: {k: v for k, v in without_run_facts(summary).items() if k != "eval_after"}
-    assert apart(summary_b) == apart(summary_a) and summary_b["run"]["resumes"] == 1
-    if resumed != records or scalars_b != scalars_a or summary_b["eval_after"] != summary_a["eval_after"]:
-        # Known (wave 2 merge): with bit-identical params, the final greedy evaluation of a resumed run can
-        # differ from the uninterrupted run's; the shared engine's history (bf16 sampling weights, page and
-        # bucket layout) changes near-tie argmaxes of the tiny model. Tracked in issue 9's note.
-        pytest.xfail("final greedy evaluation differs after a resume although the params are identical")
-
-
-FINAL_STEP = 3
-
-
-def _final_eval_apart(rows):
-    return [{k: v for k, v in r.items() if not (r["step"] == FINAL_STEP and k.startswith("eval/"))} for r in rows]
-
-
-def _final_eval_apart_tb(scalars):
-    return {
-        tag: [(step, value) for step, value in points if not (step == FINAL_STEP and tag.startswith("eval/"))]
-        for tag, points in scalars.items()
-    }
+    assert without_run_facts(summary_b) == without_run_facts(summary_a) and summary_b["run"]["resumes"] == 1
 
 
 def test_same_config_and_seed_give_the_same_summary_under_cpu_load(finished_run, tmp_path):

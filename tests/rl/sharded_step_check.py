@@ -1,8 +1,8 @@
 """Run by test_trainer.py in a fresh interpreter with 8 fake CPU devices (XLA_FLAGS set by the caller).
 
-Checks that two RL train steps on a 2×2×2 (data, fsdp, tensor) mesh give the params of the same steps on
-one device, that the state keeps its shardings, and that a checkpoint of the sharded state restores into
-the same shardings. Prints SHARDED_OK on success.
+Checks that two RL train steps and one ``update`` on a 2×2×2 (data, fsdp, tensor) mesh give the params of
+the same steps on one device, that the state keeps its shardings, and that a checkpoint of the sharded
+state restores into the same shardings. Prints SHARDED_OK on success.
 """
 
 import tempfile
@@ -36,6 +36,9 @@ def run(mesh, batch, steps=2):
     for _ in range(steps):
         state, metrics = trainer.train_step(state, trainer.prepare(state, batch))
         assert metrics["update_applied"] == 1.0, metrics
+    # Then the PPO update's fixed-shape micro-batch programs (one step here), on the same layout.
+    state, update_metrics = trainer.update(state, batch)
+    assert update_metrics["update_applied"] == 1.0, update_metrics
     return state, metrics
 
 

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -6,7 +8,7 @@ import pytest
 from tests.rl.trees import branching_tree, random_tree
 from trace_jax.config_utils import from_config
 from trace_jax.rl.advantages import ESTIMATORS, NodeAdvantages, compute_advantages
-from trace_jax.rl.batch import BatchConfig, build_batch, trees_to_batch
+from trace_jax.rl.batch import BatchConfig, build_batch, take_rows, trees_to_batch
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig, LossInputs, compute_loss, loss_denominator
 from trace_jax.rollout.tree import RolloutTree
 
@@ -146,6 +148,31 @@ def test_shapes_are_bucketed_and_padded_to_the_row_multiple():
     many = [branching_tree() for _ in range(40)]
     rows = build_batch(many, compute_advantages("grpo", many), BatchConfig(layout="paths", row_buckets=(8, 16)))
     assert rows[0].tokens.shape[0] == 128  # past the largest row bucket: a multiple of it
+
+
+def test_fixed_length_gives_one_row_length_whatever_the_trees():
+    config = BatchConfig(length_buckets=(4, 16, 32), fixed_length=True)
+    small, big = [branching_tree()], [branching_tree() for _ in range(3)]
+    shapes = {build_batch(t, compute_advantages("grpo", t), config)[0].tokens.shape[1] for t in (small, big)}
+    assert shapes == {32}  # the largest bucket, though 16 would hold every row
+    bucketed = dataclasses.replace(config, fixed_length=False)
+    assert build_batch(small, compute_advantages("grpo", small), bucketed)[0].tokens.shape[1] == 16  # premise
+    paths = dataclasses.replace(config, layout="paths", pack_length=None)
+    assert build_batch(big, compute_advantages("grpo", big), paths)[0].tokens.shape[1] == 32
+
+
+def test_take_rows_pads_with_rows_that_train_nothing_and_see_only_themselves():
+    trees = [branching_tree() for _ in range(3)]
+    batch, _ = build_batch(trees, compute_advantages("grpo", trees), BatchConfig(layout="paths"))
+    taken = take_rows(batch, np.array([4, 1]), 5)
+    assert taken.tokens.shape == (5, batch.tokens.shape[1]) and taken.ref_logprobs is None
+    np.testing.assert_array_equal(taken.tokens[:2], batch.tokens[[4, 1]])
+    np.testing.assert_array_equal(taken.weights[:2], batch.weights[[4, 1]])
+    t = np.arange(batch.tokens.shape[1])
+    assert (taken.weights[2:] == 0).all() and (taken.paths[2:] == 0).all() and (taken.lengths[2:] == 0).all()
+    assert (taken.visible_end[2:] == t + 1).all() and (taken.predecessor[2:] == t).all()
+    with pytest.raises(ValueError, match="do not fit"):
+        take_rows(batch, np.arange(6), 5)
 
 
 def test_too_long_rows_and_empty_batches_are_clear_errors():

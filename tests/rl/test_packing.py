@@ -16,6 +16,7 @@ from trace_jax.rl.batch import BatchConfig, build_batch, check_objective
 from trace_jax.rl.logprobs import policy_logprobs
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig, LossInputs, compute_loss, loss_denominator
 from trace_jax.rl.packing import pack_rows, tree_pieces
+from trace_jax.rollout.tree import RolloutTree
 
 CONFIG = ModelConfig.preset(
     "qwen3-tiny", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, head_dim=8
@@ -76,6 +77,33 @@ def test_packing_splits_big_trees_and_fills_rows():
         trained = [y for p in tree_p for y, trains in p if trains]
         assert sorted(trained) == sorted({y for leaf in tree.leaves() for y in tree.path(leaf)})  # each once
     assert pack_rows([5, 4, 3, 3, 1], 8) == [[0, 2], [1, 3, 4]]
+
+
+def test_pieces_of_one_tree_in_one_row_share_their_context():
+    """root(4) ─ A(4) ─┬─ B(4, leaf)      at capacity 18 the pieces are [root], [root A B], [root A C D1],
+    └─ C(4) ─┬─ D1(6)  [root A C D2]: 52 tokens in 3 rows if each repeats its context; the
+             └─ D2(6)  root piece costs nothing beside another piece of its tree."""
+    tree = RolloutTree(np.arange(1, 5))
+    turn = lambda parent, n, **kw: tree.add_turn(parent, np.full(n, 7), sample_logprobs=np.zeros(n), **kw)
+    a = turn(0, 4)
+    turn(a, 4, reward=1.0)
+    c = turn(a, 4)
+    turn(c, 6, reward=0.0)
+    turn(c, 6, reward=1.0)
+    pieces = tree_pieces(tree, 18)
+    assert sum(len(p) for p in pieces) == 1 + 3 + 4 + 4  # premise: the split repeats context
+    assert sum(tree[y].num_tokens for p in pieces for y, _ in p) == 52
+    config = BatchConfig(length_buckets=(18,), row_buckets=None, pack_length=18)
+    _, info = build_batch([tree], compute_advantages("grpo", [tree]), config)
+    assert info.num_rows == 3 and info.num_tokens == 48
+    layout = info.layout
+    for r in range(info.num_rows):  # a row holds each node once
+        nodes = layout.node[r][layout.node[r] >= 0]
+        starts = nodes[np.r_[True, nodes[1:] != nodes[:-1]]]
+        assert len(set(starts)) == len(starts)
+    trains = layout.trains
+    trained = list(zip(layout.node[trains].tolist(), layout.offset[trains].tolist(), strict=True))
+    assert sorted(trained) == sorted({(y, o) for y in range(1, 6) for o in range(tree[y].token_ids.shape[0])})
 
 
 def test_packed_logprobs_equal_the_per_path_ones():

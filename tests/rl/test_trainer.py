@@ -39,6 +39,14 @@ def _batch(row_multiple=1, seed=0, n_trees=3):
     return build_batch(trees, compute_advantages("grpo", trees), config)[0]
 
 
+def _path_batch(seed, n_trees):
+    """One row per leaf path (more rows than packing gives, and a row count that varies with the trees)."""
+    rng = np.random.default_rng(seed)
+    trees = [branching_tree()] + [random_tree(rng) for _ in range(n_trees - 1)]
+    config = dataclasses.replace(BATCH_CONFIG, layout="paths")
+    return build_batch(trees, compute_advantages("grpo", trees), config)[0]
+
+
 def _host(tree):
     return jax.tree.map(lambda x: np.array(x), tree)
 
@@ -154,12 +162,57 @@ def test_ppo_epochs_move_the_ratio_and_the_clip_acts_at_a_large_learning_rate():
     assert metrics["ratio_max"] >= metrics["epoch2/ratio_max"] > 1.0
 
 
+def test_update_over_fixed_micro_batches_equals_one_step_on_the_whole_batch():
+    graphdef, params, shared = shared_setup()
+    batch = _path_batch(seed=0, n_trees=4)
+    real = int((batch.lengths > 0).sum())
+    assert real > 2 and real % 2, "premise: the rows split into micro-batches of 2 with a padded last one"
+    one = shared.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+    batch = shared.prepare(one, batch, recompute_old_logprobs=True)  # the trees' own log-probs are made up
+    one, reference = shared.train_step(one, batch)
+    trainer = _trainer(graphdef, update=UpdateConfig(ppo_epochs=1, mini_batches=1, micro_rows=2))
+    state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+    state, metrics = trainer.update(state, batch)
+    assert metrics["micro_batches"] == -(-real // 2) and metrics["steps"] == 1
+    assert metrics["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    pairs = zip(jax.tree.leaves(_host(one.params)), jax.tree.leaves(params), strict=True)
+    moved = [np.abs(a - b).max() for a, b in pairs]
+    assert max(moved) > 1e-4, "premise: the step moved the params"
+    for a, b in zip(jax.tree.leaves(_host(one.params)), jax.tree.leaves(_host(state.params)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_update_compiles_its_programs_once_whatever_the_batch_size():
+    graphdef, params, _ = shared_setup()
+    update = UpdateConfig(ppo_epochs=2, mini_batches=2, micro_rows=2, behaviour_logprobs="recompute")
+    trainer = _trainer(graphdef, update=update)
+    state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+    sizes, shapes = [], set()
+    for seed, n_trees in ((0, 3), (1, 4), (2, 4)):
+        batch = _path_batch(seed, n_trees)
+        sizes.append(int((batch.lengths > 0).sum()))
+        shapes.add(batch.tokens.shape)
+        state, metrics = trainer.update(state, batch)
+        if seed == 0:
+            programs = {name: fn._cache_size() for name, fn in trainer._update_fns.items()}
+            assert programs == {"zero": 1, "accumulate": 1, "apply": 1}
+            behaviour = trainer._behaviour_fn._cache_size()
+    assert len(set(sizes)) == 3 and len(shapes) == 2, f"premise: batches of several sizes, got {sizes}, {shapes}"
+    assert {name: fn._cache_size() for name, fn in trainer._update_fns.items()} == programs
+    assert trainer._behaviour_fn._cache_size() == behaviour == 1
+    assert metrics["programs"] == 2  # (program, shape) pairs: behaviour log-probs and accumulate, one shape each
+    with pytest.raises(ValueError, match="micro_rows"):
+        UpdateConfig(micro_rows=0)
+
+
 def test_update_runs_epochs_times_mini_batches_steps_on_shuffled_rows():
     graphdef, params, _ = shared_setup()
     trainer = _trainer(graphdef, update=UpdateConfig(ppo_epochs=3, mini_batches=2))
     assert trainer.row_multiple == 2
     state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
-    state, metrics = trainer.update(state, _batch(row_multiple=trainer.row_multiple))
+    batch = _path_batch(seed=0, n_trees=3)
+    assert (batch.lengths > 0).sum() >= 2, "premise: a row for each mini-batch"
+    state, metrics = trainer.update(state, batch)
     assert metrics["steps"] == 6 and int(state.step) == 6
     assert {"epoch3/ratio", "epoch3/ratio_max", "epoch3/clip_fraction", "clip_fraction"} <= set(metrics)
     with pytest.raises(ValueError, match="ppo_epochs"):

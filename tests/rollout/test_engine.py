@@ -234,6 +234,20 @@ def test_greedy_is_a_per_slot_flag_of_a_sampling_engine(checkpoint, greedy):
     np.testing.assert_allclose(out.sample_logprobs[0], 0.0)
 
 
+def test_a_greedy_sequence_stays_greedy_after_an_observation_whatever_its_seed(checkpoint):
+    # An evaluation's later turns follow appended observations; its seeds differ between a run and its resume.
+    _, config, params = checkpoint
+    sampler = _engine(config, params, sampling=SamplingConfig(temperature=1.0))
+    state = sampler.init_decode_state()
+    items = [AppendItem(slot, PROMPTS[0], True, seed, greedy=True) for slot, seed in ((0, 1), (1, 2))]
+    state, _ = sampler.append(None, state, items)
+    state, _ = sampler.generate(None, state)
+    state, _ = sampler.extend(None, state, {0: PROMPTS[1], 1: PROMPTS[1]})
+    _, out = sampler.generate(None, state)
+    assert out.num_tokens[0] > 0 and _turn(out, 0) == _turn(out, 1)
+    np.testing.assert_allclose(out.sample_logprobs[:2], 0.0)
+
+
 def test_bad_inputs_name_the_setting_to_change(greedy):
     state = greedy.init_decode_state()
     with pytest.raises(ValueError, match=r"distinct and in \[0, 4\)"):

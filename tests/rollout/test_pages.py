@@ -112,3 +112,35 @@ def test_a_fork_copies_at_most_one_partial_page_per_child(paged_and_contiguous):
     assert copied_paged <= children * paged_page
     assert copied_paged * 4 <= copied_contiguous  # the contiguous cache copies whole rows (8x the page here)
     assert paged.allocated * paged_page < contiguous.allocated * contiguous_page
+
+
+def test_a_sequence_started_from_held_pages_decodes_like_a_fresh_prefill():
+    """``AppendItem.start``: the held history's pages are shared, only its last id is recomputed, and the
+    continuation equals prefilling the whole history from scratch (greedy tokens, log-probs)."""
+    params = nnx.split(Qwen(CONFIG, rngs=nnx.Rngs(3)), nnx.Param)[1]
+    params["embed"].value = params["embed"].value * 0.05
+    engine_config = EngineConfig(
+        max_slots=4, max_len=32, steps_per_call=6, max_turn_tokens=6, length_buckets=(32,), row_buckets=(4,),
+        page_size=4, sampling=SamplingConfig.make_greedy(), weight_dtype=None,
+    )  # fmt: skip
+    engine = Engine(abstract_model(CONFIG)[0], CONFIG, engine_config)
+    engine.set_params(params)
+    history = [5, 17, 3, 9, 42, 8, 1, 40, 41, 42]  # 10 ids: two full pages and a partial one
+    state = engine.init_decode_state()
+    state, first = engine.append(None, state, [AppendItem(0, history, reset=True, hold=True)])
+    held = first.held[0]
+    assert held.row is None and held.length == len(history)
+    state = engine.free_resource(state, [0])  # the held pages outlive the slot
+    allocated = state.pool.stats.allocated
+    tokens_before = engine.counters["append_tokens"]
+    items = [AppendItem(1, history, reset=True, seed=1, start=held), AppendItem(2, history, reset=True, seed=1)]
+    state, _ = engine.append(None, state, items)
+    assert state.pool.table[1, :2].tolist() == held.pages[:2], "full pages are shared, not recomputed"
+    assert state.pool.table[1, 2] != held.pages[2]
+    assert state.pool.stats.allocated - allocated == 1 + 3  # slot 1: its copy of the partial page; slot 2: 3
+    state, out = engine.generate(None, state)
+    assert out.num_tokens[1] == out.num_tokens[2] == 6
+    assert out.tokens[1].tolist() == out.tokens[2].tolist()
+    np.testing.assert_allclose(out.logprobs[1], out.logprobs[2], atol=1e-5)
+    np.testing.assert_allclose(out.hidden[1], out.hidden[2], atol=1e-5)
+    assert engine.counters["append_tokens"] - tokens_before == 1 + len(history)  # ids run through the model

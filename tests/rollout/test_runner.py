@@ -111,7 +111,8 @@ def test_fork_at_a_turn_prefix_prefills_it_once_and_backs_up_values():
     assert [tree[c].reward for c in new_leaves] == [float((s >> 1) & 1) for s in (2, 3, 4)]
     assert tree.leaf_counts()[anchor] == 4
     np.testing.assert_allclose(tree.values()[anchor], (0 + 1 + 1 + 0) / 4)
-    assert stats.forward_tokens == tree.prefix_length(anchor) + 3 * 3
+    # The anchor's history is held from stage 1 (its observation's append): only its last id is recomputed.
+    assert stats.forward_tokens == 1 + 3 * 3
 
 
 def test_turn_limit_truncates_and_the_env_ends_the_rollout():

@@ -13,7 +13,8 @@ timed to completion (``ProgramSet.timed``), which gives the time of the ``genera
 rollout phase <= 1.5x its generate calls.
 
 Part 2, KV bytes. 8 prompts x 4 rollouts each (stage 1), then for every rollout 2 anchors (its turn
-prefixes; the root where it has fewer) x 4 continuations (stage 2), through the paged engine: the KV pages
+prefixes; the root where it has fewer) x 4 continuations (stage 2), through the paged engine (the runner
+holds every appended history's pages under its tree node, so a stage-2 anchor shares them): the KV pages
 the tree rollout allocated (shared prefix pages counted once; ``tree_kv_bytes`` includes the pages reserved
 ahead of each ``generate`` call, ``tree_kv_bytes_written`` only those that held a position) against the
 pages its leaves need decoded flat, each leaf's whole history in its own pages (no reservation slack).
@@ -98,6 +99,8 @@ def rollout_phase(config, world, engine, steps: int) -> dict[str, Any]:
         "timed_pass_wall_s": round(sum(timed_walls), 2),
         "program_seconds_timed_pass": {k: round(v, 2) for k, v in seconds.items()},
         "calls": counts,
+        # The append program's cost scales with rows x width (padded), not with the ids it appends.
+        "append_padding": round(counts.get("append_padded_tokens", 0) / max(counts.get("append_tokens", 0), 1), 2),
         "compiles_after_warmup": [shapes for _, shapes in engine.programs.late],
     }
 

@@ -12,9 +12,12 @@ gspo_turn. ``check_objective`` refuses the combinations that cannot be exact. Pr
 (tool) tokens, context copies and padding have weight 0. Behaviour log-probs are the sampler's
 ``sample_logprobs`` (the distribution actually sampled); the trainer may recompute them.
 
-Shapes. The length ``T`` is the smallest of ``length_buckets`` that fits the longest row; the row count is
-padded (with weight-0 rows) to the smallest of ``row_buckets`` that fits (past the largest, a multiple of
-it), then to a multiple of ``row_multiple``, so a run compiles a handful of programs.
+Shapes. The length ``T`` is the smallest of ``length_buckets`` that fits the longest row, or with
+``fixed_length`` always the row capacity (``pack_length``, default the largest bucket), so every batch of a
+run has one ``T`` and the trainer's fixed-shape micro-batch programs (``RLTrainer.update``) compile once.
+The row count is padded (with weight-0 rows) to the smallest of ``row_buckets`` that fits (past the largest,
+a multiple of it), then to a multiple of ``row_multiple``. ``take_rows`` cuts rows out of a batch and pads
+them to a fixed count.
 """
 
 from __future__ import annotations
@@ -111,8 +114,11 @@ class BatchConfig:
       row_buckets: allowed row counts before ``row_multiple`` padding; None: no row bucketing.
       row_multiple: the row count is padded to a multiple of this (data × fsdp shards × micro-batches ×
         mini-batches: ``RLTrainer.row_multiple``).
-      pack_length: tokens per packed row ("tree"); None: the length bucket of the longest path, so a packed
+      pack_length: tokens per packed row ("tree"); None: the largest length bucket with ``fixed_length``,
+        else the length bucket of the longest path, so a packed
         row costs what a path row costs. Larger packs more trees per row (attention cost grows as T²).
+      fixed_length: every row is the row capacity long (``pack_length`` or the largest length bucket;
+        for "paths" the largest bucket) whatever the batch holds: one row length T for the whole run.
       segment_weight: "leaves": the per-path objective; "one": each turn weighs 1 whatever its leaf count
         (a tree-native objective, token-mean only).
       skip_zero_advantage: leave out trees whose every advantage is 0 (no policy-gradient signal).
@@ -124,6 +130,7 @@ class BatchConfig:
     row_buckets: tuple[int, ...] | None = (8, 16, 32, 64, 128, 256, 512, 1024)
     row_multiple: int = 1
     pack_length: int | None = None
+    fixed_length: bool = False
     segment_weight: str = "leaves"
     skip_zero_advantage: bool = False
     pad_id: int = 0
@@ -249,9 +256,14 @@ def build_batch(
             "add a larger bucket to length_buckets or lower the rollout token limits"
         )
     capacity = config.length_buckets[-1]
-    if config.layout == "tree":
+    if config.layout == "tree" and not config.fixed_length:
         capacity = config.pack_length or bucket(longest_path, config.length_buckets, "path length")
-    shape = lambda rows, longest: (_row_count(rows, config), bucket(longest, config.length_buckets, "row length"))
+    elif config.layout == "tree":
+        capacity = config.pack_length or capacity
+    if config.fixed_length:
+        shape = lambda rows, longest: (_row_count(rows, config), capacity)
+    else:
+        shape = lambda rows, longest: (_row_count(rows, config), bucket(longest, config.length_buckets, "row length"))
     layout = LAYOUTS[config.layout](trees, capacity, shape, config.pad_id)
     tables = _node_tables(trees, advantages, config, loss)
 
@@ -295,6 +307,29 @@ def build_batch(
         num_trees_skipped=skipped,
     )
     return batch, info
+
+
+def take_rows(batch: TrainBatch, rows: np.ndarray, count: int) -> TrainBatch:
+    """Host rows ``rows`` (int indices) of ``batch``, then weight-0 padding rows up to ``count`` rows.
+
+    A padding row trains nothing and each of its positions sees only itself (``visible_end = t + 1``,
+    ``predecessor = t``), so it changes no loss, gradient or metric. ``ref_logprobs`` may be None.
+    """
+    rows = np.asarray(rows, np.int64)
+    if rows.size > count:
+        raise ValueError(f"{rows.size} rows do not fit in {count}")
+    t = np.asarray(batch.tokens).shape[1]
+    index = np.broadcast_to(np.arange(t, dtype=np.int32), (count - rows.size, t))
+    special = {"visible_end": index + 1, "predecessor": index}
+
+    def take(name: str, x: np.ndarray | None) -> np.ndarray | None:
+        if x is None:
+            return None
+        x = np.asarray(x)[rows]
+        pad = special.get(name, np.zeros((count - rows.size, *x.shape[1:]), x.dtype))
+        return np.concatenate([x, pad.astype(x.dtype)])
+
+    return TrainBatch(*(take(name, x) for name, x in zip(TrainBatch._fields, batch, strict=True)))
 
 
 def trees_to_batch(

@@ -273,12 +273,12 @@ AGGREGATIONS: Registry[Aggregation] = Registry(
 
 def loss_denominator(weights_bt: jax.Array, paths_b: jax.Array | None, config: LossConfig) -> jax.Array:
     """float32 []: the denominator of ``config.aggregation`` over a whole batch: Σ weights, or the number of
-    paths (``paths_b``: float32 [B], paths whose leaf trains in each row)."""
+    paths (``paths_b``: float32 [B], paths whose leaf trains in each row). Numpy or jax arrays alike."""
     if AGGREGATIONS[config.aggregation].per_path:
         if paths_b is None:
             raise ValueError(f"aggregation {config.aggregation!r} needs the batch's path counts")
-        return jnp.sum(paths_b)
-    return jnp.sum(weights_bt)
+        return paths_b.sum()
+    return weights_bt.sum()  # numpy in, numpy out: the trainer computes it on the host too
 
 
 # -------------------------------------------------------------------------------------------- total

@@ -7,7 +7,9 @@ Two layouts, by name (``LAYOUTS``):
   the keys a token may see end where its node's subtree ends (``visible_end``), which is the form
   ``Qwen.hidden(..., kv_visible_end_bt=...)`` takes, so no [T, T] mask is built on the host. Positions
   continue along the path (RoPE). A tree larger than a row is split into pieces: a piece repeats the path
-  from the root to its first node as untrained context, so every token is trained exactly once.
+  from the root to its first node as untrained context, so every token is trained exactly once. Pieces of
+  one tree that land in the same row share that context: a row holds each node of a tree at most once
+  (``pack_pieces`` counts only the nodes a row does not hold yet).
 * ``paths`` (the fallback for models without packed rows): one row per leaf path, in leaf order; a turn
   shared by several leaves trains in the first row that holds it and is context in the others.
 
@@ -189,9 +191,57 @@ def _fill(layout: RowLayout, r: int, start: int, tree_index: int, tree: RolloutT
     return i
 
 
+def pack_pieces(trees: Sequence[RolloutTree], pieces: list[tuple[int, Piece]], capacity: int) -> list[list[int]]:
+    """First-fit decreasing of ``(tree index, piece)`` into rows of at most ``capacity`` tokens, where a piece
+    costs only the tokens of the nodes its row does not hold yet (pieces of one tree share their context)."""
+    rows: list[list[int]] = []
+    held: list[dict[int, set[int]]] = []  # per row: tree index -> node ids already in the row
+    used: list[int] = []
+
+    def cost(r: int, p: int) -> int:
+        t, piece = pieces[p]
+        have = held[r].get(t, set())
+        return sum(trees[t][y].num_tokens for y, _ in piece if y not in have)
+
+    lengths = [_piece_length(trees[t], piece) for t, piece in pieces]
+    for p in sorted(range(len(pieces)), key=lambda p: -lengths[p]):
+        r = next((r for r in range(len(rows)) if used[r] + cost(r, p) <= capacity), None)
+        if r is None:
+            rows.append([])
+            held.append({})
+            used.append(0)
+            r = len(rows) - 1
+        used[r] += cost(r, p)
+        rows[r].append(p)
+        held[r].setdefault(pieces[p][0], set()).update(y for y, _ in pieces[p][1])
+    return rows
+
+
+def _merge(tree: RolloutTree, parts: list[Piece]) -> Piece:
+    """One piece holding every node of ``parts`` once, in the tree's pre-order (a node trains if it trains in
+    any part; parts are ancestor-closed, so the union is too)."""
+    trains: dict[int, bool] = {}
+    for part in parts:
+        for y, t in part:
+            trains[y] = trains.get(y, False) or t
+    order = {y: i for i, y in enumerate(_preorder(kept_children(tree), ROOT))}
+    return [(y, trains[y]) for y in sorted(trains, key=order.__getitem__)]
+
+
 def _layout(
     trees: Sequence[RolloutTree], pieces: list[tuple[int, Piece]], rows: list[list[int]], shape_fn: ShapeFn, pad_id: int
 ) -> RowLayout:
+    merged_rows = []
+    for row in rows:  # pieces of one tree in one row become one piece (their shared context once)
+        by_tree: dict[int, list[Piece]] = {}
+        for p in row:
+            by_tree.setdefault(pieces[p][0], []).append(pieces[p][1])
+        merged_rows.append(
+            [(t, parts[0] if len(parts) == 1 else _merge(trees[t], parts)) for t, parts in by_tree.items()]
+        )
+    pieces = [item for row in merged_rows for item in row]
+    starts = np.cumsum([0] + [len(row) for row in merged_rows])
+    rows = [list(range(starts[r], starts[r + 1])) for r in range(len(merged_rows))]
     lengths = [_piece_length(trees[t], p) for t, p in pieces]
     shape = shape_fn(len(rows), max((sum(lengths[i] for i in row) for row in rows), default=0))
     index = np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape)
@@ -220,8 +270,7 @@ def _layout(
 def tree_layout(trees: Sequence[RolloutTree], capacity: int, shape: ShapeFn, pad_id: int = 0) -> RowLayout:
     """Tree-packed rows of at most ``capacity`` tokens, padded to ``shape(rows, longest row)``."""
     pieces = [(t, p) for t, tree in enumerate(trees) for p in tree_pieces(tree, capacity)]
-    rows = pack_rows([_piece_length(trees[t], p) for t, p in pieces], capacity)
-    return _layout(trees, pieces, rows, shape, pad_id)
+    return _layout(trees, pieces, pack_pieces(trees, pieces, capacity), shape, pad_id)
 
 
 @LAYOUTS.register("paths")

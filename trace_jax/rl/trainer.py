@@ -1,5 +1,5 @@
-"""The RL update: PPO epochs × mini-batches over one rollout batch, each mini-batch one jit-compiled,
-mesh-sharded optimizer step with micro-batch gradient accumulation.
+"""The RL update: PPO epochs × mini-batches over one rollout batch, each mini-batch one mesh-sharded
+optimizer step whose gradient accumulates over fixed-shape micro-batches.
 
 Usage (the wiring ``train.py`` does)::
 
@@ -18,8 +18,17 @@ the batch (``trace_jax.rl.logprobs``: packed rows, chunked LM head), as log-prob
 temperature's policy ``softmax(logits / T)``; the entropy over the vocabulary only when
 ``entropy_coef != 0`` or ``UpdateConfig.entropy_metric``; reference log-probs only when ``kl_coef != 0``.
 The loss is ``Σ_micro numerator / denominator(whole mini-batch)`` (see ``trace_jax.rl.losses``), so any
-number of micro-batches gives the mini-batch gradient. A non-finite loss or gradient leaves params and
-optimizer state untouched, increments ``skipped_steps`` and the run goes on.
+number of micro-batches gives the mini-batch gradient.
+
+Programs. ``update`` cuts every mini-batch into micro-batches of exactly ``UpdateConfig.micro_rows`` rows
+(the last padded with weight-0 rows) and runs three programs whose shapes never change: zero accumulators,
+accumulate one micro-batch's gradient, apply the optimizer. With a fixed row length
+(``BatchConfig.fixed_length``) a run therefore compiles its update once, at the first step, whatever the
+size of later batches (``programs`` lists what was compiled; ``update`` logs its size as ``programs``).
+Behaviour and reference log-probs run over the same fixed micro-batches. ``train_step`` is the
+one-program form (the whole given batch, ``micro_batches`` parts, scanned): benchmarks and the planner.
+A non-finite loss or gradient leaves params and optimizer state untouched, increments ``skipped_steps``
+and the run goes on.
 
 Shardings: params keep the shardings they arrive with (from their logical axes); the optimizer state
 follows the params; the batch is split over the mesh's (data, fsdp) axes; step, rng and counters are
@@ -41,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from trace_jax.optim import guarded_update, init_sharded
 from trace_jax.parallel import multihost
 from trace_jax.parallel.mesh import batch_sharding, traced_under
-from trace_jax.rl.batch import TrainBatch
+from trace_jax.rl.batch import TrainBatch, take_rows
 from trace_jax.rl.logprobs import DEFAULT_CHUNK, behaviour_logprobs, policy_logprobs
 from trace_jax.rl.losses import (
     LossConfig,
@@ -74,6 +83,8 @@ class UpdateConfig:
         ``softmax(logits / temperature)``; at the first step the ratio is ``π_T(y) / π_T,truncated(y) <= 1``.
       entropy_metric: compute (and log) the policy entropy even when ``entropy_coef`` is 0 (costs a pass
         over the vocabulary per position).
+      micro_rows: rows per forward/backward call; every call has this shape, so the update compiles once.
+        Sets the activation memory; must be a multiple of the batch shards (data × fsdp).
       shuffle_seed: seed of the per-epoch row shuffles (combined with the state's step).
     """
 
@@ -81,9 +92,12 @@ class UpdateConfig:
     mini_batches: int = 2
     behaviour_logprobs: str = "sampler"
     entropy_metric: bool = False
+    micro_rows: int = 8
     shuffle_seed: int = 0
 
     def __post_init__(self):
+        if self.micro_rows < 1:
+            raise ValueError(f"micro_rows must be >= 1, got {self.micro_rows}")
         if self.ppo_epochs < 1 or self.mini_batches < 1:
             raise ValueError(f"ppo_epochs and mini_batches must be >= 1, got {self.ppo_epochs}, {self.mini_batches}")
         if self.behaviour_logprobs not in BEHAVIOUR_LOGPROBS:
@@ -118,7 +132,7 @@ class RLTrainer:
       optimizer: e.g. ``trace_jax.optim.make_optimizer(...)``.
       loss_config: what the loss does (``LossConfig``).
       mesh: device mesh with axes (data, fsdp, tensor); None runs on the default device.
-      micro_batches: gradient accumulation steps per optimizer step.
+      micro_batches: gradient accumulation steps of ``train_step`` (``update`` uses ``UpdateConfig.micro_rows``).
       reference_params: frozen params of the reference policy (needed when ``kl_coef != 0``, unused otherwise).
       update: PPO epochs / mini-batches / behaviour log-probs (``UpdateConfig``; default ``UpdateConfig()``).
       sampling: the transform rollouts were sampled with (temperature for the trained policy; temperature,
@@ -163,16 +177,12 @@ class RLTrainer:
         keep_reference = reference_params is not None and loss_config.kl_coef
         self.reference_params = jax.tree.map(jnp.copy, reference_params) if keep_reference else None
         self._step_fn: Any = None
+        self._update_fns: dict[str, Any] | None = None
+        self.programs: set[tuple[str, tuple[int, ...]]] = set()  # (program, micro-batch shape) run so far
         # Traced under the mesh (when there is one) so the model's activation constraints apply.
-        under_mesh = (lambda fn: fn) if mesh is None else (lambda fn: traced_under(mesh, fn))
-        self._logprobs_fn = jax.jit(
-            under_mesh(lambda params, batch: self._policy_stats(params, batch, entropy=False)[0])
-        )
-        self._behaviour_fn = jax.jit(
-            under_mesh(
-                lambda params, batch: behaviour_logprobs(graphdef, params, batch, self.sampling, chunk=logprob_chunk)
-            )
-        )
+        self._under_mesh = (lambda fn: fn) if mesh is None else (lambda fn: traced_under(mesh, fn))
+        self._logprobs_fn = jax.jit(self._under_mesh(self._policy_logprobs))
+        self._behaviour_fn = jax.jit(self._under_mesh(self._behaviour_logprobs))
 
     # ------------------------------------------------------------------------------------ placement
     @property
@@ -183,9 +193,13 @@ class RLTrainer:
 
     @property
     def step_row_multiple(self) -> int:
-        """Rows of one optimizer step's (mini-)batch must be a multiple of this (batch shards × micro-batches)."""
-        shards = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        return shards * self.micro_batches
+        """Rows of one ``train_step`` batch must be a multiple of this (batch shards × micro-batches)."""
+        return self.step_row_multiple_of(self.mesh, self.micro_batches)
+
+    @staticmethod
+    def step_row_multiple_of(mesh: Mesh | None, micro_batches: int) -> int:
+        shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+        return shards * micro_batches
 
     def _replicated(self) -> NamedSharding | None:
         return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
@@ -236,25 +250,57 @@ class RLTrainer:
             entropy=entropy,
         )
 
-    def logprobs(self, params: Any, batch: TrainBatch) -> jax.Array:
-        """float32 [B, T] log-probs of the batch's tokens under ``params``' tempered policy (sharded like the batch)."""
-        return self._logprobs_fn(params, self._put_batch(batch, 1))
+    def _policy_logprobs(self, params: Any, batch: TrainBatch) -> jax.Array:
+        return self._policy_stats(params, batch, entropy=False)[0]
+
+    def _behaviour_logprobs(self, params: Any, batch: TrainBatch) -> jax.Array:
+        return behaviour_logprobs(self.graphdef, params, batch, self.sampling, chunk=self.logprob_chunk)
+
+    def _micro(self, batch: TrainBatch, rows: np.ndarray) -> TrainBatch:
+        """Rows ``rows`` of the host ``batch`` as one placed micro-batch of exactly ``micro_rows`` rows."""
+        count = self.update_config.micro_rows
+        if count % self.step_row_multiple_of(self.mesh, 1):
+            raise ValueError(
+                f"ppo.micro_rows={count} must be a multiple of the batch shards (data × fsdp = "
+                f"{self.step_row_multiple_of(self.mesh, 1)})"
+            )
+        return self._put_batch(take_rows(batch, rows, count), self.step_row_multiple_of(self.mesh, 1))
+
+    def _map_rows(self, name: str, fn: Any, params: Any, batch: TrainBatch) -> np.ndarray:
+        """float32 [B, T] host: ``fn(params, micro)`` over fixed-shape micro-batches of ``batch``'s rows that
+        hold tokens (0 on rows without: they have no context)."""
+        batch = jax.device_get(batch)
+        out = np.zeros(np.asarray(batch.tokens).shape, np.float32)
+        real = np.flatnonzero(np.asarray(batch.lengths) > 0)
+        count = self.update_config.micro_rows
+        for start in range(0, real.size, count):
+            part = real[start : start + count]
+            micro = self._micro(batch, part)
+            self.programs.add((name, micro.tokens.shape))
+            out[part] = multihost.to_host(fn(params, micro))[: part.size]  # rows may span other hosts
+        return out
+
+    def logprobs(self, params: Any, batch: TrainBatch) -> np.ndarray:
+        """float32 [B, T] (host) log-probs of the batch's tokens under ``params``' tempered policy."""
+        return self._map_rows("logprobs", self._logprobs_fn, params, batch)
 
     def prepare(self, state: TrainState, batch: TrainBatch, recompute_old_logprobs: bool | None = None) -> TrainBatch:
-        """Device batch with its behaviour log-probs (recomputed if ``UpdateConfig.behaviour_logprobs`` is
-        "recompute", or if asked here) and, when ``kl_coef != 0``, the reference log-probs."""
-        batch = self._put_batch(batch, 1)
+        """Host batch with its behaviour log-probs (recomputed if ``UpdateConfig.behaviour_logprobs`` is
+        "recompute", or if asked here) and, when ``kl_coef != 0``, the reference log-probs; both computed
+        over fixed-shape micro-batches of ``micro_rows`` rows."""
+        batch = jax.device_get(batch)
         recompute = recompute_old_logprobs
         if recompute is None:
             recompute = self.update_config.behaviour_logprobs == "recompute"
-        trained = batch.weights > 0
+        trained = np.asarray(batch.weights) > 0
         if recompute:
-            batch = batch._replace(old_logprobs=jnp.where(trained, self._behaviour_fn(state.params, batch), 0.0))
+            old = self._map_rows("behaviour", self._behaviour_fn, state.params, batch)
+            batch = batch._replace(old_logprobs=np.where(trained, old, 0.0).astype(np.float32))
         if self.loss_config.kl_coef:
             if self.reference_params is None:
                 raise ValueError("loss kl_coef > 0 needs RLTrainer(reference_params=...)")
             if batch.ref_logprobs is None:
-                batch = batch._replace(ref_logprobs=self._logprobs_fn(self.reference_params, batch))
+                batch = batch._replace(ref_logprobs=self.logprobs(self.reference_params, batch))
         return batch
 
     # ------------------------------------------------------------------------------------------ step
@@ -289,30 +335,37 @@ class RLTrainer:
 
         return jax.tree.map(split, batch)
 
-    def _step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Any]]:
-        if not self.loss_config.kl_coef:
-            batch = batch._replace(ref_logprobs=None)
-        denominator = jnp.maximum(loss_denominator(batch.weights, batch.paths, self.loss_config), 1e-8)
-        grad_fn = jax.value_and_grad(self._loss_and_metrics, has_aux=True)
-
-        def accumulate(carry, micro):
-            loss_sum, grads_sum, metrics_sum = carry
-            (loss, metrics), grads = grad_fn(state.params, micro, denominator)
-            grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
-            return (loss_sum + loss, grads_sum, combine_metrics(metrics_sum, metrics)), None
-
-        micros = self._micro_batches(batch)
-        first = jax.tree.map(lambda x: x[0], micros)
-        metric_shapes = jax.eval_shape(lambda p, b: self._loss_and_metrics(p, b, denominator)[1], state.params, first)
-        zeros = (
+    def _zero_acc(self, params: Any, micro: TrainBatch) -> tuple[jax.Array, Any, dict[str, Any]]:
+        """Accumulators (loss, grads like ``params``, metric pairs) for one optimizer step, all zero."""
+        metric_shapes = jax.eval_shape(lambda p, b: self._loss_and_metrics(p, b, 1.0)[1], params, micro)
+        return (
             jnp.zeros((), jnp.float32),
-            jax.tree.map(jnp.zeros_like, state.params),
+            jax.tree.map(jnp.zeros_like, params),
             {
                 k: tuple(jnp.full(s.shape, -jnp.inf if k.endswith("_max") else 0.0, s.dtype) for s in pair)
                 for k, pair in metric_shapes.items()
             },
         )
-        (loss, grads, metrics), _ = jax.lax.scan(accumulate, zeros, micros)
+
+    def _accumulate(self, params: Any, acc: Any, micro: TrainBatch, denominator: jax.Array) -> Any:
+        """``acc`` plus one micro-batch's loss, gradient and metrics (its share of the mini-batch loss)."""
+        if not self.loss_config.kl_coef:
+            micro = micro._replace(ref_logprobs=None)
+        loss_sum, grads_sum, metrics_sum = acc
+        grad_fn = jax.value_and_grad(self._loss_and_metrics, has_aux=True)
+        (loss, metrics), grads = grad_fn(params, micro, denominator)
+        return loss_sum + loss, jax.tree.map(jnp.add, grads_sum, grads), combine_metrics(metrics_sum, metrics)
+
+    def _step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Any]]:
+        denominator = jnp.maximum(loss_denominator(batch.weights, batch.paths, self.loss_config), 1e-8)
+        micros = self._micro_batches(batch if self.loss_config.kl_coef else batch._replace(ref_logprobs=None))
+        zeros = self._zero_acc(state.params, jax.tree.map(lambda x: x[0], micros))
+        acc, _ = jax.lax.scan(lambda acc, m: (self._accumulate(state.params, acc, m, denominator), None), zeros, micros)
+        return self._apply(state, acc)
+
+    def _apply(self, state: TrainState, acc: Any) -> tuple[TrainState, dict[str, Any]]:
+        """The optimizer step on the accumulated gradient (skipped when non-finite)."""
+        loss, grads, metrics = acc
         update = guarded_update(self.optimizer, grads, state.opt_state, state.params, loss)
         new_state = TrainState(
             params=update.params,
@@ -340,6 +393,24 @@ class RLTrainer:
         step = traced_under(self.mesh, self._step)
         return jax.jit(step, out_shardings=(state_shardings, self._replicated()), donate_argnums=0)
 
+    def _compile_update(self, state: TrainState) -> dict[str, Any]:
+        """The three fixed-shape programs of ``update`` (see the module docstring); accumulators are donated."""
+        jit = lambda fn, **kw: jax.jit(self._under_mesh(fn), **kw)
+        if self.mesh is None:
+            return {
+                "zero": jit(self._zero_acc),
+                "accumulate": jit(self._accumulate, donate_argnums=1),
+                "apply": jit(self._apply, donate_argnums=0),
+            }
+        replicated = self._replicated()
+        state_shardings = jax.tree.map(lambda x: x.sharding, state)
+        acc_shardings = (replicated, state_shardings.params, replicated)  # grads shard like their params
+        return {
+            "zero": jit(self._zero_acc, out_shardings=acc_shardings),
+            "accumulate": jit(self._accumulate, out_shardings=acc_shardings, donate_argnums=1),
+            "apply": jit(self._apply, out_shardings=(state_shardings, replicated), donate_argnums=0),
+        }
+
     def _device_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Any]]:
         if self.loss_config.kl_coef and batch.ref_logprobs is None:
             raise ValueError("loss kl_coef > 0 but the batch has no ref_logprobs; call trainer.prepare(state, batch)")
@@ -363,31 +434,46 @@ class RLTrainer:
 
     def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
         """PPO on one rollout batch: ``prepare``, then ``ppo_epochs`` passes, each over ``mini_batches``
-        reshuffled mini-batches of rows, one optimizer step each.
+        reshuffled mini-batches of rows, one optimizer step each, its gradient accumulated over micro-batches
+        of exactly ``micro_rows`` rows (rows without tokens are dropped; the batch may have any row count).
 
         Metrics: the loss metrics pooled over every step (``ratio`` is the mean ratio, ``ratio_max`` the
         largest, ``clip_fraction`` the clipped share; each measured at the start of its step), the same per
         epoch as ``epoch{e}/ratio``, ``epoch{e}/ratio_max``, ``epoch{e}/clip_fraction`` (e from 1), and loss /
-        grad_norm averaged over steps, update_applied the share of applied steps, skipped_steps, steps.
+        grad_norm averaged over steps, update_applied the share of applied steps, skipped_steps, steps,
+        micro_batches (forward/backward calls) and programs (distinct compiled (program, shape) pairs so far).
         """
         config = self.update_config
-        prepared = jax.tree.map(multihost.to_host, self.prepare(state, batch))  # whole rows on every process
-        rows = prepared.tokens.shape[0]
-        if rows % self.row_multiple:
-            raise ValueError(
-                f"batch has {rows} rows, not a multiple of {self.row_multiple} (batch shards × micro_batches × "
-                "mini_batches); build it with BatchConfig(row_multiple=trainer.row_multiple)"
-            )
+        prepared = self.prepare(state, batch)
+        real = np.flatnonzero(np.asarray(prepared.lengths) > 0)  # padding rows carry nothing: not run
+        if not real.size:
+            raise ValueError("the batch has no rows with tokens")
+        # Micro-batch calls per epoch: enough for every real row, at least one per mini-batch (a batch with
+        # fewer rows than mini_batches takes one step per row).
+        mini_batches = min(config.mini_batches, real.size)
+        calls = max(-(-real.size // config.micro_rows), mini_batches)
+        if self._update_fns is None:
+            self._update_fns = self._compile_update(state)
+        fns = self._update_fns
         rng = np.random.default_rng([config.shuffle_seed, int(jax.device_get(state.step))])
         pooled: dict[str, Any] | None = None
         scalars: dict[str, list[float]] = {"loss": [], "grad_norm": [], "update_applied": []}
         metrics: dict[str, float] = {}
         for epoch in range(1, config.ppo_epochs + 1):
-            order = rng.permutation(rows) if config.mini_batches > 1 else np.arange(rows)
+            order = real[rng.permutation(real.size)] if config.mini_batches > 1 else real
+            parts = np.array_split(order, calls)
             epoch_pairs: dict[str, Any] | None = None
-            for part in np.split(order, config.mini_batches):
-                mini = jax.tree.map(lambda x, part=part: x[part], prepared)
-                state, out = self._device_step(state, mini)
+            for group in np.array_split(np.arange(calls), mini_batches):
+                rows = np.concatenate([parts[i] for i in group])
+                weights, paths = np.asarray(prepared.weights)[rows], np.asarray(prepared.paths)[rows]
+                denominator = np.float32(max(float(loss_denominator(weights, paths, self.loss_config)), 1e-8))
+                micros = [self._micro(prepared, parts[i]) for i in group]
+                acc = fns["zero"](state.params, micros[0])
+                for micro in micros:
+                    self.programs.add(("accumulate", micro.tokens.shape))
+                    acc = fns["accumulate"](state.params, acc, micro, denominator)
+                state, out = fns["apply"](state, acc)
+                out = jax.device_get(out)
                 pairs = out.pop("pairs")
                 epoch_pairs = pairs if epoch_pairs is None else combine_metrics(epoch_pairs, pairs)
                 for k in scalars:
@@ -400,4 +486,6 @@ class RLTrainer:
         metrics.update(finalize_metrics(pooled))
         metrics.update({k: float(np.mean(v)) for k, v in scalars.items()})
         metrics["steps"] = float(len(scalars["loss"]))
+        metrics["micro_batches"] = float(calls * config.ppo_epochs)
+        metrics["programs"] = float(len(self.programs))
         return state, metrics

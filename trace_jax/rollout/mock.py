@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from trace_jax.envs.base import TurnResult
-from trace_jax.rollout.engine import AppendItem, AppendResult, EngineConfig, GenerateOutput, StopReason
+from trace_jax.rollout.engine import AppendItem, AppendResult, EngineConfig, GenerateOutput, Prefix, StopReason
 
 Policy = Callable[[np.ndarray, list[int], int], int]
 
@@ -109,7 +109,7 @@ class MockEngine:
 
     def append(self, params: Any, state: MockState, items: Sequence[AppendItem]) -> tuple[MockState, AppendResult]:
         hidden = np.zeros((len(items), 2), np.float32)
-        kept = []  # a kept prefix is its history
+        kept, held = [], []  # a kept prefix is its history; a held one its length (``start``: ids are the history)
         for row, item in enumerate(items):
             ids = [int(t) for t in item.ids]
             limit = self.config.max_turn_tokens if item.turn_limit is None else item.turn_limit
@@ -124,9 +124,10 @@ class MockEngine:
                 raise ValueError(f"slot {item.slot} longer than EngineConfig.max_len={self.config.max_len}")
             hidden[row] = mock_hidden(state.slots[item.slot].history)
             kept.append(list(state.slots[item.slot].history) if item.keep else None)
+            held.append(Prefix(None, [], len(state.slots[item.slot].history)) if item.hold else None)
             self.counters["append_tokens"] += len(ids)
         self.counters["append_calls"] += 1
-        return state, AppendResult(hidden, kept)
+        return state, AppendResult(hidden, kept, held)
 
     def insert(self, params, state, sequences, slots, seeds, *, greedy=False, turn_limit=None):
         items = [

@@ -23,6 +23,7 @@ page size, contiguous included, is the same code.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -61,6 +62,8 @@ class PagePool:
         self.refcount[TRASH_PAGE] = 1  # never freed
         self._free = list(range(num_pages - 1, TRASH_PAGE, -1))
         self.stats = PageStats()
+        # Owners of optional holds (a prefix cache): each call gives some pages back, True if it freed any.
+        self.reclaimers: list[Callable[[], bool]] = []
 
     @property
     def in_use(self) -> int:
@@ -70,6 +73,8 @@ class PagePool:
         return min(-(-int(length) // self.page_size), self.pages_per_slot)
 
     def _take(self) -> int:
+        while not self._free and any(reclaim() for reclaim in self.reclaimers):
+            pass
         if not self._free:
             raise RuntimeError(
                 f"the KV page pool is exhausted ({self.num_pages} pages of {self.page_size}); raise "

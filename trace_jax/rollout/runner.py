@@ -41,6 +41,7 @@ from trace_jax.envs.base import AgentEnv
 from trace_jax.envs.stops import TextStops
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
 from trace_jax.rollout.engine import AppendItem, EngineConfig, GenerateOutput, StopReason
+from trace_jax.rollout.prefix_cache import PrefixCache
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 _TRUNCATED = (StopReason.TURN_LIMIT, StopReason.CONTEXT_FULL)
@@ -86,6 +87,8 @@ class RunnerConfig:
     greedy: argmax decoding (evaluation) on an engine that otherwise samples.
     overlap_env: judge finished turns while the device decodes the others (see the module docstring).
     warmup: compile the engine's whole program set before the first rollout (``Engine.warmup``).
+    reuse_prefixes: hold every appended history's KV pages under its tree node, so a later continuation from
+      that node computes only its last id (``trace_jax.rollout.prefix_cache``; the pool reclaims holds).
     """
 
     seed: int = 0
@@ -95,6 +98,7 @@ class RunnerConfig:
     greedy: bool = False
     overlap_env: bool = True
     warmup: bool = True
+    reuse_prefixes: bool = True
 
 
 @dataclasses.dataclass
@@ -173,6 +177,7 @@ class RolloutRunner:
         self.env = env
         self.config = config or RunnerConfig()
         self._next_seed = self.config.seed
+        self._held = PrefixCache()
         if params is not None:
             engine.set_params(params)
 
@@ -205,10 +210,14 @@ class RolloutRunner:
         for start in range(0, len(todo), chunk):
             batch = todo[start : start + chunk]
             slots = list(range(len(batch)))
+            hold = self.config.reuse_prefixes
             items = [
-                AppendItem(slot, tree.prefix_ids(ROOT), reset=True) for slot, tree in zip(slots, batch, strict=True)
+                AppendItem(slot, tree.prefix_ids(ROOT), reset=True, hold=hold)
+                for slot, tree in zip(slots, batch, strict=True)
             ]
             state, result = self.engine.append(None, state, items)
+            for tree, prefix in zip(batch, result.held or (), strict=False):
+                self._held.put(tree, ROOT, prefix)
             state = self.engine.free_resource(state, slots)
             fetched.append((batch, result.hidden))
         for batch, hidden in jax.device_get(fetched):
@@ -244,6 +253,7 @@ class RolloutRunner:
     # -------------------------------------------------------------------------------------- internals
     def _acquire(self) -> Any:
         state = self.engine.acquire_state([list(s) for s in self.env.stop_sequences], list(self.config.eos_ids))
+        self._held.attach(getattr(state, "pool", None))
         warmup = getattr(self.engine, "warmup", None)
         if self.config.warmup and warmup is not None and not self.engine.programs.warm:
             warmup(None, state)
@@ -278,14 +288,18 @@ class RolloutRunner:
         An anchor history is computed once: it is kept as a prefix (shared KV pages) until its last
         continuation has been forked from it, across refills if the free slots run out."""
         cfg = self.config
+        hold = cfg.reuse_prefixes
         items = [
-            AppendItem(slot, ids, turn_limit=cfg.max_turn_tokens, greedy=cfg.greedy, **batch.restarts.pop(slot, {}))
+            AppendItem(
+                slot, ids, turn_limit=cfg.max_turn_tokens, greedy=cfg.greedy, hold=hold, **batch.restarts.pop(slot, {})
+            )
             for slot, ids in batch.observations.items()
         ]
         targets = [(batch.live[s].tree, batch.live[s].parent) for s in batch.observations]
         batch.stats.forward_tokens += sum(len(ids) for ids in batch.observations.values())
         batch.observations = {}
         started: dict[tuple[int, int], int] = {}  # new anchor key -> its append row
+        starts: dict[int, Any] = {}  # append row -> the held prefix it starts from (taken from the cache)
         forks: list[tuple[tuple[int, int], int, int]] = []  # (anchor key, child slot, seed)
         while batch.pending and batch.free:
             key, tree, node_id, seed = batch.pending.popleft()
@@ -297,9 +311,14 @@ class RolloutRunner:
                 continue
             started[key] = len(items)
             keep = batch.remaining[key] > 0
-            items.append(AppendItem(slot, batch.histories[key], True, seed, cfg.greedy, cfg.max_turn_tokens, keep))
+            start = self._held.take(tree, node_id)
+            history = batch.histories[key]
+            item = AppendItem(slot, history, True, seed, cfg.greedy, cfg.max_turn_tokens, keep, start is None and hold)
+            if start is not None:
+                item, starts[len(items)] = dataclasses.replace(item, start=start), start
+            items.append(item)
             targets.append((tree, node_id) if tree[node_id].feature is None else (None, 0))
-            batch.stats.forward_tokens += len(batch.histories[key])
+            batch.stats.forward_tokens += len(history) - (0 if start is None else start.length - 1)
         if items:
             state, result = self.engine.append(None, state, items)
             rows = [(tree, node, row) for row, (tree, node) in enumerate(targets) if tree is not None]
@@ -307,6 +326,10 @@ class RolloutRunner:
             for key, row in started.items():
                 if result.prefixes[row] is not None:
                     batch.prefixes[key] = result.prefixes[row]
+            held = result.held or [None] * len(items)
+            for row, item in enumerate(items):  # a started row's prefix goes back: its pages are shared now
+                rollout = batch.live[item.slot]
+                self._held.put(rollout.tree, rollout.parent, starts.get(row, held[row]))
         if forks:
             sources = [batch.prefixes[key] for key, _, _ in forks]
             children, seeds = [slot for _, slot, _ in forks], [seed for _, _, seed in forks]

@@ -79,25 +79,36 @@ class SlotState:
 @dataclasses.dataclass
 class Prefix:
     """A kept prefix (host handle): its bank row, its held KV pages and its length. Fork from it any number of
-    times, while or after its slot decodes on; ``Engine.drop_prefix`` gives its pages and row back."""
+    times, while or after its slot decodes on; ``Engine.drop_prefix`` gives its pages and row back.
 
-    row: int
+    A *held* prefix (``AppendItem.hold``) has pages but no bank row (``row is None``): it cannot be forked
+    directly, but an ``AppendItem.start`` reuses its pages, so a sequence that extends it computes only the
+    ids past it (and its last id again, for the next-token logits)."""
+
+    row: int | None
     pages: list[int]
     length: int
 
 
 class AppendResult(NamedTuple):
     """hidden: float32 [k, D] device array, row i the final hidden state at ``items[i]``'s last id;
-    prefixes: the ``Prefix`` of each item appended with ``keep=True`` (``None`` for the others)."""
+    prefixes: the ``Prefix`` of each item appended with ``keep=True`` (``None`` for the others);
+    held: the pages-only ``Prefix`` of each item appended with ``hold=True`` (``None`` for the others)."""
 
     hidden: jax.Array
     prefixes: list[Prefix | None]
+    held: list[Prefix | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class AppendItem:
-    """Append ``ids`` to ``slot``; ``reset`` starts a fresh sequence there with PRNG ``seed``; ``keep`` keeps
-    the resulting history as a ``Prefix`` to fork from."""
+    """Append ``ids`` to ``slot``; ``reset`` starts a fresh sequence there with PRNG ``seed`` and decoding
+    mode ``greedy`` (both ignored when continuing: a sequence keeps its own); ``keep`` keeps the resulting
+    history as a ``Prefix`` to fork from; ``hold`` holds its pages as a pages-only ``Prefix``.
+
+    ``start`` (with ``reset``): a held or kept ``Prefix`` whose ids are the first ``start.length`` of ``ids``;
+    the slot shares its pages (the last partly filled one copied) and computes only ``ids[start.length - 1:]``.
+    """
 
     slot: int
     ids: Sequence[int] | np.ndarray
@@ -106,6 +117,8 @@ class AppendItem:
     greedy: bool = False
     turn_limit: int | None = None
     keep: bool = False
+    hold: bool = False
+    start: Prefix | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,122 @@
+"""The ``generate`` program: up to ``steps_per_call`` decode steps of every running slot in one
+``lax.while_loop``, each slot stopping on its own (stop sequence, EOS, turn limit, full cache).
+
+Each step samples one token per running slot from its logits (greedy per slot where asked), runs it through
+the model (so the cache holds the whole turn, stop sequence included) and checks the stop rules. The loop
+ends when ``steps_per_call`` steps ran, no slot is running, or ``refill_after`` turns have ended (so the host
+can refill freed slots at once). Attention reads each slot's first ``window`` positions through its page
+table; ``window`` is static (one program per length bucket).
+
+Everything the host needs comes back in one float32 array (ints as bit patterns), read by
+``trace_jax.rollout.slots.GenerateOutput.unpack``: ``[B, 4N + 3 + D]`` = tokens, log-probs, sampling
+log-probs, entropies (N columns each), tokens sampled, stop reason, steps run, final hidden state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.rollout import pages
+from trace_jax.rollout.engine_config import EngineConfig
+from trace_jax.rollout.sampling import SamplingConfig, sample
+from trace_jax.rollout.slots import DecodeState, StopReason
+
+_GREEDY = SamplingConfig.make_greedy()
+
+
+def as_float(x: jax.Array) -> jax.Array:
+    """int32 -> float32 bit pattern, so ints travel exactly inside the one packed float32 result array."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
+
+
+def decode_program(
+    graphdef: nnx.GraphDef, config: EngineConfig, window: int, params, state: DecodeState, table_bp, control
+) -> tuple[DecodeState, jax.Array]:
+    """Device half of ``generate`` (the state is donated). ``table_bp``: int32 [B, P] page tables; ``control``:
+    int32 [B + 1] = refill_after, then the host's running flags (a slot the host freed goes IDLE). Returns the
+    state and the packed float32 [B, 4N + 3 + D] output."""
+    model = nnx.merge(graphdef, params)
+    cfg = config
+    b, n, max_len = cfg.max_slots, cfg.steps_per_call, cfg.max_len
+    refill_after, host_running_b = control[0], control[1:] > 0
+    # The host's running flags rule: a slot it freed without decoding (its turn never ended) goes IDLE.
+    reason_b = state.stop_reason_b
+    idle_b = ~host_running_b & (reason_b == StopReason.RUNNING)
+    state = state._replace(stop_reason_b=jnp.where(idle_b, StopReason.IDLE, reason_b))
+    # Attention reads each slot's first ``window`` positions through its page table, layer by layer.
+    cache = pages.PagedKVCache(state.k_pages, state.v_pages, table_bp, state.lengths_b, jnp.arange(window))
+
+    def step_fn(carry):
+        step, st, cache, out, num_b, ended = carry
+        running_b = st.stop_reason_b == StopReason.RUNNING
+        keys_b = jax.vmap(lambda data, i: jax.random.fold_in(jax.random.wrap_key_data(data), i))(
+            st.keys_bk, st.sampled_b
+        )
+        drawn = sample(st.logits_bv, keys_b, cfg.sampling)
+        if not cfg.sampling.greedy:
+            best = sample(st.logits_bv, keys_b, _GREEDY)
+            drawn = jax.tree.map(lambda g, d: jnp.where(st.greedy_b, g, d), best, drawn)
+        token_b = jnp.where(running_b, drawn.tokens, 0)
+        hidden_b1d, cache = model.hidden(token_b[:, None], cache, running_b.astype(jnp.int32))
+        logits_bv = model.logits(hidden_b1d[:, 0])
+        columns = (token_b, drawn.logprobs, drawn.sample_logprobs, drawn.entropies)
+        out = tuple(buf.at[:, step].set(col.astype(buf.dtype)) for buf, col in zip(out, columns, strict=True))
+        grow_b = running_b.astype(jnp.int32)
+        turn_tokens_b = st.turn_tokens_b + grow_b
+        recent_bw = jnp.where(
+            running_b[:, None], jnp.concatenate([st.recent_bw[:, 1:], token_b[:, None]], axis=1), st.recent_bw
+        )
+        matches_bs = jnp.all((recent_bw[:, None, :] == st.stops_sw[None]) | (st.stops_sw[None] < 0), axis=-1)
+        stop_b = jnp.any(matches_bs & (st.stop_len_s[None] > 0), axis=-1)
+        eos_b = jnp.any(token_b[:, None] == st.eos_e[None], axis=-1)
+        reason_b = jnp.select(
+            [stop_b, eos_b, turn_tokens_b >= st.turn_limit_b, cache.lengths >= max_len],
+            [StopReason.STOP_SEQUENCE, StopReason.EOS, StopReason.TURN_LIMIT, StopReason.CONTEXT_FULL],
+            StopReason.RUNNING,
+        )
+        running_col = running_b[:, None]
+        st = st._replace(
+            lengths_b=cache.lengths,
+            logits_bv=jnp.where(running_col, logits_bv, st.logits_bv),
+            hidden_bd=jnp.where(running_col, hidden_b1d[:, 0].astype(jnp.float32), st.hidden_bd),
+            sampled_b=st.sampled_b + grow_b,
+            turn_tokens_b=turn_tokens_b,
+            stop_reason_b=jnp.where(running_b, reason_b, st.stop_reason_b),
+            recent_bw=recent_bw,
+        )
+        ended = ended + jnp.sum(running_b & (reason_b != StopReason.RUNNING))
+        return step + 1, st, cache, out, num_b + grow_b, ended
+
+    def keep_going(carry):
+        step, st, _, _, _, ended = carry
+        return (step < n) & jnp.any(st.stop_reason_b == StopReason.RUNNING) & (ended < refill_after)
+
+    out = (
+        jnp.zeros((b, n), jnp.int32),
+        jnp.zeros((b, n), jnp.float32),
+        jnp.zeros((b, n), jnp.float32),
+        jnp.zeros((b, n), jnp.float32),
+    )
+    # The pools travel in the loop carry (as the cache), so XLA updates them in place.
+    carry = (jnp.int32(0), state._replace(k_pages=None, v_pages=None), cache, out, jnp.zeros((b,), jnp.int32))
+    carry = (*carry, jnp.int32(0))
+    steps, state, cache, (tokens, logprobs, sample_logprobs, entropies), num_b, _ = jax.lax.while_loop(
+        keep_going, step_fn, carry
+    )
+    state = state._replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
+    packed = jnp.concatenate(
+        [
+            as_float(tokens),
+            logprobs,
+            sample_logprobs,
+            entropies,
+            as_float(num_b)[:, None],
+            as_float(state.stop_reason_b)[:, None],
+            as_float(jnp.full((b, 1), steps)),
+            state.hidden_bd,
+        ],
+        axis=1,
+    )
+    return state, packed

@@ -1,0 +1,85 @@
+"""The engine's static sizes (``EngineConfig``) and the buckets every engine shape is padded to."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from trace_jax.buckets import bucket
+from trace_jax.rollout.sampling import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static sizes of the engine (each distinct value compiles new programs).
+
+    max_slots: decode slots (``max_concurrent_decodes``), the batch of every decode step.
+    max_len: cache positions per slot (prompt + all turns + observations).
+    steps_per_call: most decode steps one ``generate`` call runs (the width of its output buffers).
+    max_turn_tokens: default per-turn token limit (a slot's turn ends after this many sampled tokens).
+    min_bucket: smallest length bucket. length_buckets: ids per append row and cache windows of ``generate``
+      are padded up to one of these (``()``: ``min_bucket * 4**i``, then ``max_len``).
+    row_buckets: rows of an append / fork call (``()``: ``max_slots // 4`` and ``max_slots``).
+    page_size: KV positions per page (``0`` or >= ``max_len``: the contiguous cache); must divide ``max_len``.
+    num_pages: pages in the pool (``0``: every slot at ``max_len`` plus one page per slot).
+    max_stop_sequences, max_stop_len, max_eos: capacity of the stop tables.
+    sampling: temperature / top-k / top-p (``SamplingConfig.make_greedy()`` for greedy).
+    weight_dtype: dtype of the engine's copy of the weights (``None``: as given).
+    cache_dtype: KV cache dtype name; ``None`` = the model's compute dtype.
+    """
+
+    max_slots: int = 16
+    max_len: int = 512
+    steps_per_call: int = 64
+    max_turn_tokens: int = 128
+    min_bucket: int = 16
+    length_buckets: tuple[int, ...] = ()
+    row_buckets: tuple[int, ...] = ()
+    page_size: int = 16
+    num_pages: int = 0
+    max_stop_sequences: int = 4
+    max_stop_len: int = 8
+    max_eos: int = 4
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    weight_dtype: str | None = "bfloat16"
+    cache_dtype: str | None = None
+
+    def __post_init__(self):
+        if self.max_len % self.page:
+            raise ValueError(f"EngineConfig.page_size={self.page_size} must divide max_len={self.max_len}")
+        if any(b > self.max_len for b in self.length_buckets):
+            raise ValueError(f"EngineConfig.length_buckets={self.length_buckets} exceed max_len={self.max_len}")
+
+    @property
+    def page(self) -> int:
+        return min(self.page_size, self.max_len) if self.page_size else self.max_len
+
+    @property
+    def pages_per_slot(self) -> int:
+        return self.max_len // self.page
+
+    @property
+    def pool_pages(self) -> int:
+        # Default: every slot at max_len plus one page per slot of slack (the trash page, kept prefixes); a
+        # multiple of max_slots, so the pool splits evenly wherever the slots do.
+        return self.num_pages or self.max_slots * (self.pages_per_slot + 1)
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The length buckets, ascending, always ending at ``max_len``."""
+        if self.length_buckets:
+            sizes = set(self.length_buckets)
+        else:
+            sizes, size = set(), self.min_bucket
+            while size < self.max_len:
+                sizes.add(size)
+                size *= 4
+        return tuple(sorted(sizes | {self.max_len}))
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.row_buckets or (max(1, self.max_slots // 4), self.max_slots))))
+
+    def length_bucket(self, n: int, what: str) -> int:
+        if n > self.max_len:
+            raise ValueError(f"{what} has {n} tokens but EngineConfig.max_len={self.max_len}; raise max_len")
+        return bucket(n, self.lengths, what)
