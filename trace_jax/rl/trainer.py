@@ -277,7 +277,7 @@ class RLTrainer:
             part = real[start : start + count]
             micro = self._micro(batch, part)
             self.programs.add((name, micro.tokens.shape))
-            out[part] = multihost.to_host(fn(params, micro))[: part.size]
+            out[part] = multihost.to_host(fn(params, micro))[: part.size]  # rows may span other hosts
         return out
 
     def logprobs(self, params: Any, batch: TrainBatch) -> np.ndarray:
@@ -444,7 +444,7 @@ class RLTrainer:
         micro_batches (forward/backward calls) and programs (distinct compiled (program, shape) pairs so far).
         """
         config = self.update_config
-        prepared = jax.tree.map(multihost.to_host, self.prepare(state, batch))  # whole rows on every process
+        prepared = self.prepare(state, batch)
         real = np.flatnonzero(np.asarray(prepared.lengths) > 0)  # padding rows carry nothing: not run
         if not real.size:
             raise ValueError("the batch has no rows with tokens")
