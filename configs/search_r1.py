@@ -82,7 +82,9 @@ def get_config(variant: str = "qwen3-8b") -> ml_collections.ConfigDict:
     )
     config.runner.max_turn_tokens = turn_tokens
     buckets = tuple(b for b in (128, 256, 384, 512, 1024, 2048, 4096) if b <= max_len)
-    config.batch = to_config(BatchConfig(length_buckets=buckets, row_buckets=(8, 16, 32, 64, 128, 256, 512)))
+    config.batch = to_config(
+        BatchConfig(length_buckets=buckets, row_buckets=(8, 16, 32, 64, 128, 256, 512), fixed_length=True)
+    )
     config.allocation.rollouts_per_prompt = rollouts
     config.allocation.max_tokens_per_rollout = turn_tokens * config.react.max_turns
     config.allocation.prior_tokens_per_rollout = float(turn_tokens * 2)

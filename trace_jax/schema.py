@@ -48,7 +48,8 @@ class RLConfig:
     steps: number of RL updates; a finished run is extended by rerunning it with a larger value.
     prompts_per_step: training questions per step (each grows one rollout tree).
     advantage: advantage estimator, a key of ``trace_jax.rl.advantages.ESTIMATORS``.
-    micro_batches: gradient accumulation: the batch is split into this many parts.
+    micro_batches: RLTrainer.train_step's gradient-accumulation split (benchmarks, planner); the main job's
+      update accumulates over micro-batches of ppo.micro_rows rows.
     recompute_old_logprobs: recompute the sampling policy's logprobs with the training forward pass.
     checkpoint_every: save the whole state every this many steps (and at the last step).
     keep_checkpoints: how many recent checkpoints to keep.
