@@ -5,6 +5,22 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+# The main job on a tiny world whose 200-step warm start answers about a third of its training questions, so
+# rollout rewards are mixed and RL gradients non-zero (tests of the whole job add their step counts).
+TINY_MAIN_JOB = [
+    "--config.world.scale=2",
+    "--config.world.questions_per_hop=40",
+    "--config.world.ood_questions=10",
+    "--config.tokenizer.vocab_size=400",
+    "--config.sft.max_steps=200",
+    "--config.sft.practice_worlds=0",
+    "--config.engine.max_slots=8",
+    "--config.allocation.rollouts_per_prompt=3.0",
+    "--config.rl.prompts_per_step=4",
+    "--config.eval.num_questions=6",
+    "--config.eval.every=0",
+]
+
 
 def build_hf_checkpoint(
     path: str | pathlib.Path, family: str = "qwen3", seed: int = 0, max_shard_size: str | None = None, **overrides: Any

@@ -17,23 +17,14 @@ import jax
 import numpy as np
 import pytest
 
+from tests.helpers import TINY_MAIN_JOB
 from trace_jax.checkpoint.state import StateCheckpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = [
-    "--config.world.scale=2",
-    "--config.world.questions_per_hop=40",
-    "--config.world.ood_questions=10",
-    "--config.tokenizer.vocab_size=400",
-    "--config.sft.max_steps=200",
-    "--config.sft.practice_worlds=0",
-    "--config.engine.max_slots=8",
-    "--config.allocation.rollouts_per_prompt=3.0",
-    "--config.rl.prompts_per_step=4",
+    *TINY_MAIN_JOB,
     "--config.rl.steps=3",
     "--config.rl.checkpoint_every=2",
-    "--config.eval.num_questions=6",
-    "--config.eval.every=0",
 ]
 
 
