@@ -22,6 +22,20 @@ TINY_MAIN_JOB = [
 ]
 
 
+def main_job_command(workdir: Any, cache: Any, flags: list[str]) -> list[str]:
+    """``python -m trace_jax.train`` in ``workdir`` with its warm start cached in ``cache`` and ``flags``."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "trace_jax.train",
+        f"--workdir={workdir}",
+        f"--config.warm_start.cache_dir={cache}",
+        *flags,
+    ]
+
+
 def build_hf_checkpoint(
     path: str | pathlib.Path, family: str = "qwen3", seed: int = 0, max_shard_size: str | None = None, **overrides: Any
 ):

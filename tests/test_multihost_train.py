@@ -21,14 +21,13 @@ import os
 import pathlib
 import socket
 import subprocess
-import sys
 import time
 
 import jax
 import numpy as np
 import pytest
 
-from tests.helpers import TINY_MAIN_JOB
+from tests.helpers import TINY_MAIN_JOB, main_job_command
 from trace_jax.checkpoint.state import StateCheckpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -50,16 +49,7 @@ def _env(devices: int) -> dict[str, str]:
 
 
 def _command(workdir, cache, steps, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "trace_jax.train",
-        f"--workdir={workdir}",
-        f"--config.warm_start.cache_dir={cache}",
-        f"--config.rl.steps={steps}",
-        *TINY,
-        *extra,
-    ]
+    return main_job_command(workdir, cache, [f"--config.rl.steps={steps}", *TINY, *extra])
 
 
 def _free_port() -> int:

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import TINY_MAIN_JOB
+from tests.helpers import TINY_MAIN_JOB, main_job_command
 from trace_jax.checkpoint.state import StateCheckpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -29,14 +29,7 @@ TINY = [
 
 
 def command(workdir, cache):
-    return [
-        sys.executable,
-        "-m",
-        "trace_jax.train",
-        f"--workdir={workdir}",
-        f"--config.warm_start.cache_dir={cache}",
-        *TINY,
-    ]
+    return main_job_command(workdir, cache, TINY)
 
 
 def train(workdir, cache):
