@@ -29,14 +29,15 @@ POLICY_OVERRIDES = ()
 WORLD = WorldConfig(
     max_hops=5,
     ood_hops=6,
-    questions_per_hop=320,  # 1,600 chain questions in all, split by hop_weights
-    hop_weights=(0.3, 0.25, 0.2, 0.15, 0.1),
+    questions_per_hop=120,  # 600 chain questions in all, split by hop_weights (~500 train)
+    hop_weights=(0.35, 0.3, 0.2, 0.1, 0.05),
     distractor_probs=(0.1, 0.2, 0.3, 0.2, 0.2),
     distractor_style="lookalike",
     buried_questions=500,
     buried_entity_fraction=0.2,
     bury_passages=4,
-    trivial_questions=400,
+    trivial_questions=500,  # ~320 train: every distinct (entity, relation) pair outside the buried ones
+    warm_kinds=("chain", "trivial"),  # the warm start never sees a buried question's answer
 )
 
 
@@ -51,6 +52,7 @@ def get_config(policy: str = "trace") -> ml_collections.ConfigDict:
     config.react.max_turns = WORLD.max_hops + 1  # one search per hop, then the answer
     config.sft.model_overrides = [list(item) for item in POLICY_OVERRIDES]
     config.sft.max_steps = 1000  # fixed steps (reproducible)
+    config.sft.split = "warm"  # WORLD.warm_kinds: no buried gold traces (their answers would be memorised)
     config.engine.max_len = 768  # a 5-hop trajectory with 3 passages per observation
     config.batch.length_buckets = [128, 256, 384, 512, 640, 768]
     return config

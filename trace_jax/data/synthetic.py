@@ -15,7 +15,8 @@ that are all off by default: ``hop_weights`` (a 1..``max_hops`` mixture), ``dist
 with a longer ``distractor_probs`` (distractor-dense passages), ``buried_questions`` (questions whose first
 lookup the retriever cannot answer: the start entity's passage is out-ranked by ``bury_passages``
 look-alikes stating a wrong fact) and ``trivial_questions`` (the fact is stated in the question). Every
-row carries its ``kind`` (:data:`KINDS`).
+row carries its ``kind`` (:data:`KINDS`). ``warm_kinds`` adds a ``warm`` split (the train rows of those kinds)
+for a warm start that must not see some kinds' answers (``config.sft.split = "warm"``).
 
 Everything is a pure function of :class:`WorldConfig` (seeded ``numpy`` generator, no set iteration),
 so the same seed gives a byte-identical world. Questions are Search-R1-style rows (``question``,
@@ -85,8 +86,12 @@ class WorldConfig:
       its own passage, so the first lookup is nearly impossible. Chain questions never touch a buried entity.
     buried_entity_fraction: share of entities that are buried (needed when ``buried_questions`` > 0).
     bury_passages: look-alike passages per buried entity (> the retriever's top-k to push the real one out).
+    warm_kinds: when set, the world also has a ``warm`` split: the ``train`` rows whose kind is one of these
+      (in order), for a warm start that must not learn the other kinds' answers by heart (e.g. ``("chain",
+      "trivial")``: SFT on a buried question's gold trace teaches its answer, which no lookup can find).
     trivial_questions: at most this many extra train / test 0-search questions that state the fact they ask
-      for ("Zorvak has the studio Kelmo. What is the studio of Zorvak?").
+      for ("Zorvak has the studio Kelmo. What is the studio of Zorvak?"); the gold trace is the bare answer
+      turn (one copy of the name: a small sampled policy then rarely miscopies it).
     test_fraction: share of each hop count's questions held out for ``test``.
     relabel_seed: when set, the names are shuffled among the entities of each type (same structure, same
       questions by position, different facts by name): a "practice world" whose facts cannot be recalled
@@ -108,6 +113,7 @@ class WorldConfig:
     buried_entity_fraction: float = 0.0
     bury_passages: int = 4
     trivial_questions: int = 0
+    warm_kinds: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.scale < 1 or not 1 <= self.max_hops < self.ood_hops:
@@ -127,6 +133,8 @@ class WorldConfig:
             )
         if min(self.buried_questions, self.trivial_questions, self.bury_passages) < 0:
             raise ValueError("buried_questions, trivial_questions and bury_passages must be >= 0")
+        if set(self.warm_kinds) - set(KINDS):
+            raise ValueError(f"warm_kinds must be question kinds {list(KINDS)}, got {self.warm_kinds}")
         if self.buried_questions and not 0 < self.buried_entity_fraction < 1:
             raise ValueError(
                 f"buried_questions needs 0 < buried_entity_fraction < 1, got {self.buried_entity_fraction}"
@@ -169,7 +177,7 @@ class SyntheticWorld:
       corpus: passages as dicts ``{"id", "title", "text"}`` (entity passages first, then distractors, then
         look-alikes of buried entities).
       buried: names of the buried entities, in creation order (empty unless ``buried_questions``).
-      splits: split name -> list of question rows.
+      splits: split name -> list of question rows (``warm`` as well when ``WorldConfig.warm_kinds`` is set).
     """
 
     def __init__(self, config: WorldConfig = WorldConfig()):
@@ -182,6 +190,8 @@ class SyntheticWorld:
         self.corpus = _make_corpus(self.entities, config, rng)
         self.buried = _bury(self.entities, self.corpus, config, rng)
         self.splits = _make_questions(self.entities, config, rng, self.buried)
+        if config.warm_kinds:
+            self.splits["warm"] = [q for q in self.splits["train"] if q["kind"] in config.warm_kinds]
 
     # --------------------------------------------------------------------------------------- access
     def questions(self, split: str) -> list[dict[str, Any]]:
@@ -193,8 +203,8 @@ class SyntheticWorld:
         """Every text a tokenizer for this world should cover: passages, questions, gold turns."""
         for doc in self.corpus:
             yield f"{doc['title']} {doc['text']}"
-        for rows in self.splits.values():
-            for row in rows:
+        for split in SPLITS:  # ``warm`` only repeats train rows
+            for row in self.splits[split]:
                 yield row["question"]
                 yield from row["gold_turns"]
 
@@ -376,9 +386,9 @@ def _row(
         "gold_turns": gold_turns(chain, relations),
         "kind": kind,
     }
-    if kind == "trivial":  # the fact is in the question: no search, one answering turn
+    if kind == "trivial":  # the fact is in the question: no search, no thought, one copy of the answer
         fact = f"{start} has the {RELATIONS[relations[0]][2]} {chain[-1]}."
-        row.update(question=f"{fact} {row['question']}", hops=0, gold_turns=row["gold_turns"][-1:])
+        row.update(question=f"{fact} {row['question']}", hops=0, gold_turns=[f"<answer> {chain[-1]}</answer>"])
     return row
 
 
