@@ -2,9 +2,12 @@
 
 A real RLVR pool is U-shaped for the current policy: most prompts are all-correct or all-wrong (the TRACE
 paper's Qwen3-8B uniform baseline mixes only 26.8% of its groups). This world aims at that shape (issue
-15): a 1..5-hop mixture weighted to the short end, lookalike distractors (0-4 per entity, each stating a
-wrong object for a real relation), *buried* questions whose first lookup the retriever cannot answer (p ~ 0)
-and *trivial* ones that state their answer (p ~ 1); trajectories are up to 6 turns.
+15) with three kinds of train prompts in about these shares: 1..5-hop *chain* questions weighted to the
+short end (~43%, the learnable middle), *buried* questions whose first lookup the retriever cannot answer
+(~30%, p ~ 0: ``bury_passages`` look-alikes stating wrong facts out-rank the entity's passage, and the warm
+start never sees their answers: ``warm_kinds`` / ``config.sft.split = "warm"``) and *trivial* ones that state
+their answer (~27%, p ~ 1: the gold trace is the bare answer); lookalike distractors (0-4 per entity, each
+stating a wrong object for a real relation); trajectories are up to 6 turns.
 
 The policy is the default tiny Qwen3 (2 layers, width 64, ~0.14M parameters with the 1024-token BPE) with the
 default 1,000 SFT steps. A 3.4M-parameter policy (4 layers, width 256) with 3,000 steps was the plan, but on
