@@ -5,7 +5,7 @@ paper's Qwen3-8B uniform baseline mixes only 26.8% of its groups). This world ai
 15) with three kinds of train prompts in about these shares: 1..5-hop *chain* questions weighted to the
 short end (~43%, the learnable middle), *buried* questions whose first lookup the retriever cannot answer
 (~30%, p ~ 0: ``bury_passages`` look-alikes stating wrong facts out-rank the entity's passage, and the warm
-start never sees their answers: ``warm_kinds`` / ``config.sft.split = "warm"``) and *trivial* ones that state
+start never sees their answers: ``config.sft.split = "train:chain,trivial"``) and *trivial* ones that state
 their answer (~27%, p ~ 1: the gold trace is the bare answer); lookalike distractors (0-4 per entity, each
 stating a wrong object for a real relation); trajectories are up to 6 turns.
 
@@ -40,7 +40,6 @@ WORLD = WorldConfig(
     buried_entity_fraction=0.2,
     bury_passages=4,
     trivial_questions=500,  # ~320 train: every distinct (entity, relation) pair outside the buried ones
-    warm_kinds=("chain", "trivial"),  # the warm start never sees a buried question's answer
 )
 
 
@@ -55,7 +54,7 @@ def get_config(policy: str = "trace") -> ml_collections.ConfigDict:
     config.react.max_turns = WORLD.max_hops + 1  # one search per hop, then the answer
     config.sft.model_overrides = [list(item) for item in POLICY_OVERRIDES]
     config.sft.max_steps = 1000  # fixed steps (reproducible)
-    config.sft.split = "warm"  # WORLD.warm_kinds: no buried gold traces (their answers would be memorised)
+    config.sft.split = "train:chain,trivial"  # no buried gold traces: their answers would be memorised
     config.engine.max_len = 768  # a 5-hop trajectory with 3 passages per observation
     config.batch.length_buckets = [128, 256, 384, 512, 640, 768]
     return config

@@ -81,8 +81,6 @@ def test_bad_configs_are_rejected():
         WorldConfig(hop_weights=(1.0, 1.0))
     with pytest.raises(ValueError, match="buried_entity_fraction"):
         WorldConfig(buried_questions=10)
-    with pytest.raises(ValueError, match="warm_kinds"):
-        WorldConfig(warm_kinds=("chain", "easy"))
 
 
 def test_a_relabeled_world_keeps_the_structure_and_changes_the_facts():
@@ -129,17 +127,17 @@ def _pool(world):
 def test_default_world_has_only_chain_questions(world):
     assert {q["kind"] for s in ("train", "test", "ood") for q in world.questions(s)} == {"chain"}
     assert world.buried == []
-    assert set(world.splits) == {"train", "test", "ood"}  # no warm split unless warm_kinds asks for it
 
 
-def test_warm_split_holds_the_train_rows_of_the_warm_kinds_only(realistic):
-    assert set(realistic.splits) == {"train", "test", "ood"}
-    warm = SyntheticWorld(dataclasses.replace(REALISTIC, warm_kinds=("chain", "trivial")))
-    train = warm.questions("train")
-    assert train == realistic.questions("train")  # the option adds a split, it changes nothing else
+def test_a_split_can_be_read_for_some_kinds_only(realistic):
+    train = realistic.questions("train")
     assert any(q["kind"] == "buried" for q in train)
-    assert warm.questions("warm") == [q for q in train if q["kind"] != "buried"]
-    assert list(warm.texts()) == list(realistic.texts())  # the tokenizer sees no row twice
+    assert realistic.questions("train:chain,trivial") == [q for q in train if q["kind"] != "buried"]
+    assert {q["kind"] for q in realistic.questions("test:buried")} == {"buried"}
+    with pytest.raises(ValueError, match="unknown question kind"):
+        realistic.questions("train:chain,easy")
+    with pytest.raises(ValueError, match="unknown split"):
+        realistic.questions("warm:chain")
 
 
 def test_realistic_world_has_every_kind_in_the_requested_amounts(realistic):
@@ -208,7 +206,7 @@ def test_realistic_preset_selects_the_world_and_the_tiny_policy():
     assert config.allocation.policy == "uniform"
     assert world.buried_questions and world.trivial_questions and world.distractor_style == "lookalike"
     assert len(world.hop_weights) == world.max_hops == 5 and config.react.max_turns == 6
-    assert config.sft.split == "warm" and "buried" not in world.warm_kinds
+    assert config.sft.split == "train:chain,trivial"  # the warm start never sees a buried question's answer
     size = num_params(from_config(SFTConfig, config.sft).model_config(config.tokenizer.vocab_size))
     # The default tiny policy: a few-million-parameter one was too slow to warm-start here (configs/realistic.py).
     assert size == num_params(SFTConfig().model_config(config.tokenizer.vocab_size))

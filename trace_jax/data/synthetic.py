@@ -15,8 +15,8 @@ that are all off by default: ``hop_weights`` (a 1..``max_hops`` mixture), ``dist
 with a longer ``distractor_probs`` (distractor-dense passages), ``buried_questions`` (questions whose first
 lookup the retriever cannot answer: the start entity's passage is out-ranked by ``bury_passages``
 look-alikes stating a wrong fact) and ``trivial_questions`` (the fact is stated in the question). Every
-row carries its ``kind`` (:data:`KINDS`). ``warm_kinds`` adds a ``warm`` split (the train rows of those kinds)
-for a warm start that must not see some kinds' answers (``config.sft.split = "warm"``).
+row carries its ``kind`` (:data:`KINDS`), and ``questions("train:chain,trivial")`` reads a split's rows of some
+kinds only (a warm start that must not learn buried questions' answers: ``config.sft.split``).
 
 Everything is a pure function of :class:`WorldConfig` (seeded ``numpy`` generator, no set iteration),
 so the same seed gives a byte-identical world. Questions are Search-R1-style rows (``question``,
@@ -86,9 +86,6 @@ class WorldConfig:
       its own passage, so the first lookup is nearly impossible. Chain questions never touch a buried entity.
     buried_entity_fraction: share of entities that are buried (needed when ``buried_questions`` > 0).
     bury_passages: look-alike passages per buried entity (> the retriever's top-k to push the real one out).
-    warm_kinds: when set, the world also has a ``warm`` split: the ``train`` rows whose kind is one of these
-      (in order), for a warm start that must not learn the other kinds' answers by heart (e.g. ``("chain",
-      "trivial")``: SFT on a buried question's gold trace teaches its answer, which no lookup can find).
     trivial_questions: at most this many extra train / test 0-search questions that state the fact they ask
       for ("Zorvak has the studio Kelmo. What is the studio of Zorvak?"); the gold trace is the bare answer
       turn (one copy of the name: a small sampled policy then rarely miscopies it).
@@ -113,7 +110,6 @@ class WorldConfig:
     buried_entity_fraction: float = 0.0
     bury_passages: int = 4
     trivial_questions: int = 0
-    warm_kinds: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.scale < 1 or not 1 <= self.max_hops < self.ood_hops:
@@ -133,8 +129,6 @@ class WorldConfig:
             )
         if min(self.buried_questions, self.trivial_questions, self.bury_passages) < 0:
             raise ValueError("buried_questions, trivial_questions and bury_passages must be >= 0")
-        if set(self.warm_kinds) - set(KINDS):
-            raise ValueError(f"warm_kinds must be question kinds {list(KINDS)}, got {self.warm_kinds}")
         if self.buried_questions and not 0 < self.buried_entity_fraction < 1:
             raise ValueError(
                 f"buried_questions needs 0 < buried_entity_fraction < 1, got {self.buried_entity_fraction}"
@@ -177,7 +171,7 @@ class SyntheticWorld:
       corpus: passages as dicts ``{"id", "title", "text"}`` (entity passages first, then distractors, then
         look-alikes of buried entities).
       buried: names of the buried entities, in creation order (empty unless ``buried_questions``).
-      splits: split name -> list of question rows (``warm`` as well when ``WorldConfig.warm_kinds`` is set).
+      splits: split name -> list of question rows.
     """
 
     def __init__(self, config: WorldConfig = WorldConfig()):
@@ -190,21 +184,28 @@ class SyntheticWorld:
         self.corpus = _make_corpus(self.entities, config, rng)
         self.buried = _bury(self.entities, self.corpus, config, rng)
         self.splits = _make_questions(self.entities, config, rng, self.buried)
-        if config.warm_kinds:
-            self.splits["warm"] = [q for q in self.splits["train"] if q["kind"] in config.warm_kinds]
 
     # --------------------------------------------------------------------------------------- access
     def questions(self, split: str) -> list[dict[str, Any]]:
-        if split not in self.splits:
-            raise ValueError(f"unknown split {split!r}; the synthetic world has {list(self.splits)}")
-        return self.splits[split]
+        """The rows of ``split``; ``"<split>:<kind>,<kind>..."`` keeps only rows of those kinds (in order), e.g.
+        ``"train:chain,trivial"``: a warm start on it never sees a buried question's answer, which SFT would
+        teach by heart (no lookup can find it)."""
+        name, _, kinds = split.partition(":")
+        if name not in self.splits:
+            raise ValueError(f"unknown split {name!r}; the synthetic world has {list(self.splits)}")
+        if not kinds:
+            return self.splits[name]
+        wanted = kinds.split(",")
+        if set(wanted) - set(KINDS):
+            raise ValueError(f"unknown question kind in {split!r}; kinds are {list(KINDS)}")
+        return [q for q in self.splits[name] if q["kind"] in wanted]
 
     def texts(self) -> Iterator[str]:
         """Every text a tokenizer for this world should cover: passages, questions, gold turns."""
         for doc in self.corpus:
             yield f"{doc['title']} {doc['text']}"
-        for split in SPLITS:  # ``warm`` only repeats train rows
-            for row in self.splits[split]:
+        for rows in self.splits.values():
+            for row in rows:
                 yield row["question"]
                 yield from row["gold_turns"]
 
