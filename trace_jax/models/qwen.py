@@ -485,11 +485,12 @@ class Qwen(nnx.Module):
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
         """float32 logits from final hidden states ([..., D] -> [..., V])."""
         dtype = hidden_btd.dtype
-        if self.config.tie_word_embeddings:
-            head_dv = self.embed.value.astype(dtype).T
-        else:
-            head_dv = self.lm_head.value.astype(dtype)
-        return (hidden_btd @ head_dv).astype(jnp.float32)
+        if not self.config.tie_word_embeddings:
+            return token_matmul(hidden_btd, self.lm_head.value.astype(dtype)).astype(jnp.float32)
+        # Tied: contract with the [V, D] table as stored (never a transposed copy of it).
+        hidden_nd = hidden_btd.reshape(-1, hidden_btd.shape[-1])
+        logits_nv = jax.lax.dot_general(hidden_nd, self.embed.value.astype(dtype), (((1,), (1,)), ((), ())))
+        return logits_nv.reshape(*hidden_btd.shape[:-1], -1).astype(jnp.float32)
 
     def __call__(
         self,
