@@ -20,8 +20,9 @@ Shaped like JetStream's ``Engine`` (``init_decode_state``, ``insert``, ``bulk_in
 
 The host keeps the bookkeeping (``SlotState``: lengths, running flags, page tables) in numpy, updated from
 the one packed array each ``generate`` returns, so no call syncs device state back except that array.
-Every shape is bucketed (rows of an append / fork to ``row_buckets``, appended ids and the cache window
-``generate`` reads to ``length_buckets``), so the program set is small and known; ``warmup`` compiles all
+Every shape is bucketed (an append's ids in fixed-width chunks, its rows to ``append_rows``, a fork's rows
+to ``row_buckets``, the cache window ``generate`` reads to ``length_buckets``), so the program set is small
+and known; ``warmup`` compiles all
 of it ahead of time and any later compile is logged as a warning with its shapes (``ProgramSet``).
 
 Weights: ``set_params`` makes the engine's own copy, cast to ``weight_dtype`` and laid out by the sampling
@@ -390,10 +391,9 @@ class Engine:
         host = lambda shape: struct(self._put(np.zeros(shape, np.int32)))
         for rows in cfg.rows:
             self.programs.compile("fork", device, host((rows, 8)))
-            for width in cfg.lengths:
-                self.programs.compile(
-                    "append", weights, device, host((rows, cfg.pages_per_slot)), host((rows, width + APPEND_FIELDS))
-                )
+        for rows in cfg.append_rows:
+            table, packed = host((rows, cfg.pages_per_slot)), host((rows, cfg.append_width + APPEND_FIELDS))
+            self.programs.compile("append", weights, device, table, packed)
         table = host((cfg.max_slots, cfg.pages_per_slot))
         for window in cfg.lengths:
             if window >= min(cfg.steps_per_call, cfg.max_len):
