@@ -186,12 +186,14 @@ def test_the_program_set_is_compiled_ahead_and_a_late_compile_is_a_warning(check
     _, config, params = checkpoint
     engine = _engine(
         config, params, max_len=32, steps_per_call=4, length_buckets=(8, 32), row_buckets=(2, 4), append_chunk=8,
-        append_row_buckets=(4, 16),
+        append_row_buckets=(4, 16), append_windows=(8, 16),
     )  # fmt: skip
     state = engine.init_decode_state()
     compiled = engine.warmup(None, state)
-    # append: 2 row buckets of 8-id chunks; fork: 2 row buckets; generate: windows 8 and 32.
-    assert compiled == 2 + 2 + 2 and engine.programs.warm
+    # append: 8-id chunks in 4 or 16 rows reading 8 (4 rows at most), 16 or 32 positions; fork: 2 row buckets;
+    # generate: windows 8 and 32.
+    assert engine.config.append_shapes == ((4, 8), (4, 16), (16, 16), (4, 32), (16, 32))
+    assert compiled == 5 + 2 + 2 and engine.programs.warm
     total = engine.programs.total  # the warm-up's programs plus init's
     rng = np.random.default_rng(0)
     for length in (3, 5, 9, 14, 20):  # every shape lands in a bucket

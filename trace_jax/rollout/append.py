@@ -41,9 +41,10 @@ APPEND_FIELDS = 12
 
 def pack_append(
     config: EngineConfig, state: SlotState, items: Sequence[AppendItem]
-) -> tuple[np.ndarray, np.ndarray, list[Prefix | None], list[Prefix | None]]:
+) -> tuple[np.ndarray, np.ndarray, int, list[Prefix | None], list[Prefix | None]]:
     """Host half of ``append``: updates ``state``'s bookkeeping and returns (page tables int32 [rows, P],
-    packed int32 [rows, width + 10], the ``Prefix`` kept / held for each item or ``None``)."""
+    packed int32 [rows, width + 12], the attention window (an ``append_window_buckets`` entry >= every
+    item's new length), the ``Prefix`` kept / held for each item or ``None``)."""
     if not items:
         raise ValueError("append needs at least one item")
     cfg = config
@@ -67,6 +68,7 @@ def pack_append(
     held: list[Prefix | None] = []
     table = np.full((rows, cfg.pages_per_slot), pages.TRASH_PAGE, np.int32)
     extra = len(items)  # the next row for a chunk before an item's last
+    longest = 0
     for row, (item, skip, count) in enumerate(zip(items, skips, chunks, strict=True)):
         ids = np.asarray(item.ids, np.int32).reshape(-1)[skip:]
         copy = (pages.TRASH_PAGE, pages.TRASH_PAGE)
@@ -83,6 +85,7 @@ def pack_append(
                 f"slot {item.slot} would hold {end} tokens but EngineConfig.max_len={cfg.max_len}; raise max_len"
             )
         state.pool.reserve(item.slot, end)
+        longest = max(longest, end)
         limit = cfg.max_turn_tokens if item.turn_limit is None else int(item.turn_limit)
         state.lengths[item.slot] = end
         state.running[item.slot] = state.active[item.slot] = True
@@ -101,7 +104,8 @@ def pack_append(
             fields = (item.seed, item.greedy, limit, bank if last else cfg.max_slots, skip)
             move = copy if last else (pages.TRASH_PAGE, pages.TRASH_PAGE)
             packed[target, width:] = (item.slot, len(piece), item.reset, *fields, *move, chunk * width, last)
-    return table, packed, kept, held
+    window = bucket(longest, cfg.append_window_buckets, "append window")
+    return table, packed, window, kept, held
 
 
 def seed_keys(seed_k: jax.Array) -> jax.Array:
@@ -110,10 +114,11 @@ def seed_keys(seed_k: jax.Array) -> jax.Array:
 
 
 def append_program(
-    graphdef: nnx.GraphDef, config: EngineConfig, params, state: DecodeState, table_kp, packed_kc
+    graphdef: nnx.GraphDef, config: EngineConfig, window: int, params, state: DecodeState, table_kp, packed_kc
 ) -> tuple[DecodeState, jax.Array]:
-    """Device half of ``append`` (the state is donated). Returns the new state and float32 [h, D], the final
-    hidden state at the last id of rows ``0..h-1`` (``h = min(rows, max_slots)``: row i < len(items) is item i's)."""
+    """Device half of ``append`` (the state is donated); attention reads each row's first ``window`` positions
+    (static). Returns the new state and float32 [h, D], the final hidden state at the last id of rows
+    ``0..h-1`` (``h = min(rows, max_slots)``: row i < len(items) is item i's)."""
     model = nnx.merge(graphdef, params)
     cfg = config
     width = packed_kc.shape[1] - APPEND_FIELDS
@@ -128,7 +133,7 @@ def append_program(
     # rows' tables point at the trash page).
     k_pages = pages.copy_pages(state.k_pages, copy_from_k, copy_to_k)
     v_pages = pages.copy_pages(state.v_pages, copy_from_k, copy_to_k)
-    cache = pages.PagedKVCache(k_pages, v_pages, table_kp, lengths_k, jnp.arange(cfg.max_len))
+    cache = pages.PagedKVCache(k_pages, v_pages, table_kp, lengths_k, jnp.arange(window))
     hidden_ktd, cache = model.hidden(tokens_kt, cache, num_new_k)
     # Only the first h rows can be an item's last chunk (items <= slots): the slot state is set from them.
     h = min(tokens_kt.shape[0], cfg.max_slots)

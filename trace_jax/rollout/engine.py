@@ -20,9 +20,9 @@ Shaped like JetStream's ``Engine`` (``init_decode_state``, ``insert``, ``bulk_in
 
 The host keeps the bookkeeping (``SlotState``: lengths, running flags, page tables) in numpy, updated from
 the one packed array each ``generate`` returns, so no call syncs device state back except that array.
-Every shape is bucketed (an append's ids in fixed-width chunks, its rows to ``append_rows``, a fork's rows
-to ``row_buckets``, the cache window ``generate`` reads to ``length_buckets``), so the program set is small
-and known; ``warmup`` compiles all
+Every shape is bucketed (an append's ids in fixed-width chunks, its rows to ``append_rows`` and the cache
+window it reads to ``append_window_buckets``, a fork's rows to ``row_buckets``, the cache window ``generate``
+reads to ``length_buckets``), so the program set is small and known; ``warmup`` compiles all
 of it ahead of time and any later compile is logged as a warning with its shapes (``ProgramSet``).
 
 Weights: ``set_params`` makes the engine's own copy, cast to ``weight_dtype`` and laid out by the sampling
@@ -260,12 +260,12 @@ class Engine:
         Every named slot starts a new turn (a slot named with no ids just starts one). Returns the state and
         an ``AppendResult`` (hidden states, kept prefixes).
         """
-        table, packed, kept, held = pack_append(self.config, state, items)
+        table, packed, window, kept, held = pack_append(self.config, state, items)
         self.counters["append_calls"] += 1
         self.counters["append_tokens"] += int(packed[:, -APPEND_FIELDS + 1].sum())  # ids the model runs
         self.counters["append_padded_tokens"] += packed.shape[0] * (packed.shape[1] - APPEND_FIELDS)  # rows x width
         device, hidden_kd = self.programs(
-            "append", self._weights(params), state.device, self._put(table), self._put(packed)
+            "append", self._weights(params), state.device, self._put(table), self._put(packed), static=(window,)
         )
         state.device = device
         return state, AppendResult(hidden_kd[: len(items)], kept, held)
@@ -391,9 +391,9 @@ class Engine:
         host = lambda shape: struct(self._put(np.zeros(shape, np.int32)))
         for rows in cfg.rows:
             self.programs.compile("fork", device, host((rows, 8)))
-        for rows in cfg.append_rows:
+        for rows, window in cfg.append_shapes:
             table, packed = host((rows, cfg.pages_per_slot)), host((rows, cfg.append_width + APPEND_FIELDS))
-            self.programs.compile("append", weights, device, table, packed)
+            self.programs.compile("append", weights, device, table, packed, static=(window,))
         table = host((cfg.max_slots, cfg.pages_per_slot))
         for window in cfg.lengths:
             if window >= min(cfg.steps_per_call, cfg.max_len):

@@ -24,6 +24,8 @@ class EngineConfig:
       longest item (``trace_jax.rollout.append``).
     append_row_buckets: rows of an append call (``()``: powers of two from ``max_slots // 4`` up to the most
       chunks a call can hold, ``max_slots * ceil(max_len / append_chunk)``).
+    append_windows: cache positions an append's attention reads, padded up to one of these from the call's
+      longest history (``()``: ``max_len // 4``, ``max_len // 2``, ``max_len``); its cost grows with rows x window.
     page_size: KV positions per page (``0`` or >= ``max_len``: the contiguous cache); must divide ``max_len``.
     num_pages: pages in the pool (``0``: every slot at ``max_len`` plus one page per slot).
     max_stop_sequences, max_stop_len, max_eos: capacity of the stop tables.
@@ -41,6 +43,7 @@ class EngineConfig:
     row_buckets: tuple[int, ...] = ()
     append_chunk: int = 32
     append_row_buckets: tuple[int, ...] = ()
+    append_windows: tuple[int, ...] = ()
     page_size: int = 16
     num_pages: int = 0
     max_stop_sequences: int = 4
@@ -53,8 +56,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_len % self.page:
             raise ValueError(f"EngineConfig.page_size={self.page_size} must divide max_len={self.max_len}")
-        if any(b > self.max_len for b in self.length_buckets):
-            raise ValueError(f"EngineConfig.length_buckets={self.length_buckets} exceed max_len={self.max_len}")
+        for name in ("length_buckets", "append_windows"):
+            if any(not 0 < b <= self.max_len for b in getattr(self, name)):
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must lie in [1, max_len={self.max_len}]")
 
     @property
     def page(self) -> int:
@@ -102,6 +106,22 @@ class EngineConfig:
             sizes.add(size)
             size *= 2
         return tuple(sorted(sizes))
+
+    @property
+    def append_window_buckets(self) -> tuple[int, ...]:
+        """The append windows, ascending, always ending at ``max_len``."""
+        given = self.append_windows or (self.max_len // 4, self.max_len // 2)
+        return tuple(sorted({w for w in given if w > 0} | {self.max_len}))
+
+    @property
+    def append_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every (rows, window) an append call can have: a call whose histories fit window W holds at most
+        ``max_slots * ceil(W / append_width)`` chunks, so only the row buckets up to that one pair with W."""
+        shapes = []
+        for window in self.append_window_buckets:
+            most = bucket(self.max_slots * -(-window // self.append_width), self.append_rows, "append rows")
+            shapes += [(rows, window) for rows in self.append_rows if rows <= most]
+        return tuple(shapes)
 
     def length_bucket(self, n: int, what: str) -> int:
         if n > self.max_len:
