@@ -171,3 +171,44 @@ def test_a_bucket_url_stays_a_url_through_orbax_and_restores(tmp_path, monkeypat
     steps = sorted(p.name for p in (bucket_root / "bucket" / "run" / "checkpoints").iterdir())
     assert steps == ["2", "3"]  # keep=2 deleted step 1 in the bucket too
     assert not (tmp_path / "gs:").exists()
+
+
+class _PerLayerQwen(nnx.Module):
+    """The decoder's parameter layout before layers were stacked: ``layers`` an nnx.List of DecoderLayer."""
+
+    def __init__(self, config, rngs):
+        from trace_jax.models.qwen import DecoderLayer, RMSNorm
+
+        self.embed = nnx.Param(jax.random.normal(rngs.params(), (config.vocab_size, config.hidden_size)))
+        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config, config.hidden_size, "embed")
+
+
+def test_old_per_layer_checkpoint_restores_into_the_stacked_model(tmp_path):
+    from trace_jax.models.qwen import ModelConfig, Qwen
+
+    config = ModelConfig.preset("qwen3-tiny")
+    _, old_params = nnx.split(_PerLayerQwen(config, nnx.Rngs(1)), nnx.Param)
+    tx = make_optimizer(learning_rate=0.1)
+    _, old_opt = tx.update(jax.tree.map(jnp.ones_like, old_params), tx.init(old_params), old_params)
+    StateCheckpointer(tmp_path).save(3, {"params": old_params, "opt_state": old_opt}, force=True)
+
+    _, params = nnx.split(Qwen(config, rngs=nnx.Rngs(0)), nnx.Param)
+    opt = tx.init(params)
+    restored = StateCheckpointer(tmp_path).restore_latest(target={"params": params, "opt_state": opt}).state
+
+    assert jax.tree.structure(restored["params"]) == jax.tree.structure(params)
+    assert jax.tree.structure(restored["opt_state"]) == jax.tree.structure(opt)
+    np.testing.assert_array_equal(restored["params"]["embed"].value, old_params["embed"].value)
+    # Premise: the layers differ from each other, so row i must come from old layer i.
+    q_old = [np.asarray(old_params["layers"][i]["attn"]["q_proj"].value) for i in range(config.num_layers)]
+    assert not np.array_equal(q_old[0], q_old[1])
+    for new_tree, old_tree in ((restored["params"], old_params), (restored["opt_state"][1][0].mu, old_opt[1][0].mu)):
+        old_rows = [jax.tree.leaves(old_tree["layers"][i]) for i in range(config.num_layers)]
+        for j, stacked in enumerate(jax.tree.leaves(new_tree["layers"])):
+            assert stacked.shape[0] == config.num_layers
+            for i in range(config.num_layers):
+                np.testing.assert_array_equal(np.asarray(stacked[i]), np.asarray(old_rows[i][j]))
+    # The restored params drive the stacked model.
+    model = nnx.merge(nnx.split(Qwen(config, rngs=nnx.Rngs(0)), nnx.Param)[0], restored["params"])
+    assert np.isfinite(np.asarray(model(jnp.zeros((1, 4), jnp.int32)).logits_btv)).all()

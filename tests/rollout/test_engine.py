@@ -184,11 +184,16 @@ def test_context_full_stops_the_slot(checkpoint):
 
 def test_the_program_set_is_compiled_ahead_and_a_late_compile_is_a_warning(checkpoint, caplog):
     _, config, params = checkpoint
-    engine = _engine(config, params, max_len=32, steps_per_call=4, length_buckets=(8, 32), row_buckets=(2, 4))
+    engine = _engine(
+        config, params, max_len=32, steps_per_call=4, length_buckets=(8, 32), row_buckets=(2, 4), append_chunk=8,
+        append_row_buckets=(4, 16), append_windows=(8, 16),
+    )  # fmt: skip
     state = engine.init_decode_state()
     compiled = engine.warmup(None, state)
-    # append: 2 row buckets x 2 length buckets; fork: 2 row buckets; generate: windows 8 and 32.
-    assert compiled == 4 + 2 + 2 and engine.programs.warm
+    # append: 8-id chunks in 4 or 16 rows reading 8 (4 rows at most), 16 or 32 positions; fork: 2 row buckets;
+    # generate: windows 8 and 32.
+    assert engine.config.append_shapes == ((4, 8), (4, 16), (16, 16), (4, 32), (16, 32))
+    assert compiled == 5 + 2 + 2 and engine.programs.warm
     total = engine.programs.total  # the warm-up's programs plus init's
     rng = np.random.default_rng(0)
     for length in (3, 5, 9, 14, 20):  # every shape lands in a bucket
@@ -258,3 +263,61 @@ def test_bad_inputs_name_the_setting_to_change(greedy):
         greedy.init_decode_state(stop_sequences=[[1]] * 5)
     with pytest.raises(ValueError, match="page_size"):
         EngineConfig(max_len=64, page_size=24)
+
+
+def test_a_chunked_append_equals_one_row_per_item(checkpoint):
+    """Prompts, an observation and a start from a held prefix cut into 4-id chunks (several per item, all in one
+    call) sample the same tokens with the same log-probs as one whole row per item."""
+    _, config, params = checkpoint
+    sampling = SamplingConfig(temperature=1.0)
+    whole = _engine(config, params, append_chunk=64, sampling=sampling)
+    chunked = _engine(config, params, append_chunk=4, sampling=sampling)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 128, n).tolist() for n in (23, 2, 9, 17)]
+    observation = rng.integers(1, 128, 14).tolist()
+    runs = []
+    for engine in (whole, chunked):
+        state = engine.init_decode_state()
+        items = [AppendItem(slot, p, True, seed=slot, hold=slot == 0) for slot, p in enumerate(prompts)]
+        state, first = engine.append(None, state, items)
+        state, turn1 = engine.generate(None, state)
+        state, extended = engine.extend(None, state, {1: observation, 3: observation[:5]})
+        state = engine.free_resource(state, [2])
+        # Slot 2 starts from slot 0's held prompt: only the 15 ids past it (and its last) are computed.
+        item = AppendItem(2, prompts[0] + observation, True, seed=7, start=first.held[0])
+        state, started = engine.append(None, state, [item])
+        state, turn2 = engine.generate(None, state)
+        hidden = [np.asarray(r.hidden) for r in (first, extended, started)]
+        runs.append((hidden, turn1, turn2, engine.counters["append_padded_tokens"]))
+    assert runs[1][3] < runs[0][3], "premise: the chunked engine ran fewer padded positions"
+    assert chunked.config.append_width == 4 < len(prompts[0]) // 4, "premise: items span several chunks"
+    for hidden_whole, hidden_chunked in zip(runs[0][0], runs[1][0], strict=True):
+        np.testing.assert_allclose(hidden_chunked, hidden_whole, atol=1e-5)
+    for a, b in ((runs[0][1], runs[1][1]), (runs[0][2], runs[1][2])):
+        assert a.num_tokens.sum() > 0 and a.tokens.tolist() == b.tokens.tolist()
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+        np.testing.assert_allclose(b.sample_logprobs, a.sample_logprobs, atol=1e-5)
+
+
+def test_append_padding_follows_the_ids_not_the_longest_item(checkpoint):
+    """A runner-like mix (short observations, now and then a long history) runs at most 2x its chunks' positions
+    per call (rows padded to a power of two) and under 2x the ids overall (1.7x); one row per item at the longest
+    item's width would run 3.5x."""
+    _, config, params = checkpoint
+    chunk = 16
+    engine = _engine(config, params, max_slots=8, max_len=128, append_chunk=chunk, length_buckets=(128,))
+    state = engine.init_decode_state()
+    rng = np.random.default_rng(0)
+    one_row_per_item = 0
+    for _ in range(6):
+        lengths = [*rng.integers(3, 24, 5), rng.integers(60, 120)]
+        items = [AppendItem(slot, rng.integers(1, 128, n), True) for slot, n in enumerate(lengths)]
+        before = engine.counters["append_padded_tokens"]
+        state, _ = engine.append(None, state, items)
+        chunks = sum(-(-n // chunk) for n in lengths)
+        assert engine.counters["append_padded_tokens"] - before <= 2 * chunks * chunk
+        one_row_per_item += len(items) * max(lengths)
+        state = engine.free_resource(state, range(len(items)))
+    ids, padded = engine.counters["append_tokens"], engine.counters["append_padded_tokens"]
+    assert one_row_per_item > 3 * ids, "premise: the mix pads badly as one row per item"
+    assert padded <= 2 * ids, f"{padded} positions for {ids} ids"

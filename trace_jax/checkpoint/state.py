@@ -22,6 +22,11 @@ shardings. Typed PRNG keys (``jax.random.key``) are stored as their key data and
 leaf is a typed key. Without a target, arrays come back as saved (nested dicts for custom pytree nodes), on the
 devices they were saved from, or on this process's first device when those devices are not all here (a
 checkpoint of a 2-process run read by one process, a pod's checkpoint read on a laptop).
+
+Old per-layer checkpoints: params saved before the decoder's layers were stacked (``layers.0``, ``layers.1``,
+..., each layer its own arrays) restore into a target with the stacked layout (``layers`` with a leading layer
+axis): each ``layers`` entry of the target is read layer by layer, in the target's shardings less the layer
+axis, and stacked (optimizer moments and gradients that mirror the params included).
 """
 
 from __future__ import annotations
@@ -29,10 +34,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -103,6 +109,63 @@ def abstract_like(tree: Any) -> Any:
         ),
         tree,
     )
+
+
+LAYERS = "layers"  # the stacked decoder layers' entry (``trace_jax.models.qwen.Qwen.layers``)
+
+
+def _saved_per_layer(saved: Any) -> bool:
+    """Whether an orbax metadata tree holds a ``layers`` mapping keyed by layer number (the old layout)."""
+    if isinstance(saved, Mapping):
+        layers = saved.get(LAYERS)
+        if isinstance(layers, Mapping) and layers and all(str(k).isdigit() for k in layers):
+            return True
+        return any(_saved_per_layer(v) for v in saved.values())
+    if isinstance(saved, list | tuple):
+        return any(_saved_per_layer(v) for v in saved)
+    return False
+
+
+def _map_layers(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    """``tree`` with ``fn`` applied to the value of every ``layers`` key of its mappings, at any depth (through
+    nnx.State, dicts, tuples and optax's NamedTuples); every other node keeps its exact pytree type."""
+    children, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return tree
+    mapped = [
+        fn(child) if isinstance(path[-1], jax.tree_util.DictKey) and path[-1].key == LAYERS else _map_layers(child, fn)
+        for path, child in children
+    ]
+    return jax.tree_util.tree_unflatten(treedef, mapped)
+
+
+def _without_leading_axis(sharding: Any) -> Any:
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    return sharding  # single-device or None: the same place
+
+
+def _per_layer_target(stacked: Any) -> dict[int, Any]:
+    """Abstract per-layer view {0: layer 0, 1: ...} of a stacked ``layers`` target (leading axis = layer)."""
+    leaves = jax.tree.leaves(stacked)
+    count = leaves[0].shape[0]
+    one = lambda x: jax.ShapeDtypeStruct(
+        x.shape[1:], x.dtype, sharding=_without_leading_axis(getattr(x, "sharding", None))
+    )
+    return {i: jax.tree.map(one, stacked) for i in range(count)}
+
+
+def _stack_layers(per_layer: Mapping[Any, Any], stacked: Any) -> Any:
+    """Stacks restored per-layer trees (keys 0..L-1) into ``stacked``'s structure and shardings."""
+    layers = [per_layer[i] for i in range(len(per_layer))]
+
+    def stack(target_leaf, *rows):
+        sharding = getattr(target_leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*rows)
+        return jax.device_put(jnp.stack(rows), sharding)
+
+    return jax.tree.map(stack, stacked, *layers)
 
 
 class StateCheckpointer:
@@ -207,7 +270,7 @@ class StateCheckpointer:
             raise MissingEntryError(
                 f"checkpoint step {step} in {self.directory} has no entries {missing}; it has {saved_keys}"
             )
-        args = {}
+        args, per_layer = {}, set()
         for key in wanted:
             if key not in saved_keys:
                 continue
@@ -216,6 +279,9 @@ class StateCheckpointer:
                 key_target = self._portable_target(step, key)
             if key_target is not None:
                 key_target = jax.tree.map(lambda x: _abstract_key_data(x) if _is_typed_key(x) else x, key_target)
+                if target is not None and self._saved_per_layer(step, key):
+                    per_layer.add(key)  # saved before the layers were stacked: read per layer, stack below
+                    key_target = _map_layers(key_target, _per_layer_target)
             args[key] = ocp.args.StandardRestore(None if key_target is None else {_WRAP: key_target})
         restored = self._manager.restore(step, args=ocp.args.Composite(**args)) if args else {}
         state: dict[str, Any] = {}
@@ -224,15 +290,31 @@ class StateCheckpointer:
                 state[key] = None
                 continue
             tree = restored[key][_WRAP]
+            if key in per_layer:
+                tree = self._stacked(tree, target[key])
             if target is not None and target.get(key) is not None and prng.get(key):
                 tree = _data_to_keys(tree, target[key], prng[key])
             state[key] = tree
         return RestoredState(step=step, state=state, metadata=meta)
 
+    def _saved_metadata(self, step: int, key: str) -> Any:
+        return ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / key).tree[_WRAP]
+
+    def _saved_per_layer(self, step: int, key: str) -> bool:
+        return _saved_per_layer(self._saved_metadata(step, key))
+
+    @staticmethod
+    def _stacked(tree: Any, target: Any) -> Any:
+        """A per-layer restored ``tree`` in ``target``'s stacked layout: each ``layers`` entry stacked."""
+        stacked_targets: list[Any] = []
+        _map_layers(target, lambda layers: stacked_targets.append(layers) or layers)
+        found = iter(stacked_targets)
+        return _map_layers(tree, lambda per_layer: _stack_layers(per_layer, next(found)))
+
     def _portable_target(self, step: int, key: str) -> Any:
         """None when entry ``key`` of ``step`` was saved from devices this process has (restore as saved);
         else an abstract target of the same arrays on this process's first device."""
-        saved = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / key).tree[_WRAP]
+        saved = self._saved_metadata(step, key)
         here = {d.id for d in jax.devices()}
 
         def devices_of(leaf: Any) -> set[int]:

@@ -276,6 +276,20 @@ def _zeros(config: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...]):
     return nnx.Param(jnp.zeros(shape, config.weight_dtype), logical_axes=axes)
 
 
+def token_matmul(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+    """``x [..tokens.., *in] @ w [*in, *out]`` over the last ``contract`` axes of ``x`` (the first of ``w``).
+
+    Tokens and features are flattened to one 2-D matmul ``[N, In] @ [In, Out]`` (free reshapes): XLA:CPU's
+    backward pass then transposes 2-D operands, for which it emits fast tiled transposes, instead of
+    [b, t, f] ones fused with elementwise ops (3-5x slower, ~30% of a train step's time measured here).
+    """
+    batch_shape, in_shape = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :]
+    out_shape = w.shape[contract:]
+    x_ni = x.reshape(math.prod(batch_shape), math.prod(in_shape))
+    out_no = x_ni @ w.reshape(math.prod(in_shape), math.prod(out_shape))
+    return out_no.reshape(*batch_shape, *out_shape)
+
+
 class RMSNorm(nnx.Module):
     """``x / rms(x) * scale`` over the last axis, computed in float32 like the reference."""
 
@@ -319,7 +333,7 @@ class Attention(nnx.Module):
 
     def _project(self, x_btd: jax.Array, name: str) -> jax.Array:
         dtype = x_btd.dtype
-        out = jnp.einsum("btd,dhe->bthe", x_btd, getattr(self, f"{name}_proj").value.astype(dtype))
+        out = token_matmul(x_btd, getattr(self, f"{name}_proj").value.astype(dtype))
         if self.config.qkv_bias:
             out = out + getattr(self, f"{name}_bias").value.astype(dtype)
         if self.config.qk_norm and name in ("q", "k"):
@@ -355,7 +369,7 @@ class Attention(nnx.Module):
             attended_bthe, cache = attention_lib.attend_cached(
                 cache, layer, q_bthe, k_btke, v_btke, positions_bt, cfg.attention
             )
-        out_btd = jnp.einsum("bthe,hed->btd", attended_bthe, self.o_proj.value.astype(x_btd.dtype))
+        out_btd = token_matmul(attended_bthe, self.o_proj.value.astype(x_btd.dtype), contract=2)
         return out_btd, cache
 
 
@@ -370,9 +384,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dtype = x_btd.dtype
-        gate_btf = jax.nn.silu(x_btd @ self.gate_proj.value.astype(dtype))
-        hidden_btf = constrain(gate_btf * (x_btd @ self.up_proj.value.astype(dtype)), ("batch", "length", "mlp"))
-        return hidden_btf @ self.down_proj.value.astype(dtype)
+        gate_btf = jax.nn.silu(token_matmul(x_btd, self.gate_proj.value.astype(dtype)))
+        hidden_btf = gate_btf * token_matmul(x_btd, self.up_proj.value.astype(dtype))
+        hidden_btf = constrain(hidden_btf, ("batch", "length", "mlp"))
+        return token_matmul(hidden_btf, self.down_proj.value.astype(dtype))
 
 
 class DecoderLayer(nnx.Module):
@@ -470,11 +485,12 @@ class Qwen(nnx.Module):
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
         """float32 logits from final hidden states ([..., D] -> [..., V])."""
         dtype = hidden_btd.dtype
-        if self.config.tie_word_embeddings:
-            head_dv = self.embed.value.astype(dtype).T
-        else:
-            head_dv = self.lm_head.value.astype(dtype)
-        return (hidden_btd @ head_dv).astype(jnp.float32)
+        if not self.config.tie_word_embeddings:
+            return token_matmul(hidden_btd, self.lm_head.value.astype(dtype)).astype(jnp.float32)
+        # Tied: contract with the [V, D] table as stored (never a transposed copy of it).
+        hidden_nd = hidden_btd.reshape(-1, hidden_btd.shape[-1])
+        logits_nv = jax.lax.dot_general(hidden_nd, self.embed.value.astype(dtype), (((1,), (1,)), ((), ())))
+        return logits_nv.reshape(*hidden_btd.shape[:-1], -1).astype(jnp.float32)
 
     def __call__(
         self,

@@ -1,4 +1,4 @@
-"""The ``append`` program: prefill and prefill-extend of many slots in one call.
+"""The ``append`` program: prefill and prefill-extend of many slots in one call, in fixed-width chunks.
 
 Each ``AppendItem`` appends ids to a slot, either starting a fresh sequence there (``reset``: a prompt or an
 anchor history) or continuing it (an observation). ``pack_append`` does the host half (page reservations,
@@ -6,10 +6,19 @@ lengths, kept prefixes) and packs the call into two int32 arrays; ``append_progr
 model runs on the named slots' pages; each slot's next-token logits, hidden state, key and turn counters are
 set).
 
-Packed layout (``[rows, width + 10]``): ids in the first ``width`` columns, then slot, number of new ids,
+Chunks. An item's ids are cut into chunks of ``EngineConfig.append_width`` ids, one row each, and the rows
+are padded to a row bucket (``EngineConfig.append_rows``), so a call runs about as many positions as it
+appends (a long prompt is several rows, a short observation one) from a handful of compiled shapes. The
+chunks of one item run in the same call: the model writes every row's keys and values of a layer into the
+pages before any row reads them, and a chunk attends through its slot's page table to every position below
+its own, so chunk j sees chunks 0..j-1 of that layer exactly as one long row would.
+
+Packed layout (``[rows, width + 12]``): ids in the first ``width`` columns, then slot, number of new ids,
 reset, seed, greedy, turn limit, prefix bank row, start length (a reset row continues a shared prefix of
-this many positions), and the page to copy for that prefix's partly filled last page (from, to). Padding
-rows name slot ``B`` (every scatter drops them) and their page tables point at the trash page.
+this many positions), the page to copy for that prefix's partly filled last page (from, to), the chunk's
+offset in the item's ids and whether it is the item's last chunk. Row i < len(items) is item i's last chunk
+(the only row that sets the slot's state); earlier chunks follow. Padding rows name slot ``B`` (every
+scatter drops them) and their page tables point at the trash page.
 """
 
 from __future__ import annotations
@@ -26,14 +35,16 @@ from trace_jax.rollout import pages
 from trace_jax.rollout.engine_config import EngineConfig
 from trace_jax.rollout.slots import AppendItem, DecodeState, Prefix, SlotState, StopReason
 
-APPEND_FIELDS = 10  # slot, num_new, reset, seed, greedy, limit, bank, start length, copy from, copy to
+# slot, num_new, reset, seed, greedy, limit, bank, start length, copy from, copy to, chunk offset, last chunk
+APPEND_FIELDS = 12
 
 
 def pack_append(
     config: EngineConfig, state: SlotState, items: Sequence[AppendItem]
-) -> tuple[np.ndarray, np.ndarray, list[Prefix | None], list[Prefix | None]]:
+) -> tuple[np.ndarray, np.ndarray, int, list[Prefix | None], list[Prefix | None]]:
     """Host half of ``append``: updates ``state``'s bookkeeping and returns (page tables int32 [rows, P],
-    packed int32 [rows, width + 10], the ``Prefix`` kept / held for each item or ``None``)."""
+    packed int32 [rows, width + 12], the attention window (an ``append_window_buckets`` entry >= every
+    item's new length), the ``Prefix`` kept / held for each item or ``None``)."""
     if not items:
         raise ValueError("append needs at least one item")
     cfg = config
@@ -48,15 +59,17 @@ def pack_append(
             )
     # A started item recomputes its prefix's last id (the next-token logits are not kept with held pages).
     skips = [0 if item.start is None else item.start.length - 1 for item in items]
-    longest = max(len(item.ids) - skip for item, skip in zip(items, skips, strict=True))
-    width = cfg.length_bucket(max(longest, 1), "appended ids")
-    rows = bucket(len(items), cfg.rows, "append rows")
+    width = cfg.append_width
+    chunks = [max(-(-(len(item.ids) - skip) // width), 1) for item, skip in zip(items, skips, strict=True)]
+    rows = bucket(sum(chunks), cfg.append_rows, "append rows (chunks)")
     packed = np.zeros((rows, width + APPEND_FIELDS), np.int32)
     packed[:, width] = packed[:, width + 6] = cfg.max_slots  # padding targets row B: every scatter drops it
     kept: list[Prefix | None] = []
     held: list[Prefix | None] = []
     table = np.full((rows, cfg.pages_per_slot), pages.TRASH_PAGE, np.int32)
-    for row, (item, skip) in enumerate(zip(items, skips, strict=True)):
+    extra = len(items)  # the next row for a chunk before an item's last
+    longest = 0
+    for row, (item, skip, count) in enumerate(zip(items, skips, chunks, strict=True)):
         ids = np.asarray(item.ids, np.int32).reshape(-1)[skip:]
         copy = (pages.TRASH_PAGE, pages.TRASH_PAGE)
         if item.reset:
@@ -72,9 +85,8 @@ def pack_append(
                 f"slot {item.slot} would hold {end} tokens but EngineConfig.max_len={cfg.max_len}; raise max_len"
             )
         state.pool.reserve(item.slot, end)
+        longest = max(longest, end)
         limit = cfg.max_turn_tokens if item.turn_limit is None else int(item.turn_limit)
-        packed[row, : len(ids)] = ids
-        table[row] = state.pool.table[item.slot]
         state.lengths[item.slot] = end
         state.running[item.slot] = state.active[item.slot] = True
         if item.keep and not state.bank_free:
@@ -82,9 +94,18 @@ def pack_append(
         kept.append(Prefix(state.bank_free.pop(), state.pool.hold(item.slot, end), end) if item.keep else None)
         held.append(Prefix(None, state.pool.hold(item.slot, end), end) if item.hold else None)
         bank = cfg.max_slots if kept[-1] is None else kept[-1].row
-        fields = (item.slot, len(ids), item.reset, item.seed, item.greedy, limit, bank, skip, *copy)
-        packed[row, width:] = fields
-    return table, packed, kept, held
+        for chunk in range(count):
+            last = chunk == count - 1
+            target = row if last else extra
+            extra += 0 if last else 1
+            piece = ids[chunk * width : (chunk + 1) * width]
+            packed[target, : len(piece)] = piece
+            table[target] = state.pool.table[item.slot]
+            fields = (item.seed, item.greedy, limit, bank if last else cfg.max_slots, skip)
+            move = copy if last else (pages.TRASH_PAGE, pages.TRASH_PAGE)
+            packed[target, width:] = (item.slot, len(piece), item.reset, *fields, *move, chunk * width, last)
+    window = bucket(longest, cfg.append_window_buckets, "append window")
+    return table, packed, window, kept, held
 
 
 def seed_keys(seed_k: jax.Array) -> jax.Array:
@@ -93,49 +114,53 @@ def seed_keys(seed_k: jax.Array) -> jax.Array:
 
 
 def append_program(
-    graphdef: nnx.GraphDef, config: EngineConfig, params, state: DecodeState, table_kp, packed_kc
+    graphdef: nnx.GraphDef, config: EngineConfig, window: int, params, state: DecodeState, table_kp, packed_kc
 ) -> tuple[DecodeState, jax.Array]:
-    """Device half of ``append`` (the state is donated). Returns the new state and float32 [rows, D], the final
-    hidden state at each row's last id."""
+    """Device half of ``append`` (the state is donated); attention reads each row's first ``window`` positions
+    (static). Returns the new state and float32 [h, D], the final hidden state at the last id of rows
+    ``0..h-1`` (``h = min(rows, max_slots)``: row i < len(items) is item i's)."""
     model = nnx.merge(graphdef, params)
     cfg = config
     width = packed_kc.shape[1] - APPEND_FIELDS
     tokens_kt = packed_kc[:, :width]
-    slot_k, num_new_k, reset_k, seed_k, greedy_k, limit_k, bank_k, start_k, copy_from_k, copy_to_k = (
-        packed_kc[:, width + i] for i in range(APPEND_FIELDS)
-    )
-    k = tokens_kt.shape[0]
+    fields = (packed_kc[:, width + i] for i in range(APPEND_FIELDS))
+    slot_k, num_new_k, reset_k, seed_k, greedy_k, limit_k, bank_k, start_k, copy_from_k, copy_to_k, offset_k, _ = fields
     rows_k = jnp.minimum(slot_k, cfg.max_slots - 1)  # padding rows compute on a copy, then drop
     reset_k = reset_k > 0
-    lengths_k = jnp.where(reset_k, start_k, state.lengths_b[rows_k])
+    lengths_k = jnp.where(reset_k, start_k, state.lengths_b[rows_k]) + offset_k
     # Copy-on-write of started rows' shared last pages first, then the model writes the new keys / values
     # straight into the named slots' pages and reads their whole history through the page tables (padding
     # rows' tables point at the trash page).
     k_pages = pages.copy_pages(state.k_pages, copy_from_k, copy_to_k)
     v_pages = pages.copy_pages(state.v_pages, copy_from_k, copy_to_k)
-    cache = pages.PagedKVCache(k_pages, v_pages, table_kp, lengths_k, jnp.arange(cfg.max_len))
+    cache = pages.PagedKVCache(k_pages, v_pages, table_kp, lengths_k, jnp.arange(window))
     hidden_ktd, cache = model.hidden(tokens_kt, cache, num_new_k)
-    last_kd = hidden_ktd[jnp.arange(k), jnp.maximum(num_new_k - 1, 0)]
-    grown_k1 = (num_new_k > 0)[:, None]
-    hidden_kd = jnp.where(grown_k1, last_kd.astype(jnp.float32), state.hidden_bd[rows_k])
-    logits_kv = jnp.where(grown_k1, model.logits(last_kd), state.logits_bv[rows_k])
-    put = lambda dst, src: dst.at[slot_k].set(src.astype(dst.dtype), mode="drop")
-    zeros = jnp.zeros_like(slot_k)
+    # Only the first h rows can be an item's last chunk (items <= slots): the slot state is set from them.
+    h = min(tokens_kt.shape[0], cfg.max_slots)
+    last_k = packed_kc[:h, -1] > 0
+    target_h = jnp.where(last_k, slot_k[:h], cfg.max_slots)
+    num_new_h, rows_h, reset_h = num_new_k[:h], rows_k[:h], reset_k[:h]
+    last_hd = hidden_ktd[jnp.arange(h), jnp.maximum(num_new_h - 1, 0)]
+    grown_h1 = (num_new_h > 0)[:, None]
+    hidden_hd = jnp.where(grown_h1, last_hd.astype(jnp.float32), state.hidden_bd[rows_h])
+    logits_hv = jnp.where(grown_h1, model.logits(last_hd), state.logits_bv[rows_h])
+    put = lambda dst, src: dst.at[target_h].set(src.astype(dst.dtype), mode="drop")
+    zeros = jnp.zeros_like(target_h)
     state = state._replace(
         k_pages=cache.k_pages,
         v_pages=cache.v_pages,
-        lengths_b=put(state.lengths_b, cache.lengths),
-        logits_bv=put(state.logits_bv, logits_kv),
-        hidden_bd=put(state.hidden_bd, hidden_kd),
-        keys_bk=put(state.keys_bk, jnp.where(reset_k[:, None], seed_keys(seed_k), state.keys_bk[rows_k])),
-        sampled_b=put(state.sampled_b, jnp.where(reset_k, 0, state.sampled_b[rows_k])),
+        lengths_b=put(state.lengths_b, cache.lengths[:h]),
+        logits_bv=put(state.logits_bv, logits_hv),
+        hidden_bd=put(state.hidden_bd, hidden_hd),
+        keys_bk=put(state.keys_bk, jnp.where(reset_h[:, None], seed_keys(seed_k[:h]), state.keys_bk[rows_h])),
+        sampled_b=put(state.sampled_b, jnp.where(reset_h, 0, state.sampled_b[rows_h])),
         turn_tokens_b=put(state.turn_tokens_b, zeros),
-        turn_limit_b=put(state.turn_limit_b, limit_k),
+        turn_limit_b=put(state.turn_limit_b, limit_k[:h]),
         stop_reason_b=put(state.stop_reason_b, zeros + StopReason.RUNNING),
         # Like the seed, greedy is the sequence's: set when it starts, kept when ids are appended.
-        greedy_b=put(state.greedy_b, jnp.where(reset_k, greedy_k > 0, state.greedy_b[rows_k])),
-        recent_bw=put(state.recent_bw, jnp.full((k, state.recent_bw.shape[1]), -1, jnp.int32)),
-        bank_logits_rv=state.bank_logits_rv.at[bank_k].set(logits_kv, mode="drop"),
-        bank_hidden_rd=state.bank_hidden_rd.at[bank_k].set(hidden_kd, mode="drop"),
+        greedy_b=put(state.greedy_b, jnp.where(reset_h, greedy_k[:h] > 0, state.greedy_b[rows_h])),
+        recent_bw=put(state.recent_bw, jnp.full((h, state.recent_bw.shape[1]), -1, jnp.int32)),
+        bank_logits_rv=state.bank_logits_rv.at[bank_k[:h]].set(logits_hv, mode="drop"),
+        bank_hidden_rd=state.bank_hidden_rd.at[bank_k[:h]].set(hidden_hd, mode="drop"),
     )
-    return state, hidden_kd
+    return state, hidden_hd

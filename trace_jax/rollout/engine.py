@@ -20,8 +20,9 @@ Shaped like JetStream's ``Engine`` (``init_decode_state``, ``insert``, ``bulk_in
 
 The host keeps the bookkeeping (``SlotState``: lengths, running flags, page tables) in numpy, updated from
 the one packed array each ``generate`` returns, so no call syncs device state back except that array.
-Every shape is bucketed (rows of an append / fork to ``row_buckets``, appended ids and the cache window
-``generate`` reads to ``length_buckets``), so the program set is small and known; ``warmup`` compiles all
+Every shape is bucketed (an append's ids in fixed-width chunks, its rows to ``append_rows`` and the cache
+window it reads to ``append_window_buckets``, a fork's rows to ``row_buckets``, the cache window ``generate``
+reads to ``length_buckets``), so the program set is small and known; ``warmup`` compiles all
 of it ahead of time and any later compile is logged as a warning with its shapes (``ProgramSet``).
 
 Weights: ``set_params`` makes the engine's own copy, cast to ``weight_dtype`` and laid out by the sampling
@@ -259,12 +260,12 @@ class Engine:
         Every named slot starts a new turn (a slot named with no ids just starts one). Returns the state and
         an ``AppendResult`` (hidden states, kept prefixes).
         """
-        table, packed, kept, held = pack_append(self.config, state, items)
+        table, packed, window, kept, held = pack_append(self.config, state, items)
         self.counters["append_calls"] += 1
         self.counters["append_tokens"] += int(packed[:, -APPEND_FIELDS + 1].sum())  # ids the model runs
         self.counters["append_padded_tokens"] += packed.shape[0] * (packed.shape[1] - APPEND_FIELDS)  # rows x width
         device, hidden_kd = self.programs(
-            "append", self._weights(params), state.device, self._put(table), self._put(packed)
+            "append", self._weights(params), state.device, self._put(table), self._put(packed), static=(window,)
         )
         state.device = device
         return state, AppendResult(hidden_kd[: len(items)], kept, held)
@@ -380,24 +381,36 @@ class Engine:
 
     # ------------------------------------------------------------------------------------- warm-up
     def warmup(self, params: nnx.State | None, state: SlotState) -> int:
-        """Compiles the whole program set ahead of time (no data runs) and marks it warm: from now on every
-        compile is logged as a warning. Returns the number of programs compiled."""
+        """Compiles the whole program set ahead of time and marks it warm: from now on every compile is logged
+        as a warning. Each program then runs once on inputs that change nothing (padding rows, no running
+        slot), since an executable's first run costs more than the next ones. Returns the number compiled."""
         cfg = self.config
+        if state.running.any():
+            raise ValueError("warmup runs each program on an idle state; call it before any slot is filled")
         before = self.programs.total
+        weights = self._weights(params)
+        b, width = cfg.max_slots, cfg.append_width
+        padding = np.zeros((max(*cfg.append_rows, *cfg.rows), width + APPEND_FIELDS), np.int32)
+        padding[:, width] = padding[:, width + 6] = b  # append: every row targets slot B (dropped)
+        table = np.full((padding.shape[0], cfg.pages_per_slot), pages.TRASH_PAGE, np.int32)
+        no_child = np.zeros((padding.shape[0], 8), np.int32)
+        no_child[:, 1] = b  # fork: every row's child is slot B (dropped)
+        calls = [("fork", (no_child[:rows],), ()) for rows in cfg.rows]
+        calls += [("append", (table[:rows], padding[:rows]), (window,)) for rows, window in cfg.append_shapes]
+        idle = np.zeros(b + 1, np.int32)  # refill_after 0 and no running slot: the loop ends at once
+        calls += [
+            ("generate", (table[:b], idle), (window,))
+            for window in cfg.lengths
+            if window >= min(cfg.steps_per_call, cfg.max_len)
+        ]
         struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        weights = jax.tree.map(struct, self._weights(params))
-        device = jax.tree.map(struct, state.device)
-        host = lambda shape: struct(self._put(np.zeros(shape, np.int32)))
-        for rows in cfg.rows:
-            self.programs.compile("fork", device, host((rows, 8)))
-            for width in cfg.lengths:
-                self.programs.compile(
-                    "append", weights, device, host((rows, cfg.pages_per_slot)), host((rows, width + APPEND_FIELDS))
-                )
-        table = host((cfg.max_slots, cfg.pages_per_slot))
-        for window in cfg.lengths:
-            if window >= min(cfg.steps_per_call, cfg.max_len):
-                self.programs.compile("generate", weights, device, table, host((cfg.max_slots + 1,)), static=(window,))
+        for name, host, static in calls:
+            model = () if name == "fork" else (weights,)
+            args = (*model, state.device, *(self._put(x) for x in host))
+            self.programs.compile(name, *jax.tree.map(struct, args), static=static)
+            out = self.programs(name, *args, static=static)
+            state.device = out if name == "fork" else out[0]
+        jax.block_until_ready(state.device)
         self.programs.mark_warm()
         return self.programs.total - before
 

@@ -16,9 +16,16 @@ class EngineConfig:
     max_len: cache positions per slot (prompt + all turns + observations).
     steps_per_call: most decode steps one ``generate`` call runs (the width of its output buffers).
     max_turn_tokens: default per-turn token limit (a slot's turn ends after this many sampled tokens).
-    min_bucket: smallest length bucket. length_buckets: ids per append row and cache windows of ``generate``
-      are padded up to one of these (``()``: ``min_bucket * 4**i``, then ``max_len``).
-    row_buckets: rows of an append / fork call (``()``: ``max_slots // 4`` and ``max_slots``).
+    min_bucket: smallest length bucket. length_buckets: the cache windows ``generate`` reads are padded up
+      to one of these (``()``: ``min_bucket * 4**i``, then ``max_len``).
+    row_buckets: rows of a fork call (``()``: ``max_slots // 4`` and ``max_slots``).
+    append_chunk: ids per append row (``0`` or >= ``max_len``: ``max_len``, one row per item). An appended
+      item is cut into chunks of this many ids, one row each, so an append's cost follows its ids, not its
+      longest item (``trace_jax.rollout.append``).
+    append_row_buckets: rows of an append call (``()``: powers of two from ``max_slots // 4`` up to the most
+      chunks a call can hold, ``max_slots * ceil(max_len / append_chunk)``).
+    append_windows: cache positions an append's attention reads, padded up to one of these from the call's
+      longest history (``()``: ``max_len // 4``, ``max_len // 2``, ``max_len``); its cost grows with rows x window.
     page_size: KV positions per page (``0`` or >= ``max_len``: the contiguous cache); must divide ``max_len``.
     num_pages: pages in the pool (``0``: every slot at ``max_len`` plus one page per slot).
     max_stop_sequences, max_stop_len, max_eos: capacity of the stop tables.
@@ -34,6 +41,9 @@ class EngineConfig:
     min_bucket: int = 16
     length_buckets: tuple[int, ...] = ()
     row_buckets: tuple[int, ...] = ()
+    append_chunk: int = 32
+    append_row_buckets: tuple[int, ...] = ()
+    append_windows: tuple[int, ...] = ()
     page_size: int = 16
     num_pages: int = 0
     max_stop_sequences: int = 4
@@ -46,8 +56,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_len % self.page:
             raise ValueError(f"EngineConfig.page_size={self.page_size} must divide max_len={self.max_len}")
-        if any(b > self.max_len for b in self.length_buckets):
-            raise ValueError(f"EngineConfig.length_buckets={self.length_buckets} exceed max_len={self.max_len}")
+        for name in ("length_buckets", "append_windows"):
+            if any(not 0 < b <= self.max_len for b in getattr(self, name)):
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must lie in [1, max_len={self.max_len}]")
 
     @property
     def page(self) -> int:
@@ -78,6 +89,39 @@ class EngineConfig:
     @property
     def rows(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.row_buckets or (max(1, self.max_slots // 4), self.max_slots))))
+
+    @property
+    def append_width(self) -> int:
+        """Ids per append row (the chunk width)."""
+        return min(self.append_chunk, self.max_len) if self.append_chunk > 0 else self.max_len
+
+    @property
+    def append_rows(self) -> tuple[int, ...]:
+        """The row buckets of an append call, ascending; the last holds every slot's longest history."""
+        most = self.max_slots * -(-self.max_len // self.append_width)
+        if self.append_row_buckets:
+            return tuple(sorted(set(self.append_row_buckets)))
+        sizes, size = {most}, max(1, self.max_slots // 4)
+        while size < most:
+            sizes.add(size)
+            size *= 2
+        return tuple(sorted(sizes))
+
+    @property
+    def append_window_buckets(self) -> tuple[int, ...]:
+        """The append windows, ascending, always ending at ``max_len``."""
+        given = self.append_windows or (self.max_len // 4, self.max_len // 2)
+        return tuple(sorted({w for w in given if w > 0} | {self.max_len}))
+
+    @property
+    def append_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every (rows, window) an append call can have: a call whose histories fit window W holds at most
+        ``max_slots * ceil(W / append_width)`` chunks, so only the row buckets up to that one pair with W."""
+        shapes = []
+        for window in self.append_window_buckets:
+            most = bucket(self.max_slots * -(-window // self.append_width), self.append_rows, "append rows")
+            shapes += [(rows, window) for rows in self.append_rows if rows <= most]
+        return tuple(shapes)
 
     def length_bucket(self, n: int, what: str) -> int:
         if n > self.max_len:

@@ -192,12 +192,19 @@ class PagedKVCache(NamedTuple):
         return self._replace(k_pages=write(self.k_pages, k_btke), v_pages=write(self.v_pages, v_btke))
 
     def read_layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """One layer's keys and values of the window's positions, [B, W, kv_heads, head_dim] each, read
-        through the page table (the gather-based reference path)."""
-        positions_bw = jnp.broadcast_to(self.window_w, (self.table_bp.shape[0], self.max_len))
-        pages_bw, offsets_bw = position_index(self.table_bp, positions_bw, self.page_size)
-        pages_bw = jnp.minimum(pages_bw, self.k_pages.shape[2] - 1)  # out-of-table positions: masked anyway
-        read = lambda pool: jnp.moveaxis(pool[layer][:, pages_bw, offsets_bw], 0, 2)
+        """One layer's keys and values of the window's positions 0..W-1, [B, W, kv_heads, head_dim] each, read
+        through the page table (the gather-based reference path). It gathers whole pages (a table entry a
+        slot does not own names the trash page, which attention masks as past the slot's length): a block
+        of ``page_size * head_dim`` values per index, not one position at a time."""
+        b, window = self.table_bp.shape[0], self.max_len
+        columns = min(-(-window // self.page_size), self.table_bp.shape[1])
+        table_bn = self.table_bp[:, :columns]
+
+        def read(pool_lkpze):
+            blocks_kbnze = pool_lkpze[layer][:, table_bn]
+            k, _, _, z, e = blocks_kbnze.shape
+            return jnp.moveaxis(blocks_kbnze.reshape(k, b, columns * z, e)[:, :, :window], 0, 2)
+
         return read(self.k_pages), read(self.v_pages)
 
     def attend_layer(
