@@ -160,3 +160,22 @@ def test_config_file_selects_the_world():
     assert config.world.buried_questions > 0 and config.allocation.policy == "trace"
     with pytest.raises(SystemExit):
         train_curve.parse_args(["--config-file", "configs/nope.py"])
+
+
+def test_stage_ablation_arms_run_trace_with_one_stage_swapped():
+    from trace_jax.allocation.policies import StagedPolicy, make_policy
+    from trace_jax.allocation.scheduler import SchedulerConfig
+    from trace_jax.config_utils import from_config
+
+    args = train_curve.parse_args(["--quick", "--config-file", str(train_curve.CONFIG_DIR / "realistic.py")])
+    built = {}
+    for arm in ("active1_uniform2", "uniform1_active2", "trace"):
+        scheduler = from_config(SchedulerConfig, train_curve.run_config(arm, 0, args).allocation)
+        policy = make_policy(scheduler.policy, **scheduler.policy_kwargs)
+        assert isinstance(policy, StagedPolicy)
+        built[arm] = (policy.stage1, policy.stage2)
+    assert built == {
+        "active1_uniform2": ("active", "uniform"),
+        "uniform1_active2": ("uniform", "active"),
+        "trace": ("active", "active"),
+    }

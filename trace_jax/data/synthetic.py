@@ -14,7 +14,7 @@ A realistic-difficulty pool (the U-shaped success distribution of real RLVR pool
 that are all off by default: ``hop_weights`` (a 1..``max_hops`` mixture), ``distractor_style="lookalike"``
 with a longer ``distractor_probs`` (distractor-dense passages), ``buried_questions`` (questions whose first
 lookup the retriever cannot answer: the start entity's passage is out-ranked by ``bury_passages``
-look-alikes stating a wrong fact) and ``trivial_questions`` (the fact is stated in the question). Every
+look-alikes stating a wrong fact) and ``trivial_questions`` (the question ends with its answer). Every
 row carries its ``kind`` (:data:`KINDS`), and ``questions("train:chain,trivial")`` reads a split's rows of some
 kinds only (a warm start that must not learn buried questions' answers: ``config.sft.split``).
 
@@ -86,9 +86,10 @@ class WorldConfig:
       its own passage, so the first lookup is nearly impossible. Chain questions never touch a buried entity.
     buried_entity_fraction: share of entities that are buried (needed when ``buried_questions`` > 0).
     bury_passages: look-alike passages per buried entity (> the retriever's top-k to push the real one out).
-    trivial_questions: at most this many extra train / test 0-search questions that state the fact they ask
-      for ("Zorvak has the studio Kelmo. What is the studio of Zorvak?"); the gold trace is the bare answer
-      turn (one copy of the name: a small sampled policy then rarely miscopies it).
+    trivial_questions: at most this many extra train / test 0-search questions that end with their answer
+      ("What is the studio of Zorvak? Hint: Kelmo."); the gold trace is the bare answer turn. The name is
+      the prompt's last word, after a marker seen nowhere else, so the copy is one a tiny sampled policy
+      makes reliably (stated first, "Zorvak has the studio Kelmo. What is ...?", it miscopied 6% of the time).
     test_fraction: share of each hop count's questions held out for ``test``.
     relabel_seed: when set, the names are shuffled among the entities of each type (same structure, same
       questions by position, different facts by name): a "practice world" whose facts cannot be recalled
@@ -387,9 +388,9 @@ def _row(
         "gold_turns": gold_turns(chain, relations),
         "kind": kind,
     }
-    if kind == "trivial":  # the fact is in the question: no search, no thought, one copy of the answer
-        fact = f"{start} has the {RELATIONS[relations[0]][2]} {chain[-1]}."
-        row.update(question=f"{fact} {row['question']}", hops=0, gold_turns=[f"<answer> {chain[-1]}</answer>"])
+    if kind == "trivial":  # the answer ends the question: no search, no thought, one copy of the last name
+        question = f"{row['question']} Hint: {chain[-1]}."
+        row.update(question=question, hops=0, gold_turns=[f"<answer> {chain[-1]}</answer>"])
     return row
 
 
