@@ -5,13 +5,14 @@ paper's Qwen3-8B uniform baseline mixes only 26.8% of its groups). This world ai
 15) with three kinds of train prompts in about these shares: 1..5-hop *chain* questions weighted to the
 short end (~43%, the learnable middle), *buried* questions whose first lookup the retriever cannot answer
 (~30%, p ~ 0: ``bury_passages`` look-alikes stating wrong facts out-rank the entity's passage, and the warm
-start never sees their answers: ``config.sft.split = "train:chain,trivial"``) and *trivial* ones that state
-their answer (~27%, p ~ 1: the gold trace is the bare answer); lookalike distractors (0-4 per entity, each
-stating a wrong object for a real relation); trajectories are up to 6 turns.
+start never sees their answers: ``config.sft.split = "train:chain,trivial"``) and *trivial* ones that end
+with their answer (~27%, p ~ 1: "What is the studio of Zorvak? Hint: Kelmo."; the gold trace is the bare
+answer); lookalike distractors (0-4 per entity, each stating a wrong object for a real relation); trajectories
+are up to 6 turns.
 
-The policy is the default tiny Qwen3 (2 layers, width 64, ~0.14M parameters with the 1024-token BPE) with the
-default 1,000 SFT steps. A 3.4M-parameter policy (4 layers, width 256) with 3,000 steps was the plan, but on
-the shared 2-core machine its SFT ran at ~7 s a step (60 steps in 470 s under load ~20), i.e. ~6 hours; set
+The policy is the default tiny Qwen3 (2 layers, width 64, ~0.14M parameters with the 1024-token BPE) with 1,200
+SFT steps. A 3.4M-parameter policy (4 layers, width 256) with 3,000 steps was the plan, but on the shared
+2-core machine its SFT ran at ~7 s a step (60 steps in 470 s under load ~20), i.e. ~6 hours; set
 ``POLICY_OVERRIDES`` (e.g. ``(("hidden_size", 256), ("intermediate_size", 768), ("num_layers", 4),
 ("head_dim", 64))``) and ``config.sft.max_steps`` on a faster machine. What this preset gives after the warm
 start is measured by ``python -m trace_jax.bench.difficulty`` (README, "Evidence").
@@ -53,7 +54,9 @@ def get_config(policy: str = "trace") -> ml_collections.ConfigDict:
     config.world = to_config(WORLD)
     config.react.max_turns = WORLD.max_hops + 1  # one search per hop, then the answer
     config.sft.model_overrides = [list(item) for item in POLICY_OVERRIDES]
-    config.sft.max_steps = 1000  # fixed steps (reproducible)
+    # Fixed steps (reproducible). 1,200, not the default 1,000: a sharper copy of a trivial question's answer. It
+    # also gave the preset a new warm-start key when the trivial wording changed (the key hashes configs, not code).
+    config.sft.max_steps = 1200
     config.sft.split = "train:chain,trivial"  # no buried gold traces: their answers would be memorised
     config.engine.max_len = 768  # a 5-hop trajectory with 3 passages per observation
     config.batch.length_buckets = [128, 256, 384, 512, 640, 768]
