@@ -22,8 +22,12 @@ def test_calibrated_simulator_takes_the_measured_world():
     assert (config.max_turns, config.stop_probability, config.kappa_median) == (4, 0.4, 6.0)
     assert (config.turn_tokens_mean, config.answer_tokens_mean) == (20.0, 12.0)
     assert record["fitted"]["kappa_median"] == 6.0
-    no_kappa = {**STATS, "prefix": {"kappa": float("inf")}}  # no spread measured: keep the default
-    assert allocation.calibrated_simulator(no_kappa, match_auc=False)[0].kappa_median == 4.0
+    # No spread measured: turns barely move p, so a large finite kappa, not the default's swinging turns.
+    no_spread = {**STATS, "prefix": {"kappa": float("inf")}}
+    assert allocation.calibrated_simulator(no_spread, match_auc=False)[0].kappa_median == allocation.KAPPA_NO_SPREAD
+    assert allocation.SimulatorConfig().kappa_median < allocation.KAPPA_NO_SPREAD
+    unmeasured = {k: v for k, v in STATS.items() if k != "prefix"}
+    assert allocation.calibrated_simulator(unmeasured, match_auc=False)[0].kappa_median == 4.0  # the default
 
 
 def test_feature_signal_is_matched_to_the_real_auc():

@@ -60,6 +60,10 @@ WORLD_POLICIES = ("uniform", "trace", "oracle")
 
 
 FEATURE_SIGNALS = (0.25, 0.5, 1.0, 2.0)  # candidates when matching the real predictor's held-out AUC
+# kappa when the first turns showed no spread beyond the samples' binomial noise (measured kappa = inf): turns
+# barely move p. Not inf (the simulator's Beta needs it finite) and not the default 4 (turns that swing p a
+# lot): about what ~60 prefixes x 4 continuations can resolve (their ratio's s.e. ~0.05, kappa ~ 10-20).
+KAPPA_NO_SPREAD = 16.0
 
 
 def calibrated_simulator(
@@ -69,10 +73,10 @@ def calibrated_simulator(
 
     Prompt difficulty: the fitted beta-binomial Beta(a, b). Turns: the measured turn cap, per-turn stop
     probability and generated tokens per (non-final / final) turn. Prefix dynamics: the measured first-turn
-    concentration ``kappa`` (when measured and finite). Features: with ``match_auc``, the ``feature_signal``
-    of :data:`FEATURE_SIGNALS` whose simulated trees give the MLP predictor the held-out AUC closest to the
-    real one, by the same protocol (``difficulty.predictor_informativeness`` on k rollouts per prompt).
-    Returns the config and a record of what was fitted.
+    concentration ``kappa`` (:data:`KAPPA_NO_SPREAD` when it measured no spread). Features: with ``match_auc``,
+    the ``feature_signal`` of :data:`FEATURE_SIGNALS` whose simulated trees give the MLP predictor the held-out
+    AUC closest to the real one, by the same protocol (``difficulty.predictor_informativeness`` on k rollouts
+    per prompt). Returns the config and a record of what was fitted.
     """
     from trace_jax.bench.difficulty import predictor_informativeness
 
@@ -87,8 +91,8 @@ def calibrated_simulator(
     if turns.get("turn_tokens_mean"):
         fitted["turn_tokens_mean"] = float(turns["turn_tokens_mean"])
     kappa = stats.get("prefix", {}).get("kappa")
-    if kappa is not None and np.isfinite(kappa) and kappa > 0:
-        fitted["kappa_median"] = float(kappa)
+    if kappa is not None and kappa > 0:
+        fitted["kappa_median"] = float(kappa) if np.isfinite(kappa) else KAPPA_NO_SPREAD
     config = dataclasses.replace(SimulatorConfig(), **fitted)
     record: dict[str, Any] = {"fitted": fitted}
     real_auc = stats.get("predictor", {}).get("auc")
