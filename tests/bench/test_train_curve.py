@@ -9,7 +9,7 @@ from trace_jax.bench import train_curve
 from trace_jax.metrics import MetricWriter, read_jsonl
 
 
-def fake_records(tokens_per_step, em_by_step, eff=0.5, step_seconds=1.0):
+def fake_records(tokens_per_step, em_by_step, eff=0.5, step_seconds=1.0, signal=0.4):
     """metrics.jsonl records the way ``trace_jax.train.train`` writes them (final eval on a separate line)."""
     records = []
     last = len(tokens_per_step)
@@ -22,6 +22,7 @@ def fake_records(tokens_per_step, em_by_step, eff=0.5, step_seconds=1.0):
             "rollout/mean_reward": 0.4,
             "time/step_s": step_seconds,
             "alloc/predictor/auc": 0.75,
+            "alloc/nonzero_adv_token_share": signal,
         }
         if step in em_by_step and step != last:
             record["eval/em"] = em_by_step[step]
@@ -141,7 +142,7 @@ def test_paired_differences_against_uniform_with_standard_errors():
     runs = []
     for seed, gain in enumerate([0.02, 0.04, 0.0]):
         runs.append(train_curve.run_curve("uniform", seed, fake_records([500] * 2, {2: 0.5}), sft_em=0.4))
-        trace = fake_records([500] * 2, {2: 0.5 + gain}, eff=0.7)
+        trace = fake_records([500] * 2, {2: 0.5 + gain}, eff=0.7, signal=0.4 + gain)
         runs.append(train_curve.run_curve("trace", seed, trace, sft_em=0.4))
     result = train_curve.aggregate(runs)
     paired = result["paired"]
@@ -151,6 +152,9 @@ def test_paired_differences_against_uniform_with_standard_errors():
     assert em["se"] == pytest.approx(np.std([0.02, 0.04, 0.0], ddof=1) / np.sqrt(3))
     assert (em["n"], em["wins"]) == (3, 2)
     assert paired["policies"]["trace"]["mean_effective_ratio"]["mean"] == pytest.approx(0.2)
+    signal = paired["policies"]["trace"]["mean_signal_token_share"]  # the share of tokens that carry signal
+    assert (signal["mean"], signal["wins"]) == (pytest.approx(0.02), 2)
+    assert result["policies"]["trace"]["mean_signal_token_share"]["mean"] == pytest.approx(0.42)
     assert "trace | +0.0200 ± 0.0115 (2/3)" in result["markdown"]
 
 

@@ -58,6 +58,8 @@ class RunCurve:
       float64 [S] (step_seconds: the step's wall time, rollouts + update; NaN when not logged).
     predictor_auc / predictor_brier: float64 [S], the success predictor's figures on each step's anchors
       before it learns from them (NaN for policies without a predictor).
+    signal_token_share: float64 [S], the share of each step's generated tokens that carry a non-zero advantage
+      (what allocation is for; the simulator's "non-zero-advantage tokens"; NaN when not logged).
     seconds: wall time of the run (0 when unknown).
     """
 
@@ -74,6 +76,7 @@ class RunCurve:
     predictor_auc: np.ndarray | None = None
     predictor_brier: np.ndarray | None = None
     seconds: float = 0.0
+    signal_token_share: np.ndarray | None = None
 
     def cumulative_tokens_at(self, steps: np.ndarray) -> np.ndarray:
         """float64: generated tokens spent by the end of each of ``steps`` (0 at step 0)."""
@@ -127,6 +130,7 @@ def run_curve(policy: str, seed: int, records: Sequence[Mapping[str, Any]], sft_
         column("alloc/predictor/auc"),
         column("alloc/predictor/brier"),
         seconds,
+        column("alloc/nonzero_adv_token_share"),
     )
 
 
@@ -151,7 +155,8 @@ def baseline_policy(policies: Sequence[str]) -> str:
 
 def paired_differences(runs: Sequence[RunCurve], equal_tokens: float, equal_seconds: float) -> dict[str, Any]:
     """Per policy, its per-seed differences from the baseline policy (:func:`baseline_policy`) on the seeds both
-    ran: EM at equal tokens, EM at equal time, mean effective ratio. Each: mean, standard error (std with
+    ran: EM at equal tokens, EM at equal time, mean effective ratio, mean share of generated tokens with a
+    non-zero advantage. Each: mean, standard error (std with
     ddof=1 over sqrt(n); NaN for one seed), n and wins (seeds where the policy is strictly ahead)."""
     groups = _by_policy(runs)
     baseline = baseline_policy(list(groups))
@@ -160,6 +165,7 @@ def paired_differences(runs: Sequence[RunCurve], equal_tokens: float, equal_seco
         "em_at_equal_tokens": lambda r: float(r.em_at_tokens(np.asarray(equal_tokens))),
         "em_at_equal_time": lambda r: float(r.em_at_seconds(np.asarray(equal_seconds))),
         "mean_effective_ratio": lambda r: float(np.nanmean(r.effective_ratio)),
+        "mean_signal_token_share": lambda r: _nanmean(r.signal_token_share),
     }
     out: dict[str, Any] = {"baseline": baseline, "policies": {}}
     for policy, group in groups.items():
@@ -180,13 +186,19 @@ def paired_differences(runs: Sequence[RunCurve], equal_tokens: float, equal_seco
 def paired_markdown(paired: Mapping[str, Any]) -> str:
     """The paired-difference table: one row per policy, ``mean ± s.e. (wins/n)`` per figure."""
     lines = [
-        f"| policy − {paired['baseline']} (paired by seed) | EM @ equal tokens | EM @ equal time | eff. ratio |",
-        "| --- | --- | --- | --- |",
+        f"| policy − {paired['baseline']} (paired by seed) | EM @ equal tokens | EM @ equal time | eff. ratio "
+        "| signal tokens |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for policy, rows in paired["policies"].items():
         cells = [
             f"{r['mean']:+.4f} ± {r['se']:.4f} ({r['wins']}/{r['n']})"
-            for r in (rows["em_at_equal_tokens"], rows["em_at_equal_time"], rows["mean_effective_ratio"])
+            for r in (
+                rows["em_at_equal_tokens"],
+                rows["em_at_equal_time"],
+                rows["mean_effective_ratio"],
+                rows["mean_signal_token_share"],
+            )
         ]
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -215,6 +227,7 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
         em_equal = [float(run.em_at_tokens(np.asarray(equal_tokens))) for run in group]
         em_time = [float(run.em_at_seconds(np.asarray(equal_seconds))) for run in group]
         eff = [float(np.nanmean(run.effective_ratio)) for run in group]
+        signal = [_nanmean(run.signal_token_share) for run in group]
         tokens = [float(run.generated_tokens.sum()) for run in group]
         rollouts = [float(run.rollouts.sum()) for run in group]
         per_step_tokens = [float(run.generated_tokens.mean()) for run in group]
@@ -228,6 +241,7 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
                 "EM @ equal tokens": format_mean_std(em_equal),
                 "EM @ equal time": format_mean_std(em_time),
                 "eff. ratio": format_mean_std(eff),
+                "signal tokens": format_mean_std(signal),
                 "gen. tokens": format_mean_std(tokens, digits=0),
                 "tokens/step": format_mean_std(per_step_tokens, digits=0),
                 "rollouts": format_mean_std(rollouts, digits=0),
@@ -242,6 +256,7 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
                 "em_at_equal_tokens": em_equal,
                 "em_at_equal_time": em_time,
                 "mean_effective_ratio": eff,
+                "mean_signal_token_share": signal,
                 "generated_tokens": tokens,
                 "rollouts": rollouts,
                 "seconds": [run.seconds for run in group],
