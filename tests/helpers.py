@@ -15,6 +15,7 @@ TINY_MAIN_JOB = [
     "--config.sft.max_steps=200",
     "--config.sft.practice_worlds=0",
     "--config.engine.max_slots=8",
+    "--config.engine.append_windows=(512,)",  # one append window: 7 append programs to compile, not 18
     "--config.allocation.rollouts_per_prompt=3.0",
     "--config.rl.prompts_per_step=4",
     "--config.eval.num_questions=6",

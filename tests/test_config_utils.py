@@ -22,6 +22,15 @@ def test_overrides_win_and_partial_sections_keep_defaults():
     assert from_config(EngineConfig, {"max_slots": 3}) == EngineConfig(max_slots=3)
 
 
+def test_tuple_fields_can_be_overridden_on_the_command_line():
+    from trace_jax.command_line import load_config
+
+    flags = ["--config.engine.append_windows=(512,)", "--config.batch.length_buckets=(64, 512)"]
+    config, _ = load_config(["train", *flags])
+    assert from_config(EngineConfig, config.engine).append_window_buckets == (512,)
+    assert tuple(config.batch.length_buckets) == (64, 512)
+
+
 def test_unknown_field_names_the_class_and_near_matches():
     with pytest.raises(ValueError, match=r"EngineConfig has no field 'max_slot'; did you mean max_slots"):
         from_config(EngineConfig, {"max_slot": 3})

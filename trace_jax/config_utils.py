@@ -44,8 +44,8 @@ def to_config(instance: Any) -> ml_collections.ConfigDict:
         if dataclasses.is_dataclass(value):
             hints = _field_types(type(value))
             return {f.name: convert(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(value)}
-        if isinstance(value, tuple):
-            return [convert(v) for v in value]
+        if isinstance(value, tuple):  # kept a tuple: the command line can override it (``--config.x='(1, 2)'``)
+            return tuple(convert(v) for v in value)
         if value is None and _optional_scalar(annotation) is not None:
             return ml_collections.FieldReference(None, field_type=_optional_scalar(annotation))
         return value

@@ -33,18 +33,25 @@ def _naive(q, k, v, visible_bts):
     return jnp.einsum("bhts,bshe->bthe", jax.nn.softmax(scores, axis=-1), v_h)
 
 
+@pytest.mark.parametrize("unrolled", [False, True])
 @pytest.mark.parametrize("tree", [False, True])
-def test_reference_blockwise_equals_naive_attention(monkeypatch, tree):
+def test_reference_blockwise_equals_naive_attention(monkeypatch, tree, unrolled):
     q, k, v = _qkv()
     b, t = q.shape[:2]
     index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     ends = _tree_ends(b, t) if tree else None
     want = _naive(q, k, v, visible_mask(index, t, ends))
-    monkeypatch.setattr(attention_lib, "REFERENCE_BLOCK", 16)  # 40 queries: 3 blocks, the last one padded
-    got = attention(q, k, v, index, ends, plain_causal=not tree, implementation="reference")
+    monkeypatch.setattr(attention_lib, "REFERENCE_BLOCK", 16)  # 40 queries: 3 blocks, the last one short
+    # Unrolled: each block reads only the keys before its end; else one block shape mapped over all keys.
+    monkeypatch.setattr(attention_lib, "IN_ORDER_MAX_BLOCKS", 3 if unrolled else 2)
+    got = attention(q, k, v, index, ends, in_order=True, implementation="reference")
     np.testing.assert_allclose(got, want, atol=1e-5)
+    grad = jax.grad(lambda q: attention(q, k, v, index, ends, in_order=True, implementation="reference").sum())(q)
+    want_grad = jax.grad(lambda q: _naive(q, k, v, visible_mask(index, t, ends)).sum())(q)
+    assert np.abs(np.asarray(want_grad)).max() > 1e-3  # premise: the gradient is not zero
+    np.testing.assert_allclose(grad, want_grad, atol=1e-4)
     # The XLA path of jax.nn.dot_product_attention takes the same masks.
-    fused = attention(q, k, v, index, ends, plain_causal=not tree, implementation="xla")
+    fused = attention(q, k, v, index, ends, in_order=True, implementation="xla")
     np.testing.assert_allclose(fused, want, atol=1e-5)
     if tree:  # the premise: the tree bound changes the result
         assert np.abs(np.asarray(want - _naive(q, k, v, visible_mask(index, t, None)))).max() > 1e-3
@@ -66,8 +73,8 @@ def test_cached_attention_sees_the_slot_positions_written_so_far():
 def test_bfloat16_inputs_accumulate_in_float32():
     q, k, v = _qkv(t=64, e=64)
     index = jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), (2, 64))
-    exact = attention(q, k, v, index, plain_causal=True, implementation="reference")
-    half = attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), index, plain_causal=True, implementation="reference")
+    exact = attention(q, k, v, index, in_order=True, implementation="reference")
+    half = attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), index, in_order=True, implementation="reference")
     assert half.dtype == jnp.bfloat16
     assert np.abs(np.asarray(half, np.float32) - np.asarray(exact)).max() < 0.05
 
@@ -83,8 +90,8 @@ def test_splash_kernel_in_interpret_mode_equals_the_reference(monkeypatch):
     monkeypatch.setattr(attention_lib, "SPLASH_INTERPRET", True)
     q, k, v = _qkv(b=1, t=128, h=2, k=1, e=128)
     index = jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), (1, 128))
-    want = attention(q, k, v, index, plain_causal=True, implementation="reference")
-    got = attention(q, k, v, index, plain_causal=True, implementation="splash")
+    want = attention(q, k, v, index, in_order=True, implementation="reference")
+    got = attention(q, k, v, index, in_order=True, implementation="splash")
     np.testing.assert_allclose(got, want, atol=1e-4)
     # A tree mask is data-dependent: splash hands it to the reference path.
     ends = _tree_ends(1, 128)

@@ -53,6 +53,21 @@ def test_mlp_state_dict_round_trip_continues_identically():
     np.testing.assert_allclose(restored.predict(first), model.predict(first), atol=1e-5)
 
 
+def test_a_second_predictor_reuses_the_compiled_training_step():
+    # A new scheduler (resumed run, evaluation, a benchmark's second pass) builds a new predictor; its training
+    # step must not compile again, or that compile lands inside a timed rollout phase.
+    sim = Simulator(SimulatorConfig(num_prompts=256), seed=2)
+    anchors = training_anchors(sampled_trees(sim, batch=16))
+    first = small_mlp(seed=5)
+    before = first.predict(anchors)
+    first.update(anchors)
+    assert np.abs(first.predict(anchors) - before).max() > 1e-4  # premise: the update trained the network
+    compiled = P._train_step._cache_size()
+    second = small_mlp(seed=6)
+    second.update(anchors)
+    assert P._train_step._cache_size() == compiled
+
+
 def test_mlp_rejects_features_of_another_size():
     model = small_mlp(feature_dim=8)
     tree = RolloutTree([1])

@@ -168,6 +168,24 @@ def _stack_layers(per_layer: Mapping[Any, Any], stacked: Any) -> Any:
     return jax.tree.map(stack, stacked, *layers)
 
 
+def _portable_target(saved: Any) -> Any:
+    """None when an entry's orbax metadata tree ``saved`` names only devices this process has (restore as
+    saved); else an abstract target of the same arrays on this process's first device."""
+    here = {d.id for d in jax.devices()}
+
+    def devices_of(leaf: Any) -> set[int]:
+        mesh = getattr(getattr(leaf, "sharding", None), "device_mesh", None)
+        return {d.id for d in jax.tree.leaves(mesh.mesh)} if mesh is not None else set()
+
+    leaves = jax.tree.leaves(saved)
+    if all(devices_of(leaf) <= here for leaf in leaves):
+        return None
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device) if hasattr(m, "shape") else m, saved
+    )
+
+
 class StateCheckpointer:
     """Saves a train state every ``save_every`` steps, keeps the newest ``keep``; restores the latest good one.
 
@@ -274,12 +292,13 @@ class StateCheckpointer:
         for key in wanted:
             if key not in saved_keys:
                 continue
+            saved = self._saved_metadata(step, key)  # read once: placement and layout both come from it
             key_target = None if target is None else target.get(key)
             if key_target is None:
-                key_target = self._portable_target(step, key)
+                key_target = _portable_target(saved)
             if key_target is not None:
                 key_target = jax.tree.map(lambda x: _abstract_key_data(x) if _is_typed_key(x) else x, key_target)
-                if target is not None and self._saved_per_layer(step, key):
+                if target is not None and _saved_per_layer(saved):
                     per_layer.add(key)  # saved before the layers were stacked: read per layer, stack below
                     key_target = _map_layers(key_target, _per_layer_target)
             args[key] = ocp.args.StandardRestore(None if key_target is None else {_WRAP: key_target})
@@ -300,9 +319,6 @@ class StateCheckpointer:
     def _saved_metadata(self, step: int, key: str) -> Any:
         return ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / key).tree[_WRAP]
 
-    def _saved_per_layer(self, step: int, key: str) -> bool:
-        return _saved_per_layer(self._saved_metadata(step, key))
-
     @staticmethod
     def _stacked(tree: Any, target: Any) -> Any:
         """A per-layer restored ``tree`` in ``target``'s stacked layout: each ``layers`` entry stacked."""
@@ -310,24 +326,6 @@ class StateCheckpointer:
         _map_layers(target, lambda layers: stacked_targets.append(layers) or layers)
         found = iter(stacked_targets)
         return _map_layers(tree, lambda per_layer: _stack_layers(per_layer, next(found)))
-
-    def _portable_target(self, step: int, key: str) -> Any:
-        """None when entry ``key`` of ``step`` was saved from devices this process has (restore as saved);
-        else an abstract target of the same arrays on this process's first device."""
-        saved = self._saved_metadata(step, key)
-        here = {d.id for d in jax.devices()}
-
-        def devices_of(leaf: Any) -> set[int]:
-            mesh = getattr(getattr(leaf, "sharding", None), "device_mesh", None)
-            return {d.id for d in jax.tree.leaves(mesh.mesh)} if mesh is not None else set()
-
-        leaves = jax.tree.leaves(saved)
-        if all(devices_of(leaf) <= here for leaf in leaves):
-            return None
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        return jax.tree.map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device) if hasattr(m, "shape") else m, saved
-        )
 
     def restore_latest(
         self, target: Mapping[str, Any] | None = None, keys: list[str] | None = None

@@ -151,6 +151,9 @@ def format_passages(passages: Sequence[Passage]) -> str:
     return "".join(lines)
 
 
+_MAX_CACHED_OBSERVATIONS = 4096  # encoded observation bodies kept (a few MB)
+
+
 def _task_field(task: Mapping[str, Any], key: str) -> Any:
     if key not in task:
         raise KeyError(f"task {dict(task)!r} has no {key!r}; tasks are rows with question and golden_answers")
@@ -186,9 +189,18 @@ class ReActEnv:
         # Text of EOS / pad, stripped before parsing (a turn may end with EOS instead of a stop tag).
         self._end_texts = [t for t in (tokenizer.eos_token, tokenizer.pad_token) if t]
         self.retrieval_failures = 0
+        self._observations: dict[str, list[int]] = {}  # body text -> ids (rollouts of a prompt repeat searches)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _encode_observation(self, body: str) -> list[int]:
+        ids = self._observations.get(body)
+        if ids is None:
+            if len(self._observations) >= _MAX_CACHED_OBSERVATIONS:
+                self._observations.clear()
+            ids = self._observations[body] = self.encode(body)
+        return ids
 
     # ------------------------------------------------------------------------------------- AgentEnv
     def prompt_text(self, task: Mapping[str, Any]) -> str:
@@ -240,7 +252,7 @@ class ReActEnv:
             body = RETRIEVAL_FAILED_TEXT
             info["retrieval_failed"] = True
             info["retrieval_error"] = str(e)
-        body_ids = self.encode(body)
+        body_ids = self._encode_observation(body)
         info["observation_truncated"] = len(body_ids) > self.config.max_observation_tokens
         body_ids = body_ids[: self.config.max_observation_tokens]
         return np.asarray(self._open_ids + body_ids + self._close_ids, np.int32), info

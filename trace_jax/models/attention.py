@@ -15,7 +15,9 @@ Implementations (``ATTENTION``, chosen by ``ModelConfig.attention``; "auto" pick
 * ``reference``: plain XLA, scores ``[B, K, G, Tq, S]`` accumulated in float32 (``preferred_element_type``),
   softmax in float32. Long inputs are split into query blocks of ``REFERENCE_BLOCK`` rows, each rematerialised
   in the backward pass, so at most one block's scores are alive (never a [T, T] mask per head; the boolean
-  mask is built per block as [B, Tq, S] and broadcast over heads). The default on CPU (and TPU fallback).
+  mask is built per block as [B, Tq, S] and broadcast over heads). Rows in key order (``in_order``: training
+  rows, packed or not) up to ``IN_ORDER_MAX_BLOCKS`` blocks skip the key blocks past each query block instead
+  of masking them. The default on CPU (and TPU fallback).
 * ``xla`` / ``cudnn``: ``jax.nn.dot_product_attention`` (cuDNN flash attention on GPU, fp32 accumulation
   inside the kernel). "auto" on GPU (``gpu_auto``) takes cuDNN for bf16/fp16 inputs, XLA for float32.
 * ``splash``: the Pallas TPU splash-attention kernel, for the plain causal case only (the tree and cache
@@ -46,10 +48,14 @@ from trace_jax.registry import Registry
 # 512: the default RL step's temporaries drop 2.27 -> 0.74 GiB (XLA memory analysis) at the same CPU time per
 # step (bench.train_step's model, 4 x 512 tokens, fwd+bwd side by side in one process: 12.2 vs 12.0 CPU-s).
 REFERENCE_BLOCK = 128
+# Rows in key order up to this many query blocks are unrolled, each block reading only the keys before its end;
+# longer rows (pod-scale 4,096-token rows: 32 blocks) keep the one-block ``lax.map`` (compile time and the
+# planner's memory estimates stay those of one block).
+IN_ORDER_MAX_BLOCKS = 8
 # Run the splash kernel in Pallas interpret mode (any backend; for tests on CPU).
 SPLASH_INTERPRET = False
 
-# fn(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs | None, plain_causal) -> out_bthe (q's dtype).
+# fn(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs | None, in_order) -> out_bthe (q's dtype).
 AttentionFn = Callable[..., jax.Array]
 ATTENTION: Registry[AttentionFn] = Registry("attention implementation")
 
@@ -80,13 +86,29 @@ def _attend_block(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs):
     return out_bkgte.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e).astype(q_bthe.dtype)
 
 
+def _blocks_in_order(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs):
+    """Rows in key order: query block i sees keys below the block's end only, so the later key blocks are
+    skipped rather than masked (on 512-token rows, 10 of 16 block pairs: ~40% less attention work)."""
+    t = q_bthe.shape[1]
+    attend = jax.checkpoint(_attend_block, prevent_cse=False)
+    outs = []
+    for start in range(0, t, REFERENCE_BLOCK):
+        stop = min(start + REFERENCE_BLOCK, t)
+        ends = None if kv_end_bs is None else kv_end_bs[:, :stop]
+        q_block, index_block = q_bthe[:, start:stop], query_index_bt[:, start:stop]
+        outs.append(attend(q_block, k_bske[:, :stop], v_bske[:, :stop], index_block, ends))
+    return jnp.concatenate(outs, axis=1)
+
+
 @ATTENTION.register("reference")
-def reference_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, plain_causal=False):
-    """Float32-accumulated XLA attention, blockwise over queries past ``REFERENCE_BLOCK`` rows."""
-    del plain_causal
+def reference_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_order=False):
+    """Float32-accumulated XLA attention, blockwise over queries past ``REFERENCE_BLOCK`` rows (rows in key
+    order, up to ``IN_ORDER_MAX_BLOCKS`` blocks: each block reads only the keys it can see)."""
     b, t, h, e = q_bthe.shape
     if t <= REFERENCE_BLOCK:
         return _attend_block(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs)
+    if in_order and t <= IN_ORDER_MAX_BLOCKS * REFERENCE_BLOCK:
+        return _blocks_in_order(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs)
     n = -(-t // REFERENCE_BLOCK)
     pad = n * REFERENCE_BLOCK - t
     q_nbche = jnp.pad(q_bthe, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, REFERENCE_BLOCK, h, e).swapaxes(0, 1)
@@ -103,8 +125,8 @@ def reference_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, 
 
 
 def _dot_product_attention(implementation: str | None) -> AttentionFn:
-    def attend(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, plain_causal=False):
-        if plain_causal:
+    def attend(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_order=False):
+        if in_order and kv_end_bs is None:
             return jax.nn.dot_product_attention(q_bthe, k_bske, v_bske, is_causal=True, implementation=implementation)
         mask_b1ts = visible_mask(query_index_bt, k_bske.shape[1], kv_end_bs)[:, None]
         return jax.nn.dot_product_attention(q_bthe, k_bske, v_bske, mask=mask_b1ts, implementation=implementation)
@@ -117,21 +139,21 @@ ATTENTION.register("cudnn")(_dot_product_attention("cudnn"))
 
 
 @ATTENTION.register("gpu_auto")
-def gpu_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, plain_causal=False):
+def gpu_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_order=False):
     """cuDNN flash attention for half-precision inputs (its requirement), XLA's fused path otherwise."""
     name = "cudnn" if q_bthe.dtype in (jnp.bfloat16, jnp.float16) else "xla"
-    return ATTENTION[name](q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, plain_causal)
+    return ATTENTION[name](q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, in_order)
 
 
 @ATTENTION.register("splash")
-def splash_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, plain_causal=False):
+def splash_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_order=False):
     """TPU Pallas splash attention for the plain causal case; anything else goes to ``reference``.
 
     Checked here only in Pallas interpret mode (no TPU). Inputs must be unsharded over heads within the call
     (wrap in ``shard_map`` for tensor-parallel heads); the GQA groups share one kernel per kv head (MQA form).
     """
-    if not plain_causal:
-        return reference_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs)
+    if not in_order or kv_end_bs is not None:
+        return reference_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, in_order)
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     b, t, h, e = q_bthe.shape
@@ -175,7 +197,7 @@ def attention(
     query_index_bt: jax.Array,
     kv_end_bs: jax.Array | None = None,
     *,
-    plain_causal: bool = False,
+    in_order: bool = False,
     implementation: str = "auto",
 ) -> jax.Array:
     """Grouped-query attention under the module's visibility contract.
@@ -184,14 +206,15 @@ def attention(
       q_bthe: queries [B, T, H, E] (already rotated); k_bske, v_bske: keys / values [B, S, K, E], H % K == 0.
       query_index_bt: int32 [B, T], each query's index in key order.
       kv_end_bs: optional int32 [B, S], exclusive end of the queries that may see each key.
-      plain_causal: the caller guarantees ``query_index = 0..T-1``, S == T and no ``kv_end`` (lets fused
-        kernels use their built-in causal mask).
+      in_order: the caller guarantees ``query_index = 0..T-1`` and S == T (query row t is key t; ``kv_end``
+        may still narrow who sees a key). Without ``kv_end`` fused kernels use their built-in causal mask;
+        the reference path skips the key blocks past each query block either way.
       implementation: a key of ``ATTENTION`` or "auto".
 
     Returns:
       [B, T, H, E] in q's dtype; scores, softmax and the value sum are accumulated in float32.
     """
-    return ATTENTION[resolve(implementation)](q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, plain_causal)
+    return ATTENTION[resolve(implementation)](q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, in_order)
 
 
 def attend_cached(

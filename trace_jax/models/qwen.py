@@ -362,7 +362,7 @@ class Attention(nnx.Module):
                 v_btke,
                 index_bt,
                 kv_visible_end_bt,
-                plain_causal=kv_visible_end_bt is None,
+                in_order=True,
                 implementation=cfg.attention,
             )
         else:

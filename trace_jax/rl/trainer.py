@@ -456,13 +456,11 @@ class RLTrainer:
             self._update_fns = self._compile_update(state)
         fns = self._update_fns
         rng = np.random.default_rng([config.shuffle_seed, int(jax.device_get(state.step))])
-        pooled: dict[str, Any] | None = None
-        scalars: dict[str, list[float]] = {"loss": [], "grad_norm": [], "update_applied": []}
-        metrics: dict[str, float] = {}
-        for epoch in range(1, config.ppo_epochs + 1):
+        outs: list[list[Any]] = []  # per epoch, each step's device metrics: fetched once, after the last step
+        for _ in range(config.ppo_epochs):
             order = real[rng.permutation(real.size)] if config.mini_batches > 1 else real
             parts = np.array_split(order, calls)
-            epoch_pairs: dict[str, Any] | None = None
+            outs.append([])
             for group in np.array_split(np.arange(calls), mini_batches):
                 rows = np.concatenate([parts[i] for i in group])
                 weights, paths = np.asarray(prepared.weights)[rows], np.asarray(prepared.paths)[rows]
@@ -473,7 +471,13 @@ class RLTrainer:
                     self.programs.add(("accumulate", micro.tokens.shape))
                     acc = fns["accumulate"](state.params, acc, micro, denominator)
                 state, out = fns["apply"](state, acc)
-                out = jax.device_get(out)
+                outs[-1].append(out)
+        pooled: dict[str, Any] | None = None
+        scalars: dict[str, list[float]] = {"loss": [], "grad_norm": [], "update_applied": []}
+        metrics: dict[str, float] = {}
+        for epoch, steps in enumerate(jax.device_get(outs), start=1):
+            epoch_pairs: dict[str, Any] | None = None
+            for out in steps:
                 pairs = out.pop("pairs")
                 epoch_pairs = pairs if epoch_pairs is None else combine_metrics(epoch_pairs, pairs)
                 for k in scalars:

@@ -167,7 +167,7 @@ class Engine:
         """Empty slots (all ``IDLE``) with the stop tables every turn is checked against."""
         cfg = self.config
         tables = self._stop_tables(stop_sequences, eos_ids)
-        device = self.programs("init", *(self._put(table) for table in tables))
+        device = self.programs("init", *self._put(*tables))
         pool = pages.PagePool(cfg.pool_pages, cfg.page, cfg.max_slots, cfg.pages_per_slot)
         zeros = np.zeros(cfg.max_slots, np.int32)
         bank = list(range(cfg.max_slots))[::-1]
@@ -246,10 +246,10 @@ class Engine:
             raise ValueError(f"slots {np.flatnonzero(state.active).tolist()} are still active; free them first")
         self._parked = state
 
-    def _put(self, array: np.ndarray) -> jax.Array:
-        """A host array (copied: the caller may reuse its buffer) on the engine's devices, replicated."""
-        sharding = self.layout.replicated
-        return jax.device_put(np.array(array), sharding)
+    def _put(self, *arrays: np.ndarray) -> tuple[jax.Array, ...]:
+        """Host arrays (copied: the caller may reuse their buffers) on the engine's devices, replicated, in one
+        transfer call."""
+        return jax.device_put(tuple(np.array(a) for a in arrays), self.layout.replicated)
 
     # --------------------------------------------------------------------------------------- append
     def append(
@@ -265,10 +265,10 @@ class Engine:
         self.counters["append_tokens"] += int(packed[:, -APPEND_FIELDS + 1].sum())  # ids the model runs
         self.counters["append_padded_tokens"] += packed.shape[0] * (packed.shape[1] - APPEND_FIELDS)  # rows x width
         device, hidden_kd = self.programs(
-            "append", self._weights(params), state.device, self._put(table), self._put(packed), static=(window,)
+            "append", self._weights(params), state.device, *self._put(table, packed), static=(window,)
         )
         state.device = device
-        return state, AppendResult(hidden_kd[: len(items)], kept, held)
+        return state, AppendResult(hidden_kd, kept, held)
 
     def drop_prefix(self, state: SlotState, prefix: Prefix) -> SlotState:
         """Gives a kept prefix's pages and bank row back (host only)."""
@@ -324,7 +324,7 @@ class Engine:
         packed = pack_fork(self.config, state, sources, children, seeds, greedy, turn_limit)
         self.counters["fork_calls"] += 1
         self.counters["forked_sequences"] += len(children)
-        state.device = self.programs("fork", state.device, self._put(packed))
+        state.device = self.programs("fork", state.device, *self._put(packed))
         return state
 
     def bulk_insert(self, state: SlotState, source: Prefix, slots: Sequence[int], seeds: Sequence[int]) -> SlotState:
@@ -348,8 +348,7 @@ class Engine:
             "generate",
             self._weights(params),
             state.device,
-            self._put(state.pool.table),
-            self._put(np.concatenate([[after], state.running]).astype(np.int32)),
+            *self._put(state.pool.table, np.concatenate([[after], state.running]).astype(np.int32)),
             static=(window,),
         )
         return state, PendingGenerate(self, state, packed)
@@ -406,7 +405,7 @@ class Engine:
         struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         for name, host, static in calls:
             model = () if name == "fork" else (weights,)
-            args = (*model, state.device, *(self._put(x) for x in host))
+            args = (*model, state.device, *self._put(*host))
             self.programs.compile(name, *jax.tree.map(struct, args), static=static)
             out = self.programs(name, *args, static=static)
             state.device = out if name == "fork" else out[0]

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 def signature(args: Any) -> tuple:
     """Hashable input signature: the tree structure and each leaf's (shape, dtype, sharding)."""
     leaves, treedef = jax.tree.flatten(args)
-    return treedef, tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
+    return treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
 
 
 def describe_signature(args: Any) -> str:

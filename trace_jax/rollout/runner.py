@@ -154,7 +154,7 @@ class _Batch:
     free: list[int] = dataclasses.field(default_factory=list)
     observations: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # slot -> ids to append
     restarts: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # slot -> append afresh
-    # (device hidden [k, D] of one append, [(tree, node id, row)]): anchor features fetched at the end
+    # (device hidden [rows >= k, D] of one append, [(tree, node id, row)]): anchor features fetched at the end
     features: list[tuple[Any, list[tuple[RolloutTree, int, int]]]] = dataclasses.field(default_factory=list)
     stats: RolloutStats = dataclasses.field(default_factory=RolloutStats)
 
@@ -219,7 +219,7 @@ class RolloutRunner:
             for tree, prefix in zip(batch, result.held or (), strict=False):
                 self._held.put(tree, ROOT, prefix)
             state = self.engine.free_resource(state, slots)
-            fetched.append((batch, result.hidden))
+            fetched.append((batch, result.padded_hidden))
         for batch, hidden in jax.device_get(fetched):
             for row, tree in enumerate(batch):
                 tree.root.feature = np.asarray(hidden[row], np.float32)
@@ -322,7 +322,7 @@ class RolloutRunner:
         if items:
             state, result = self.engine.append(None, state, items)
             rows = [(tree, node, row) for row, (tree, node) in enumerate(targets) if tree is not None]
-            batch.features.append((result.hidden, rows))
+            batch.features.append((result.padded_hidden, rows))
             for key, row in started.items():
                 if result.prefixes[row] is not None:
                     batch.prefixes[key] = result.prefixes[row]

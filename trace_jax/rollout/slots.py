@@ -91,13 +91,19 @@ class Prefix:
 
 
 class AppendResult(NamedTuple):
-    """hidden: float32 [k, D] device array, row i the final hidden state at ``items[i]``'s last id;
+    """padded_hidden: float32 [rows >= k, D] device array, row i (< k) the final hidden state at ``items[i]``'s
+    last id (rows past k are padding; index it on the host after one fetch, not on the device per call);
     prefixes: the ``Prefix`` of each item appended with ``keep=True`` (``None`` for the others);
     held: the pages-only ``Prefix`` of each item appended with ``hold=True`` (``None`` for the others)."""
 
-    hidden: jax.Array
+    padded_hidden: jax.Array
     prefixes: list[Prefix | None]
     held: list[Prefix | None] | None = None
+
+    @property
+    def hidden(self) -> jax.Array:
+        """float32 [k, D]: the items' rows of ``padded_hidden`` (a device slice: one more dispatch)."""
+        return self.padded_hidden[: len(self.prefixes)]
 
 
 @dataclasses.dataclass(frozen=True)
