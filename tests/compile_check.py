@@ -5,6 +5,7 @@ compile jax reports (``jax_log_compiles``), by function name and step.
     python -m tests.compile_check WORKDIR STEPS --config.x=y ...
 """
 
+import ast
 import json
 import logging
 import pathlib
@@ -38,7 +39,12 @@ def override(config, assignment: str) -> None:
     for name in parents:
         config = config[name]
     old = config[leaf]
-    config[leaf] = type(old)(float(value)) if isinstance(old, int | float) and not isinstance(old, bool) else value
+    if isinstance(old, tuple):  # '(512,)', as the command line takes it
+        config[leaf] = ast.literal_eval(value)
+    elif isinstance(old, int | float) and not isinstance(old, bool):
+        config[leaf] = type(old)(float(value))
+    else:
+        config[leaf] = value
 
 
 def main(workdir: str, steps: int, overrides: list[str]) -> None:
