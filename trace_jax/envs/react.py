@@ -25,6 +25,7 @@ through the very same :meth:`ReActEnv.step` path the rollout uses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -151,7 +152,7 @@ def format_passages(passages: Sequence[Passage]) -> str:
     return "".join(lines)
 
 
-_MAX_CACHED_OBSERVATIONS = 4096  # encoded observation bodies kept (a few MB)
+_MAX_CACHED_OBSERVATIONS = 4096  # encoded observation bodies kept (a few MB; least recently used dropped first)
 
 
 def _task_field(task: Mapping[str, Any], key: str) -> Any:
@@ -189,18 +190,11 @@ class ReActEnv:
         # Text of EOS / pad, stripped before parsing (a turn may end with EOS instead of a stop tag).
         self._end_texts = [t for t in (tokenizer.eos_token, tokenizer.pad_token) if t]
         self.retrieval_failures = 0
-        self._observations: dict[str, list[int]] = {}  # body text -> ids (rollouts of a prompt repeat searches)
+        # Observation body -> ids, remembered: the rollouts of a prompt repeat its searches.
+        self._encode_observation = functools.lru_cache(maxsize=_MAX_CACHED_OBSERVATIONS)(self.encode)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def _encode_observation(self, body: str) -> list[int]:
-        ids = self._observations.get(body)
-        if ids is None:
-            if len(self._observations) >= _MAX_CACHED_OBSERVATIONS:
-                self._observations.clear()
-            ids = self._observations[body] = self.encode(body)
-        return ids
 
     # ------------------------------------------------------------------------------------- AgentEnv
     def prompt_text(self, task: Mapping[str, Any]) -> str:
@@ -252,7 +246,7 @@ class ReActEnv:
             body = RETRIEVAL_FAILED_TEXT
             info["retrieval_failed"] = True
             info["retrieval_error"] = str(e)
-        body_ids = self._encode_observation(body)
+        body_ids = self._encode_observation(body)  # shared with later calls: sliced below, never changed
         info["observation_truncated"] = len(body_ids) > self.config.max_observation_tokens
         body_ids = body_ids[: self.config.max_observation_tokens]
         return np.asarray(self._open_ids + body_ids + self._close_ids, np.int32), info

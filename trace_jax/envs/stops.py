@@ -15,12 +15,13 @@ a prefix of the sampled ids (nothing the policy wrote is ever re-tokenized).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-_MAX_VERDICTS = 1 << 16  # remembered id windows (a few MB at most)
+_MAX_VERDICTS = 1 << 16  # id windows whose verdict is remembered (least recently used dropped first)
 
 
 def first_stop_end(text: str, stops: Sequence[str]) -> int | None:
@@ -102,7 +103,8 @@ class TextStops:
         completing[list(_completing_tokens(tokenizer, stops))] = True
         self._completing = completing  # bool [vocab]: ids that can complete a stop string
         self._span = max(len(s.encode()) for s in self.stops)  # most ids one stop string can span
-        self._verdicts: dict[tuple[int, ...], bool] = {}  # id window -> its text holds a complete stop string
+        # Turns repeat the same few spellings (the canonical tag most of all): remember each id window's verdict.
+        self._remembered_completes = functools.lru_cache(maxsize=_MAX_VERDICTS)(self._completes)
 
     def cut(self, ids: Sequence[int] | np.ndarray, checked: int = 0) -> int | None:
         """The number of leading ``ids`` whose decoded text first holds a complete stop string (the id that
@@ -118,17 +120,10 @@ class TextStops:
         positions = np.flatnonzero((ids >= 0) & (ids < len(self._completing)))
         positions = positions[self._completing[ids[positions]] & (positions >= checked)]
         for p in positions.tolist():
-            if self._completes(tuple(ids[max(p + 1 - self._span, 0) : p + 1].tolist())):
+            if self._remembered_completes(tuple(ids[max(p + 1 - self._span, 0) : p + 1].tolist())):
                 return p + 1
         return None
 
     def _completes(self, window: tuple[int, ...]) -> bool:
-        """Whether ``window``'s decoded text holds a complete stop string; remembered, since turns repeat the
-        same few spellings (the canonical tag most of all) and a decode costs more than the lookup."""
-        verdict = self._verdicts.get(window)
-        if verdict is None:
-            if len(self._verdicts) >= _MAX_VERDICTS:
-                self._verdicts.clear()
-            text = self.tokenizer.decode(list(window), skip_special_tokens=False)
-            verdict = self._verdicts[window] = first_stop_end(text, self.stops) is not None
-        return verdict
+        """Whether ``window``'s decoded text holds a complete stop string."""
+        return first_stop_end(self.tokenizer.decode(list(window), skip_special_tokens=False), self.stops) is not None
