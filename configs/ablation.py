@@ -1,24 +1,45 @@
 """The default recipe with another allocation policy: ``--config=configs/ablation.py:<policy>``.
 
 Policies: uniform, dynamic_sampling, root_only, tree_random, tree_entropy, trace (see
-``trace_jax.allocation.policies``) and the two mixed cells of TRACE's stage ablation, :data:`STAGE_ARMS`
-(``active1_uniform2``: TRACE's stage 1 with random stage-2 anchors; ``uniform1_active2``: uniform stage 1 with
-TRACE's stage 2; the other two cells are ``tree_random`` and ``trace``). All share the default's budget
-accounting: equal rollouts per prompt by default; set ``--config.allocation.tokens_per_prompt`` (and a large
-``rollouts_per_prompt``) for equal generated tokens, as ``trace_jax.bench.train_curve`` does.
+``trace_jax.allocation.policies``), and the arms of :data:`ARMS`, registered policies with other settings:
+
+* the two mixed cells of TRACE's stage ablation (``active1_uniform2``: TRACE's stage 1 with random stage-2
+  anchors; ``uniform1_active2``: uniform stage 1 with TRACE's stage 2; the other two cells are ``tree_random``
+  and ``trace``);
+* prompt selection (``trace_select3``, ``root_only_select3``, ``active1_uniform2_select3``): the step draws 3
+  candidate prompts per prompt it trains and the policy keeps the batch's worth by predicted ``V_root``
+  (``allocation.candidates_per_prompt``; the budget is the kept batch's).
+
+All share the default's budget accounting: equal rollouts per prompt by default; set
+``--config.allocation.tokens_per_prompt`` (and a large ``rollouts_per_prompt``) for equal generated tokens, as
+``trace_jax.bench.train_curve`` does.
 """
 
+import dataclasses
 import pathlib
+from typing import Any
 
 import ml_collections
 
 from trace_jax.allocation.policies import POLICIES
 from trace_jax.config_utils import load_config_file
 
-# arm -> TRACE with these (stage 1, stage 2): the stage ablation's cells that are no registered policy.
-STAGE_ARMS = {
-    "active1_uniform2": ("active", "uniform"),
-    "uniform1_active2": ("uniform", "active"),
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """A registered policy with overrides of its fields and a prompt-selection factor."""
+
+    policy: str
+    policy_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    candidates_per_prompt: float = 1.0
+
+
+ARMS = {
+    "active1_uniform2": Arm("trace", {"stage1": "active", "stage2": "uniform"}),
+    "uniform1_active2": Arm("trace", {"stage1": "uniform", "stage2": "active"}),
+    "trace_select3": Arm("trace", candidates_per_prompt=3.0),
+    "root_only_select3": Arm("root_only", candidates_per_prompt=3.0),
+    "active1_uniform2_select3": Arm("trace", {"stage1": "active", "stage2": "uniform"}, 3.0),
 }
 
 
@@ -28,14 +49,15 @@ def _default_config() -> ml_collections.ConfigDict:
 
 
 def get_config(policy: str = "trace") -> ml_collections.ConfigDict:
-    if policy not in STAGE_ARMS and (policy not in POLICIES or policy == "oracle"):
-        choices = sorted(p for p in POLICIES if p != "oracle") + sorted(STAGE_ARMS)
+    if policy not in ARMS and (policy not in POLICIES or policy == "oracle"):
+        choices = sorted(p for p in POLICIES if p != "oracle") + sorted(ARMS)
         raise ValueError(
             f"unknown policy {policy!r} for a training run; choose one of {choices} (oracle is simulator-only)"
         )
+    arm = ARMS.get(policy, Arm(policy))
     config = _default_config()
-    config.allocation.policy = "trace" if policy in STAGE_ARMS else policy
-    if policy in STAGE_ARMS:
-        stage1, stage2 = STAGE_ARMS[policy]
-        config.allocation.policy_kwargs = {"stage1": stage1, "stage2": stage2}
+    config.allocation.policy = arm.policy
+    config.allocation.candidates_per_prompt = arm.candidates_per_prompt
+    if arm.policy_kwargs:
+        config.allocation.policy_kwargs = dict(arm.policy_kwargs)
     return config

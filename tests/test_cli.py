@@ -51,6 +51,7 @@ def test_show_config_lists_every_key_with_value_and_doc(capsys):
         (["--config.sft.time_budget_s=0"], ExitCode.CONFIG, ["config.sft.time_budget_s=0.0", "seconds > 0"]),
         (["--config.allocation.rollouts_per_prompt=0"], ExitCode.CONFIG, ["rollouts_per_prompt=0.0", "> 0"]),
         (["--config.allocation.policy=bogus"], ExitCode.CONFIG, ["allocation.policy='bogus'", "uniform"]),
+        (["--config.allocation.candidates_per_prompt=0.5"], ExitCode.CONFIG, ["candidates_per_prompt=0.5", ">= 1"]),
         (["--config.rl.advantage=bogus"], ExitCode.CONFIG, ["rl.advantage='bogus'", "grpo"]),
         (["--config.loss.policy_loss=bogus"], ExitCode.CONFIG, ["config.loss", "policy_loss 'bogus'"]),
         (["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], ExitCode.CONFIG, ["at most one axis may be -1"]),

@@ -25,6 +25,7 @@ TINY = [
     *TINY_MAIN_JOB,
     "--config.rl.steps=3",
     "--config.rl.checkpoint_every=2",
+    "--config.allocation.candidates_per_prompt=2.0",  # prompt selection: the resume and same-seed tests cover it
 ]
 
 
@@ -85,6 +86,7 @@ def test_main_job_writes_logs_plots_checkpoints_and_a_summary(finished_run):
     steps = [r for r in records if "alloc/effective_ratio" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["alloc/budget/rollouts"] <= 4 * 3 for r in steps)  # the rollout budget holds
+    assert all(r["alloc/candidates"] == 8 and r["alloc/prompts"] == 4 for r in steps)  # 4 kept of 8 drawn
     assert [r["step"] for r in records if "eval/em" in r] == [0, 3]  # before RL (the SFT policy) and after
     assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
     for plot in ("reward.png", "effective_ratio.png"):
@@ -144,9 +146,10 @@ def test_sigkill_between_checkpoints_then_rerun_gives_the_uninterrupted_logs_and
     assert not (workdir / "checkpoints" / "2").exists(), "killed too late: step 2 was already checkpointed"
     train(workdir, cache)
 
-    # The premise: the policy moved away from the warm start (mixed rewards, non-zero gradients).
+    # The premise: the policy moved away from the warm start (mixed rewards, non-zero gradients; a step whose kept
+    # prompts all got equal rewards has none).
     records = records_without_timings(reference)
-    assert all(r["train/grad_norm"] > 0 for r in records if r["step"] > 0)
+    assert any(r["train/grad_norm"] > 0 for r in records if r["step"] > 0)
     warm_start = pathlib.Path(json.loads((reference / "summary.json").read_text())["run"]["warm_start_dir"])
     sft = StateCheckpointer(warm_start / "sft").restore_latest()
     step_a, params_a = final_params(reference)

@@ -99,6 +99,12 @@ def build_scheduler(config: ml_collections.ConfigDict, backend: Any) -> TreeSche
     return TreeScheduler(backend, from_config(SchedulerConfig, config.allocation))
 
 
+def prompts_drawn_per_step(config: ml_collections.ConfigDict) -> int:
+    """Prompts an RL step draws: ``rl.prompts_per_step``, times ``allocation.candidates_per_prompt`` when the
+    allocation policy selects the step's batch from more candidates."""
+    return from_config(SchedulerConfig, config.allocation).candidates(config.rl.prompts_per_step)
+
+
 @dataclasses.dataclass
 class WarmStart:
     """A run's starting point from the warm-start cache: the world (with the cached tokenizer), the SFT

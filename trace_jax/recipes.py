@@ -127,7 +127,7 @@ class SyntheticSource:
         )
 
     def prompt_stream(self, config, world):
-        return PromptStream(world.world.questions("train"), config.rl.prompts_per_step, config.seed)
+        return PromptStream(world.world.questions("train"), recipe.prompts_drawn_per_step(config), config.seed)
 
     def finish(self, config, workdir, policy):
         return {}
@@ -183,7 +183,7 @@ class SearchR1Source:
     def prompt_stream(self, config, world):
         # Every process reads the whole step's batch: all of them run the scheduler over every tree, and each
         # samples the trees it owns (``trace_jax.parallel.sharded_rollouts``).
-        return world.world.stream(config.data.train_split, config.rl.prompts_per_step, config.seed, 0, 1)
+        return world.world.stream(config.data.train_split, recipe.prompts_drawn_per_step(config), config.seed, 0, 1)
 
     def finish(self, config, workdir, policy):
         out = paths.as_path(workdir) / EXPORT_DIR

@@ -150,7 +150,7 @@ class Training:
         start = time.perf_counter()
         tasks = self.prompts.next_batch()
         trees = [RolloutTree(self.world.env.prompt_ids(task), task, i) for i, task in enumerate(tasks)]
-        scheduled = self.scheduler.run(trees)
+        scheduled = self.scheduler.run(trees, batch_size=self.config.rl.prompts_per_step)
         rollout_seconds = time.perf_counter() - start
         advantages = compute_advantages(self.config.rl.advantage, scheduled.trees)
         batch, info = build_batch(scheduled.trees, advantages, self.batch_config, self.trainer.loss_config)

@@ -107,6 +107,11 @@ RULES: list[Rule] = [
     Rule("allocation.rollouts_per_prompt", positive_or_none, "a number > 0, or None for no rollout limit"),
     Rule("allocation.tokens_per_prompt", positive_or_none, "a number > 0, or None for no token limit"),
     Rule("allocation.max_depth", at_least(1), "an integer >= 1"),
+    Rule(
+        "allocation.candidates_per_prompt",
+        lambda v: _is_number(v) and v >= 1,
+        "a number >= 1 (prompts drawn per prompt trained; 1: no prompt selection)",
+    ),
     Rule("sft.max_steps", at_least(0), "an integer >= 0 (0: no warm start)"),
     Rule("sft.time_budget_s", positive_or_none, "None (train exactly sft.max_steps) or a number of seconds > 0"),
     Rule("sft.batch_size", at_least(1), "an integer >= 1"),

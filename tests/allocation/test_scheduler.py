@@ -87,3 +87,42 @@ def test_scheduler_asks_a_backend_for_root_features_when_it_can():
         tree.root.feature = None
     scheduler(sim, policy="trace", rollouts_per_prompt=4).run(trees)
     assert sim.featurized == 4 and all(t.root.feature is not None for t in trees)
+
+
+def test_trace_selects_the_candidates_most_likely_to_be_mixed_and_spends_the_batch_budget():
+    sim = Simulator(WORLD, 3)
+    candidates = sim.sample_batch(32)
+    sched = scheduler(sim, policy="oracle", rollouts_per_prompt=8, candidates_per_prompt=4)
+    assert sched.config.candidates(8) == 32
+    result = sched.run(candidates, batch_size=8)
+    kept = {t.prompt_index for t in result.trees}
+    assert len(result.trees) == 8 and len(kept) == 8
+    assert result.stats.rollouts <= 64  # the budget of the 8 kept prompts, not of the 32 candidates
+    closeness = {t.prompt_index: abs(sim.root_p[t.prompt_index] - 0.5) for t in candidates}
+    dropped = sorted(closeness[i] for i in closeness if i not in kept)
+    assert dropped[0] < dropped[-1]  # premise: the candidates differ
+    assert max(closeness[i] for i in kept) <= min(dropped) + 1e-12
+
+
+def test_policies_without_a_predictor_keep_random_candidates_reproducibly():
+    sim = Simulator(WORLD, 4)
+    candidates = sim.sample_batch(24)
+
+    def kept(seed):
+        sched = scheduler(sim, policy="uniform", rollouts_per_prompt=4, seed=seed)
+        fresh = [sim.new_tree(t.prompt_index) for t in candidates]
+        return [t.prompt_index for t in sched.run(fresh, batch_size=6).trees]
+
+    first = kept(0)
+    position = {t.prompt_index: i for i, t in enumerate(candidates)}
+    assert len(set(first)) == 6 and [position[i] for i in first] == sorted(position[i] for i in first)
+    assert kept(0) == first
+    assert any(kept(seed) != first for seed in (1, 2, 3))
+
+
+def test_prompt_selection_refuses_bad_sizes():
+    with pytest.raises(ValueError, match="candidates_per_prompt"):
+        SchedulerConfig(candidates_per_prompt=0.5)
+    sim = Simulator(WORLD, 0)
+    with pytest.raises(ValueError, match="batch_size"):
+        scheduler(sim).run(sim.sample_batch(4), batch_size=5)

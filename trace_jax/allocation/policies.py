@@ -32,6 +32,10 @@ from trace_jax.rollout.tree import ROOT, RolloutTree
 
 
 class AllocationPolicy(Protocol):
+    def select_prompts(self, ctx: AllocationContext, num: int) -> np.ndarray:
+        """int64 [num]: which of ``ctx.trees`` (candidate roots, none sampled yet) form the batch, in order."""
+        ...
+
     def run(self, ctx: AllocationContext) -> None:
         """Spends (part of) ``ctx``'s budget, growing ``ctx.trees``; never exceeds the rollout budget."""
         ...
@@ -43,6 +47,11 @@ def _uniform_counts(num: int, total: int, rng: np.random.Generator) -> np.ndarra
     counts = np.full(num, total // num, np.int64)
     counts[rng.permutation(num)[: total % num]] += 1
     return counts
+
+
+def _random_prompts(ctx: AllocationContext, num: int) -> np.ndarray:
+    """``num`` of the candidates at random (the batch a policy without a predictor trains on), in input order."""
+    return np.sort(ctx.rng.choice(len(ctx.trees), size=num, replace=False))
 
 
 def _branch_anchors(ctx: AllocationContext, include_roots: bool) -> tuple[list[Item], np.ndarray, np.ndarray]:
@@ -123,6 +132,20 @@ class StagedPolicy:
     def _score(self, ctx: AllocationContext, items: list[Item]) -> np.ndarray:
         return ctx.true_success(items) if self.scorer == "oracle" else ctx.predict(items)
 
+    def select_prompts(self, ctx: AllocationContext, num: int) -> np.ndarray:
+        """Prompt selection *(ours)*: from more candidates than the batch holds, "active" keeps the ``num``
+        whose group of ``m`` rollouts is most likely mixed, ``V_root(v, m)`` on predicted root values with
+        ``m`` what stage 1 affords per kept prompt (ties in random order); "uniform" keeps ``num`` at random.
+        """
+        if self.stage1 == "uniform":
+            return _random_prompts(ctx, num)
+        roots = [(t, ROOT) for t in range(len(ctx.trees))]
+        share = 1.0 if self.stage2 == "none" else self.root_fraction
+        per_prompt = max(2, ctx.affordable_rollouts(float(ctx.costs(roots[:1])[0]), share) // num)
+        value = solvers.root_value(self._score(ctx, roots), per_prompt)
+        order = np.lexsort((ctx.rng.random(len(roots)), -value))  # by value, then a random tie-break
+        return np.sort(order[:num])
+
     def run(self, ctx: AllocationContext) -> None:
         self.root_stage(ctx)
         if self.stage2 == "none":
@@ -176,6 +199,9 @@ class DynamicSamplingPolicy:
 
     group_size: int = 4
     max_attempts: int = 3
+
+    def select_prompts(self, ctx: AllocationContext, num: int) -> np.ndarray:
+        return _random_prompts(ctx, num)
 
     def run(self, ctx: AllocationContext) -> None:
         if self.group_size < 2 or self.max_attempts < 1:

@@ -1,6 +1,7 @@
 """TreeScheduler: spends one RL step's sampling budget over a batch of prompts and returns their trees.
 
-Per batch: build the budget, let the configured policy run its rounds (predict -> allocate -> ask the backend
+Per batch: build the budget, (with more candidate prompts than the batch holds) let the policy select the
+batch's prompts, let the configured policy run its rounds (predict -> allocate -> ask the backend
 -> trees grow), then score the batch's anchors with the predictor *before* it learns from them (held-out
 calibration metrics), train the predictor on the ``V̂`` backups and update the cost model.
 
@@ -49,6 +50,10 @@ class SchedulerConfig:
     prior_tokens_per_rollout: the cost model's guess before it has seen a finished tree.
     max_depth: deepest turn the cost model tells apart (deeper turns share its estimate).
     seed: the policies' random choices.
+    candidates_per_prompt: *(ours)* prompts drawn per prompt trained (>= 1): the training loop draws
+      ``candidates(batch size)`` prompts a step and the policy keeps the batch's worth of them
+      (``select_prompts``: TRACE by predicted ``V_root``, policies without a predictor at random). The budget
+      and every per-prompt figure are those of the kept batch. 1: no selection.
     """
 
     policy: str = "trace"
@@ -61,6 +66,17 @@ class SchedulerConfig:
     prior_tokens_per_rollout: float = 512.0
     max_depth: int = 16
     seed: int = 0
+    candidates_per_prompt: float = 1.0
+
+    def __post_init__(self):
+        if not self.candidates_per_prompt >= 1:
+            raise ValueError(
+                f"candidates_per_prompt must be >= 1 (prompts drawn per prompt trained): {self.candidates_per_prompt}"
+            )
+
+    def candidates(self, batch_size: int) -> int:
+        """How many prompts to draw for a batch of ``batch_size``."""
+        return max(batch_size, round(batch_size * self.candidates_per_prompt))
 
 
 @dataclasses.dataclass
@@ -103,14 +119,25 @@ class TreeScheduler:
             max_tokens_per_rollout=cfg.max_tokens_per_rollout,
         )
 
-    def run(self, trees: Sequence[RolloutTree]) -> ScheduleResult:
-        """Samples the batch ``trees`` (usually roots only) within the budget; trains the predictor on them."""
+    def run(self, trees: Sequence[RolloutTree], batch_size: int | None = None) -> ScheduleResult:
+        """Samples the batch within the budget and trains the predictor on it.
+
+        ``trees`` are roots (usually unsampled). ``batch_size`` (default: all of them) is how many form the batch:
+        with fewer than ``len(trees)`` the policy selects that many first; the result holds only those.
+        """
+        num_candidates, batch_size = len(trees), len(trees) if batch_size is None else batch_size
+        if not 1 <= batch_size <= len(trees):
+            raise ValueError(f"batch_size must be in [1, {len(trees)}] (the candidates given), got {batch_size}")
         featurize = getattr(self.backend, "featurize_roots", None)
         if featurize is not None and any(tree.root.feature is None for tree in trees):
             featurize(trees)  # optional backend hook: stage 1 predicts from root features (one prefill)
         start = time.perf_counter()
         rng = np.random.default_rng([self.config.seed, self.step])
-        ctx = AllocationContext(trees, self.backend, self.budget(len(trees)), self.predictor, self.cost_model, rng)
+        budget = self.budget(batch_size)
+        if batch_size < len(trees):
+            candidates = AllocationContext(trees, self.backend, budget, self.predictor, self.cost_model, rng)
+            trees = [trees[i] for i in self.policy.select_prompts(candidates, batch_size)]
+        ctx = AllocationContext(trees, self.backend, budget, self.predictor, self.cost_model, rng)
         self.policy.run(ctx)
         allocate_seconds = time.perf_counter() - start - ctx.backend_seconds
 
@@ -127,6 +154,8 @@ class TreeScheduler:
         metrics.update(figures.batch_figures(ctx.trees, generated_tokens=ctx.spent.generated_tokens))
         metrics.update(
             {
+                "prompts": float(len(ctx.trees)),
+                "candidates": float(num_candidates),
                 "budget/rollouts": float(ctx.spent.rollouts),
                 "budget/generated_tokens": float(ctx.spent.generated_tokens),
                 "budget/rounds": float(len(ctx.rounds)),

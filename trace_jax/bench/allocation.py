@@ -12,6 +12,8 @@ Each (policy, seed) runs ``--warmup`` batches (the predictor and cost model lear
 mean over ``--steps`` batches. The simulator's seed is the run's seed, so every policy sees the same world.
 Budgets are planned on expected costs, so a single batch may spend a few percent more or less than the budget;
 the table reports the mean and the largest share used.
+``--candidates C`` draws C x ``--batch`` prompts a batch and lets each policy keep ``--batch`` of them (prompt
+selection, ``SchedulerConfig.candidates_per_prompt``): TRACE by predicted ``V_root``, the others at random.
 
 ``--calibrated DIFFICULTY_JSON`` (from ``trace_jax.bench.difficulty``) replaces the default simulator by one fitted
 to real rollouts (:func:`calibrated_simulator`) and adds a simulator-vs-real table of effective ratios (real
@@ -161,11 +163,12 @@ def run_policy(
         tokens_per_prompt=token_budget,
         prior_tokens_per_rollout=token_budget / args.group_size,
         seed=seed,
+        candidates_per_prompt=args.candidates,
     )
     scheduler = TreeScheduler(sim, config)
     rows = []
     for step in range(args.warmup + args.steps):
-        result = scheduler.run(sim.sample_batch(args.batch))
+        result = scheduler.run(sim.sample_batch(config.candidates(args.batch)), batch_size=args.batch)
         if step >= args.warmup:
             rows.append(result.metrics)
     out = {key: float(np.mean([row[key] for row in rows])) for key in rows[0]}
@@ -333,6 +336,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=4, help="token budget = this many full rollouts/prompt")
+    parser.add_argument(
+        "--candidates", type=float, default=1.0, help="prompts drawn per prompt trained (prompt selection; 1: none)"
+    )
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no-ablation", action="store_true")
