@@ -8,7 +8,9 @@ Policies: uniform, dynamic_sampling, root_only, tree_random, tree_entropy, trace
   and ``trace``);
 * prompt selection (``trace_select3``, ``root_only_select3``, ``active1_uniform2_select3``): the step draws 3
   candidate prompts per prompt it trains and the policy keeps the batch's worth by predicted ``V_root``
-  (``allocation.candidates_per_prompt``; the budget is the kept batch's).
+  (``allocation.candidates_per_prompt``; the budget is the kept batch's);
+* a warm predictor (``trace_warm``, ``trace_select3_warm``): before RL step 1 the predictor learns from 8
+  rollouts on each of 96 prompts (``allocation.predictor_warmup_prompts``; that sampling is logged at step 0).
 
 All share the default's budget accounting: equal rollouts per prompt by default; set
 ``--config.allocation.tokens_per_prompt`` (and a large ``rollouts_per_prompt``) for equal generated tokens, as
@@ -27,19 +29,25 @@ from trace_jax.config_utils import load_config_file
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """A registered policy with overrides of its fields and a prompt-selection factor."""
+    """A registered policy with overrides of its fields and of other ``config.allocation`` fields."""
 
     policy: str
     policy_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    candidates_per_prompt: float = 1.0
+    allocation: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+SELECT3 = {"candidates_per_prompt": 3.0}
+WARM = {"predictor_warmup_prompts": 96, "predictor_warmup_rollouts": 8}
 
 
 ARMS = {
     "active1_uniform2": Arm("trace", {"stage1": "active", "stage2": "uniform"}),
     "uniform1_active2": Arm("trace", {"stage1": "uniform", "stage2": "active"}),
-    "trace_select3": Arm("trace", candidates_per_prompt=3.0),
-    "root_only_select3": Arm("root_only", candidates_per_prompt=3.0),
-    "active1_uniform2_select3": Arm("trace", {"stage1": "active", "stage2": "uniform"}, 3.0),
+    "trace_select3": Arm("trace", allocation=SELECT3),
+    "root_only_select3": Arm("root_only", allocation=SELECT3),
+    "active1_uniform2_select3": Arm("trace", {"stage1": "active", "stage2": "uniform"}, SELECT3),
+    "trace_warm": Arm("trace", allocation=WARM),
+    "trace_select3_warm": Arm("trace", allocation={**SELECT3, **WARM}),
 }
 
 
@@ -57,7 +65,8 @@ def get_config(policy: str = "trace") -> ml_collections.ConfigDict:
     arm = ARMS.get(policy, Arm(policy))
     config = _default_config()
     config.allocation.policy = arm.policy
-    config.allocation.candidates_per_prompt = arm.candidates_per_prompt
     if arm.policy_kwargs:
         config.allocation.policy_kwargs = dict(arm.policy_kwargs)
+    for field, value in arm.allocation.items():
+        config.allocation[field] = value
     return config

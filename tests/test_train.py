@@ -25,7 +25,10 @@ TINY = [
     *TINY_MAIN_JOB,
     "--config.rl.steps=3",
     "--config.rl.checkpoint_every=2",
-    "--config.allocation.candidates_per_prompt=2.0",  # prompt selection: the resume and same-seed tests cover it
+    # Prompt selection and a predictor warm-up: the resume and same-seed tests cover them too.
+    "--config.allocation.candidates_per_prompt=2.0",
+    "--config.allocation.predictor_warmup_prompts=4",
+    "--config.allocation.predictor_warmup_rollouts=2",
 ]
 
 
@@ -88,6 +91,7 @@ def test_main_job_writes_logs_plots_checkpoints_and_a_summary(finished_run):
     assert all(r["alloc/budget/rollouts"] <= 4 * 3 for r in steps)  # the rollout budget holds
     assert all(r["alloc/candidates"] == 8 and r["alloc/prompts"] == 4 for r in steps)  # 4 kept of 8 drawn
     assert [r["step"] for r in records if "eval/em" in r] == [0, 3]  # before RL (the SFT policy) and after
+    assert [(r["step"], r["alloc/warmup/rollouts"]) for r in records if "alloc/warmup/rollouts" in r] == [(0, 8.0)]
     assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
     for plot in ("reward.png", "effective_ratio.png"):
         assert (workdir / "plots" / plot).read_bytes()[:4] == b"\x89PNG"

@@ -154,7 +154,7 @@ def _train(
             console.info(f"resuming at RL step {run.step} of {steps} (checkpoint in {workdir / rundir.CHECKPOINTS})")
         else:
             run.eval_before = run.last_eval = run.evaluate("evaluation before RL")
-            writer.write(0, eval_metrics(run.eval_before))
+            writer.write(0, {**eval_metrics(run.eval_before), **run.warm_up_predictor()})
             distributed.run_on_main(logs.push)
             run.save(force=True)  # step 0: the evaluation above is logged once, whatever happens next
         with console.progress(steps, "TRACE RL", initial=run.step) as bar:

@@ -178,6 +178,25 @@ class Training:
         self.sampled_by_process = self.processes.sampled_questions(self.rollouts, scheduled.trees)
         return self.processes.reduce(metrics)
 
+    def warm_up_predictor(self) -> dict[str, float]:
+        """The scheduler's predictor warm-up on the next ``allocation.predictor_warmup_prompts`` prompts of the
+        stream (before RL step 1; the stream moves past them). Its metrics, or {} when there is none."""
+        import time
+
+        from trace_jax.rollout.tree import RolloutTree
+
+        wanted = self.scheduler.config.predictor_warmup_prompts
+        if not wanted:
+            return {}
+        start = time.perf_counter()
+        tasks: list[Any] = []
+        while len(tasks) < wanted:
+            tasks += self.prompts.next_batch()
+        trees = [RolloutTree(self.world.env.prompt_ids(task), task, i) for i, task in enumerate(tasks[:wanted])]
+        metrics = {f"alloc/warmup/{k}": v for k, v in self.scheduler.warm_up(trees).items()}
+        metrics["time/warmup_s"] = time.perf_counter() - start
+        return self.processes.reduce(metrics)
+
     def evaluate(self, description: str, leave: bool = True) -> list[dict[str, Any]]:
         """Greedy EM/F1 rows (per hop group, then ``all``) on ``config.eval``'s questions, with a progress bar."""
         from trace_jax.evaluate import evaluate

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from trace_jax.allocation.anchors import training_anchors
+from trace_jax.allocation.calibration import calibration_metrics
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
 from trace_jax.models.predictor import MLPPredictor
@@ -126,3 +127,27 @@ def test_prompt_selection_refuses_bad_sizes():
     sim = Simulator(WORLD, 0)
     with pytest.raises(ValueError, match="batch_size"):
         scheduler(sim).run(sim.sample_batch(4), batch_size=5)
+
+
+def test_predictor_warm_up_trains_the_predictor_before_the_first_batch():
+    sim = Simulator(WORLD, 5)
+    sched = scheduler(sim, policy="trace", predictor_warmup_prompts=48, predictor_warmup_rollouts=4)
+    probe = sim.sample_batch(64)
+    sim.continue_anchors([ContinuationRequest(t, 0, 4) for t in probe])
+    held_out = training_anchors(probe)
+
+    def auc():
+        return calibration_metrics(sched.predictor.predict(held_out), held_out.targets_n, held_out.weights_n)["auc"]
+
+    before = auc()  # an untrained network's ranking
+    metrics = sched.warm_up(sim.sample_batch(48))
+    assert metrics["prompts"] == 48 and metrics["rollouts"] == 48 * 4 and metrics["generated_tokens"] > 0
+    assert 0.0 < metrics["effective_ratio"] < 1.0 and np.isfinite(metrics["predictor/loss"])
+    assert auc() > max(0.65, before + 0.1)
+    assert sched.step == 0  # the warm-up is not an RL step
+
+
+def test_predictor_warm_up_refuses_groups_that_cannot_be_mixed():
+    sim = Simulator(WORLD, 0)
+    with pytest.raises(ValueError, match="predictor_warmup_rollouts >= 2"):
+        scheduler(sim, predictor_warmup_rollouts=1).warm_up(sim.sample_batch(4))

@@ -202,3 +202,19 @@ def test_prompt_selection_arms_draw_three_candidates_per_trained_prompt():
         "active1_uniform2_select3": ("trace", 3.0),
         "trace": ("trace", 1.0),
     }
+
+
+def test_a_predictor_warm_up_is_charged_on_both_cost_axes():
+    records = [{"step": 0, "alloc/warmup/generated_tokens": 500.0, "time/warmup_s": 3.0}]
+    records += fake_records([250] * 4, {2: 0.5, 4: 0.6}, step_seconds=2.0)
+    warm = train_curve.run_curve("trace_warm", 0, records, sft_em=0.4)
+    cold = train_curve.run_curve("trace", 0, fake_records([250] * 4, {2: 0.5, 4: 0.6}, step_seconds=2.0), 0.4)
+    assert (warm.warmup_tokens, warm.warmup_seconds, cold.warmup_tokens) == (500.0, 3.0, 0.0)
+    np.testing.assert_allclose(warm.cumulative_tokens_at(warm.eval_steps), [500, 1000, 1500])
+    np.testing.assert_allclose(warm.cumulative_seconds_at(warm.eval_steps), [3, 7, 11])
+    assert warm.total_tokens == 1500.0 and cold.total_tokens == 1000.0
+    result = train_curve.aggregate([warm, cold])
+    assert result["equal_tokens"] == 1000.0
+    # At 1,000 tokens the cold run has its final EM; the warm one is only at its step-2 evaluation.
+    assert result["policies"]["trace"]["em_at_equal_tokens"]["mean"] == pytest.approx(0.6)
+    assert result["policies"]["trace_warm"]["em_at_equal_tokens"]["mean"] == pytest.approx(0.5)

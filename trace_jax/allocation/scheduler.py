@@ -33,8 +33,8 @@ from trace_jax.allocation.calibration import calibration_metrics
 from trace_jax.allocation.context import AllocationContext, Budget, CostModel
 from trace_jax.allocation.policies import AllocationPolicy, make_policy
 from trace_jax.models.predictor import SuccessPredictor, make_predictor
-from trace_jax.rollout.backend import RolloutBackend, RolloutStats
-from trace_jax.rollout.tree import RolloutTree
+from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend, RolloutStats
+from trace_jax.rollout.tree import ROOT, RolloutTree
 
 
 @dataclasses.dataclass
@@ -54,6 +54,10 @@ class SchedulerConfig:
       ``candidates(batch size)`` prompts a step and the policy keeps the batch's worth of them
       (``select_prompts``: TRACE by predicted ``V_root``, policies without a predictor at random). The budget
       and every per-prompt figure are those of the kept batch. 1: no selection.
+    predictor_warmup_prompts / predictor_warmup_rollouts / predictor_warmup_updates: *(ours)* before the first RL
+      step, ``warm_up`` samples groups of ``predictor_warmup_rollouts`` on that many prompts and trains the
+      predictor ``predictor_warmup_updates`` times on their anchors, so stage 1 does not start from an untrained
+      predictor. Its cost is logged apart (``alloc/warmup/*`` at step 0). 0 prompts: no warm-up.
     """
 
     policy: str = "trace"
@@ -67,6 +71,9 @@ class SchedulerConfig:
     max_depth: int = 16
     seed: int = 0
     candidates_per_prompt: float = 1.0
+    predictor_warmup_prompts: int = 0
+    predictor_warmup_rollouts: int = 8
+    predictor_warmup_updates: int = 8
 
     def __post_init__(self):
         if not self.candidates_per_prompt >= 1:
@@ -165,6 +172,37 @@ class TreeScheduler:
             }
         )
         return ScheduleResult(ctx.trees, ctx.spent, metrics)
+
+    def warm_up(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
+        """Trains the predictor on uniform groups sampled on ``trees`` (roots) before the first batch.
+
+        ``predictor_warmup_rollouts`` rollouts a prompt, then ``predictor_warmup_updates`` predictor updates on
+        the trees' anchors (each update replays them); the cost model learns from them too. Returns the figures
+        and the cost (``prompts``, ``rollouts``, ``generated_tokens``, ``effective_ratio``, predictor loss).
+        """
+        cfg = self.config
+        if cfg.predictor_warmup_rollouts < 2 or cfg.predictor_warmup_updates < 1:
+            raise ValueError(
+                "the predictor warm-up needs predictor_warmup_rollouts >= 2 and predictor_warmup_updates >= 1"
+            )
+        featurize = getattr(self.backend, "featurize_roots", None)
+        if featurize is not None:
+            featurize(trees)
+        stats = self.backend.continue_anchors(
+            [ContinuationRequest(tree, ROOT, cfg.predictor_warmup_rollouts) for tree in trees]
+        )
+        anchors = training_anchors(trees, with_prefix_ids=getattr(self.predictor, "needs_prefix_ids", False))
+        fitted: dict[str, float] = {}
+        for _ in range(cfg.predictor_warmup_updates):
+            fitted = self.predictor.update(anchors)
+        self.cost_model.update(trees)
+        return {
+            "prompts": float(len(trees)),
+            "rollouts": float(stats.rollouts),
+            "generated_tokens": float(stats.generated_tokens),
+            "effective_ratio": figures.effective_ratio(trees),
+            **fitted,
+        }
 
     # ------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -47,6 +47,7 @@ import numpy as np
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 BEFORE_FILE = "eval_before.json"
+WARMUP_KEYS = ("alloc/warmup/generated_tokens", "time/warmup_s")  # the predictor warm-up's cost, at step 0
 
 
 @dataclasses.dataclass
@@ -61,6 +62,8 @@ class RunCurve:
     signal_token_share: float64 [S], the share of each step's generated tokens that carry a non-zero advantage
       (what allocation is for; the simulator's "non-zero-advantage tokens"; NaN when not logged).
     seconds: wall time of the run (0 when unknown).
+    warmup_tokens / warmup_seconds: the predictor warm-up's generated tokens and wall seconds before step 1
+      (``alloc/warmup/generated_tokens``, ``time/warmup_s``; 0 without one): both cost axes start there.
     """
 
     policy: str
@@ -77,10 +80,17 @@ class RunCurve:
     predictor_brier: np.ndarray | None = None
     seconds: float = 0.0
     signal_token_share: np.ndarray | None = None
+    warmup_tokens: float = 0.0
+    warmup_seconds: float = 0.0
+
+    @property
+    def total_tokens(self) -> float:
+        """Generated tokens of the whole run, the predictor warm-up included."""
+        return self.warmup_tokens + float(self.generated_tokens.sum())
 
     def cumulative_tokens_at(self, steps: np.ndarray) -> np.ndarray:
-        """float64: generated tokens spent by the end of each of ``steps`` (0 at step 0)."""
-        cumulative = np.concatenate([[0.0], np.cumsum(self.generated_tokens)])
+        """float64: generated tokens spent by the end of each of ``steps`` (the warm-up's at step 0)."""
+        cumulative = self.warmup_tokens + np.concatenate([[0.0], np.cumsum(self.generated_tokens)])
         return cumulative[np.searchsorted(np.concatenate([[0], self.steps]), steps, side="right") - 1]
 
     def em_at_tokens(self, tokens: np.ndarray) -> np.ndarray:
@@ -88,9 +98,10 @@ class RunCurve:
         return np.interp(tokens, self.cumulative_tokens_at(self.eval_steps), self.eval_em)
 
     def cumulative_seconds_at(self, steps: np.ndarray) -> np.ndarray:
-        """float64: RL-step wall seconds spent by the end of each of ``steps`` (0 at step 0; NaN steps count 0)."""
+        """float64: RL-step wall seconds spent by the end of each of ``steps`` (the warm-up's at step 0; NaN steps
+        count 0)."""
         per_step = np.zeros(len(self.steps)) if self.step_seconds is None else np.nan_to_num(self.step_seconds)
-        cumulative = np.concatenate([[0.0], np.cumsum(per_step)])
+        cumulative = self.warmup_seconds + np.concatenate([[0.0], np.cumsum(per_step)])
         return cumulative[np.searchsorted(np.concatenate([[0], self.steps]), steps, side="right") - 1]
 
     def em_at_seconds(self, seconds: np.ndarray) -> np.ndarray:
@@ -108,6 +119,7 @@ def run_curve(policy: str, seed: int, records: Sequence[Mapping[str, Any]], sft_
     if not steps:
         raise ValueError(f"run {policy} seed {seed} logged no RL step (is its metrics.jsonl empty?)")
     evals = {0: sft_em}
+    warmup = {k: float(r[k]) for r in records if r.get("step") == 0 for k in WARMUP_KEYS if r.get(k) is not None}
     for r in records:
         if r.get("eval/em") is not None:
             evals[int(r["step"])] = float(r["eval/em"])  # the last write of a step wins (the final eval)
@@ -131,6 +143,8 @@ def run_curve(policy: str, seed: int, records: Sequence[Mapping[str, Any]], sft_
         column("alloc/predictor/brier"),
         seconds,
         column("alloc/nonzero_adv_token_share"),
+        warmup.get(WARMUP_KEYS[0], 0.0),
+        warmup.get(WARMUP_KEYS[1], 0.0),
     )
 
 
@@ -216,7 +230,7 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
 
     if not runs:
         raise ValueError("no runs to aggregate")
-    equal_tokens = float(min(run.generated_tokens.sum() for run in runs))
+    equal_tokens = float(min(run.total_tokens for run in runs))
     equal_seconds = float(min(run.total_step_seconds for run in runs))
     grid = np.linspace(0.0, equal_tokens, grid_points)
     time_grid = np.linspace(0.0, equal_seconds, grid_points)
@@ -228,7 +242,7 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
         em_time = [float(run.em_at_seconds(np.asarray(equal_seconds))) for run in group]
         eff = [float(np.nanmean(run.effective_ratio)) for run in group]
         signal = [_nanmean(run.signal_token_share) for run in group]
-        tokens = [float(run.generated_tokens.sum()) for run in group]
+        tokens = [run.total_tokens for run in group]
         rollouts = [float(run.rollouts.sum()) for run in group]
         per_step_tokens = [float(run.generated_tokens.mean()) for run in group]
         rows.append(
@@ -309,7 +323,10 @@ def plot(
         ),
         "effective_ratio_vs_tokens.png": (
             {
-                p: [(grid, np.interp(grid, np.cumsum(r.generated_tokens), r.effective_ratio)) for r in g]
+                p: [
+                    (grid, np.interp(grid, r.warmup_tokens + np.cumsum(r.generated_tokens), r.effective_ratio))
+                    for r in g
+                ]
                 for p, g in groups.items()
             },
             "cumulative generated tokens",
