@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -367,11 +368,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         real_curve = json.loads(pathlib.Path(args.real_curve).read_text())
     budget = args.group_size * tokens_per_rollout(base)
     results: dict[str, Any] = {
-        "command": "python -m trace_jax.bench.allocation" + ("" if argv is None else " " + " ".join(argv)),
+        "command": " ".join(["python -m trace_jax.bench.allocation", *(sys.argv[1:] if argv is None else argv)]),
         "seeds": args.seeds,
         "world_seeds": args.world_seeds,
         "batch": args.batch,
         "group_size": args.group_size,
+        "candidates_per_prompt": args.candidates,
         "tokens_per_prompt": budget,
         "simulator": base.__dict__,
         "calibration": calibration,

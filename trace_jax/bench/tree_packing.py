@@ -28,6 +28,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import sys
 import time
 from typing import Any
 
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         stats["median_step_seconds"] = float(np.median(stats["step_seconds"]))
     packed, per_path = layouts["packed"], layouts["per_path"]
     results = {
-        "command": "python -m trace_jax.bench.tree_packing" + ("" if argv is None else " " + " ".join(argv)),
+        "command": " ".join(["python -m trace_jax.bench.tree_packing", *(sys.argv[1:] if argv is None else argv)]),
         "device": str(jax.devices()[0].platform),
         "trees": {
             "count": len(trees),
