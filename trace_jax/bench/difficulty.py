@@ -158,7 +158,9 @@ def first_turn_concentration(root_successes: Sequence[float], children: Sequence
 def predictor_informativeness(trees: Sequence[RolloutTree], seed: int = 0, updates: int = 8) -> dict[str, float]:
     """Held-out Brier / AUC / ECE of the MLP predictor after ``updates`` updates on the anchors of half the trees.
 
-    The same protocol on simulator trees (``trace_jax.bench.allocation``) calibrates the simulated features.
+    The same protocol on simulator trees (``trace_jax.bench.allocation``) calibrates the simulated features. Also
+    the same figures on the held-out roots alone (``roots``: what stage 1 and prompt selection rank, from the
+    prompt only) and on the deeper prefixes (``prefixes``: what stage 2 ranks, after some observations).
     """
     from trace_jax.allocation.anchors import training_anchors
     from trace_jax.allocation.calibration import calibration_metrics
@@ -173,7 +175,13 @@ def predictor_informativeness(trees: Sequence[RolloutTree], seed: int = 0, updat
     for _ in range(updates):
         model.update(anchors)
     test = training_anchors(held_out)
-    return calibration_metrics(model.predict(test), test.targets_n, test.weights_n)
+    pred = model.predict(test)
+    overall = calibration_metrics(pred, test.targets_n, test.weights_n)
+    parts = {"roots": test.depths_n == 0, "prefixes": test.depths_n > 0}
+    for name, keep in parts.items():
+        if keep.any():
+            overall[name] = calibration_metrics(pred[keep], test.targets_n[keep], test.weights_n[keep])
+    return overall
 
 
 def by_group(trees: Sequence[RolloutTree], samples: int, group_size: int) -> dict[str, dict[str, Any]]:
