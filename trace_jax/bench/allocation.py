@@ -101,21 +101,26 @@ def calibrated_simulator(
     real_auc = stats.get("predictor", {}).get("auc")
     if match_auc and real_auc is not None and np.isfinite(real_auc):
         samples = int(stats.get("setup", {}).get("samples", 8))
-        aucs, root_aucs = {}, {}
+        group_size = int(stats.get("setup", {}).get("group_size", 8))
+        aucs, root_aucs, mixed_aucs = {}, {}, {}
         for signal in FEATURE_SIGNALS:
             candidate = dataclasses.replace(config, feature_signal=signal)
             sim = Simulator(candidate, seed)
             trees = sim.sample_batch(min(prompts, candidate.num_prompts))
             sim.continue_anchors([ContinuationRequest(t, 0, samples) for t in trees])
-            informativeness = predictor_informativeness(trees, seed)
+            informativeness = predictor_informativeness(trees, seed, group_size=group_size)
             aucs[signal] = informativeness["auc"]
-            root_aucs[signal] = informativeness.get("roots", {}).get("auc", np.nan)
+            root_aucs[signal] = informativeness["roots"]["auc"]
+            mixed_aucs[signal] = informativeness["mixed_root_auc"]
         best = min(aucs, key=lambda signal: abs(aucs[signal] - real_auc))
         config = dataclasses.replace(config, feature_signal=best)
         record.update(feature_signal=best, simulated_auc=aucs, real_auc=float(real_auc))
         # Roots alone (what stage 1 and prompt selection rank): matched on all anchors, not on these.
-        real_root_auc = stats.get("predictor", {}).get("roots", {}).get("auc", np.nan)
-        record.update(simulated_root_auc=root_aucs, real_root_auc=float(real_root_auc))
+        real = stats.get("predictor", {})
+        record.update(simulated_root_auc=root_aucs, real_root_auc=float(real.get("roots", {}).get("auc", np.nan)))
+        record.update(
+            simulated_mixed_root_auc=mixed_aucs, real_mixed_root_auc=float(real.get("mixed_root_auc", np.nan))
+        )
     return config, record
 
 

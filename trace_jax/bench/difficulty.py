@@ -155,15 +155,20 @@ def first_turn_concentration(root_successes: Sequence[float], children: Sequence
     return {"kappa": float(max(kappa, 0.0)), "ratio": float(ratio), "prefixes": prefixes}
 
 
-def predictor_informativeness(trees: Sequence[RolloutTree], seed: int = 0, updates: int = 8) -> dict[str, float]:
+def predictor_informativeness(
+    trees: Sequence[RolloutTree], seed: int = 0, updates: int = 8, group_size: int = 8
+) -> dict[str, Any]:
     """Held-out Brier / AUC / ECE of the MLP predictor after ``updates`` updates on the anchors of half the trees.
 
     The same protocol on simulator trees (``trace_jax.bench.allocation``) calibrates the simulated features. Also
     the same figures on the held-out roots alone (``roots``: what stage 1 and prompt selection rank, from the
-    prompt only) and on the deeper prefixes (``prefixes``: what stage 2 ranks, after some observations).
+    prompt only) and on the deeper prefixes (``prefixes``: what stage 2 ranks, after some observations), and
+    ``mixed_root_auc``: how well ``V_root(v, group_size)`` on the predicted root values ranks the held-out prompts
+    whose sampled group came out mixed above those whose did not (what prompt selection needs).
     """
     from trace_jax.allocation.anchors import training_anchors
-    from trace_jax.allocation.calibration import calibration_metrics
+    from trace_jax.allocation.calibration import calibration_metrics, weighted_auc
+    from trace_jax.allocation.solvers import root_value
     from trace_jax.models.predictor import make_predictor
 
     order = np.random.default_rng(seed).permutation(len(trees))
@@ -181,6 +186,10 @@ def predictor_informativeness(trees: Sequence[RolloutTree], seed: int = 0, updat
     for name, keep in parts.items():
         if keep.any():
             overall[name] = calibration_metrics(pred[keep], test.targets_n[keep], test.weights_n[keep])
+    roots = parts["roots"]
+    mixed = (test.targets_n[roots] > 0) & (test.targets_n[roots] < 1)
+    selection_score = root_value(pred[roots], group_size)
+    overall["mixed_root_auc"] = weighted_auc(selection_score, mixed.astype(np.float64), np.ones(int(roots.sum())))
     return overall
 
 
@@ -245,7 +254,7 @@ def measure_trees(
         "by_group": by_group(trees, args.samples, args.group_size),
         "beta_binomial": fit_beta_binomial(counts, args.samples),
         "turns": turn_statistics(trees),
-        "predictor": predictor_informativeness(trees, args.seed),
+        "predictor": predictor_informativeness(trees, args.seed, group_size=args.group_size),
         "sampling_seconds": seconds,
     }
     if args.prefix_prompts:
