@@ -135,9 +135,7 @@ class TreeScheduler:
         num_candidates, batch_size = len(trees), len(trees) if batch_size is None else batch_size
         if not 1 <= batch_size <= len(trees):
             raise ValueError(f"batch_size must be in [1, {len(trees)}] (the candidates given), got {batch_size}")
-        featurize = getattr(self.backend, "featurize_roots", None)
-        if featurize is not None and any(tree.root.feature is None for tree in trees):
-            featurize(trees)  # optional backend hook: stage 1 predicts from root features (one prefill)
+        self._featurize(trees)
         start = time.perf_counter()
         rng = np.random.default_rng([self.config.seed, self.step])
         budget = self.budget(batch_size)
@@ -173,6 +171,11 @@ class TreeScheduler:
         )
         return ScheduleResult(ctx.trees, ctx.spent, metrics)
 
+    def _featurize(self, trees: Sequence[RolloutTree]) -> None:
+        featurize = getattr(self.backend, "featurize_roots", None)
+        if featurize is not None and any(tree.root.feature is None for tree in trees):
+            featurize(trees)  # optional backend hook: stage 1 predicts from root features (one prefill)
+
     def warm_up(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
         """Trains the predictor on uniform groups sampled on ``trees`` (roots) before the first batch.
 
@@ -185,9 +188,7 @@ class TreeScheduler:
             raise ValueError(
                 "the predictor warm-up needs predictor_warmup_rollouts >= 2 and predictor_warmup_updates >= 1"
             )
-        featurize = getattr(self.backend, "featurize_roots", None)
-        if featurize is not None:
-            featurize(trees)
+        self._featurize(trees)
         stats = self.backend.continue_anchors(
             [ContinuationRequest(tree, ROOT, cfg.predictor_warmup_rollouts) for tree in trees]
         )
