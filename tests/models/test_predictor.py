@@ -92,6 +92,20 @@ def test_beta_posterior_ranks_prompts_it_has_seen_and_registry_names():
         P.make_predictor("unknown")
 
 
+def test_beta_posterior_follows_a_task_to_another_batch_position():
+    """A training step numbers its trees by batch position; the posterior must follow the prompt (its task id)."""
+    first = [RolloutTree([1], {"id": "train-3"}, 0), RolloutTree([1], {"id": "train-8"}, 1)]
+    for _ in range(4):
+        first[0].add_turn(0, [2], reward=1.0)
+        first[1].add_turn(0, [2], reward=0.0)
+    beta = P.make_predictor("beta")
+    beta.update(training_anchors(first))
+    later = [RolloutTree([1], {"id": "train-8"}, 0), RolloutTree([1], {"id": "train-3"}, 1)]  # positions swapped
+    assert [t.prompt_key for t in later] == [first[1].prompt_key, first[0].prompt_key] != [0, 1]
+    pred = beta.predict(gather_anchors(later, [(0, 0), (1, 0)]))
+    assert pred[0] < 0.3 < 0.7 < pred[1]
+
+
 def test_mlp_waits_for_features_and_then_accepts_feature_less_anchors():
     bare = RolloutTree([1])
     bare.add_turn(0, [2], reward=1.0)

@@ -23,7 +23,7 @@ class AnchorBatch:
       no node of the trees has one).
     has_feature_n: bool [N].
     depths_n: int32 [N] node depth (0 = root).
-    prompt_keys_n: int64 [N] the tree's ``prompt_index`` (for per-prompt baselines).
+    prompt_keys_n: int64 [N] the tree's ``prompt_key``, the same whenever a prompt comes back (per-prompt baselines).
     targets_n: float64 [N] ``V̂`` backups (NaN where unknown or not gathered).
     weights_n: float64 [N] leaves under each anchor (0 where not gathered).
     prefix_ids: per anchor the int32 ids of its history (only when gathered ``with_prefix_ids``).
@@ -63,7 +63,7 @@ def gather_anchors(
     if found:
         features[has_feature] = np.stack(found)
     depths = np.fromiter((node.depth for node in nodes), np.int32, num)
-    keys = np.fromiter((trees[t].prompt_index for t, _ in items), np.int64, num)
+    keys = np.fromiter((trees[t].prompt_key for t, _ in items), np.int64, num)
     targets = np.full(num, np.nan)
     weights = np.zeros(num)
     if with_targets:

@@ -15,7 +15,8 @@ Everything here is host-side numpy; ids and log-probs are stored exactly as samp
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -102,6 +103,14 @@ class RolloutTree:
         ids = _ids(prompt_ids)
         zeros = np.zeros(ids.shape[0], np.float32)
         self.nodes: list[Node] = [Node(ROOT, None, 0, ids, zeros, zeros, zeros, _ids(None))]
+
+    @property
+    def prompt_key(self) -> int:
+        """The same integer whenever this prompt comes back, in any batch position or process (the per-prompt
+        predictor's key): the CRC-32 of the task's ``"id"`` when it has one, else ``prompt_index``."""
+        if isinstance(self.task, Mapping) and self.task.get("id") is not None:
+            return zlib.crc32(str(self.task["id"]).encode())
+        return int(self.prompt_index)
 
     # ----------------------------------------------------------------------------------------- building
     def add_turn(
