@@ -80,8 +80,8 @@ def finish(proc, what):
     return stdout, stderr
 
 
-def run_two_processes(workdir, cache, steps):
-    """Both processes of one job; their (stdout, stderr) in process order."""
+def run_two_processes(workdir, cache, steps, *extra):
+    """Both processes of one job (``extra``: more command-line flags); their (stdout, stderr) in process order."""
     port = _free_port()
     distributed = [
         "--config.distributed.mode=explicit",
@@ -90,7 +90,7 @@ def run_two_processes(workdir, cache, steps):
     ]
     procs = [
         subprocess.Popen(
-            _command(workdir, cache, steps, *distributed, f"--config.distributed.process_id={pid}"),
+            _command(workdir, cache, steps, *distributed, *extra, f"--config.distributed.process_id={pid}"),
             cwd=ROOT,
             env=_env(2),
             stdout=subprocess.PIPE,
@@ -198,3 +198,21 @@ def test_a_checkpoint_written_by_both_processes_resumes_in_a_rerun(runs):
     assert "resuming at RL step 2" in err0
     assert [r["step"] for r in records(two)] == [0, 1, 2, 3]
     assert params_at(two)[0] == 3
+
+
+def test_prompt_selection_and_a_predictor_warm_up_split_over_two_processes(runs, tmp_path):
+    """Both processes select the same kept prompts (from features exchanged before selection) and report the
+    step's kept prompts only, split between them; the warm-up's sampling is charged at step 0."""
+    workdir = tmp_path / "selecting"
+    selection = [
+        "--config.allocation.candidates_per_prompt=2.0",
+        "--config.allocation.predictor_warmup_prompts=4",
+        "--config.allocation.predictor_warmup_rollouts=2",
+    ]
+    run_two_processes(workdir, runs["cache"], 1, *selection)
+    logged = records(workdir)
+    assert [(r["step"], r["alloc/warmup/rollouts"]) for r in logged if "alloc/warmup/rollouts" in r] == [(0, 8.0)]
+    assert [(r["alloc/candidates"], r["alloc/prompts"]) for r in logged if "alloc/prompts" in r] == [(8.0, 4.0)]
+    sampled = json.loads((workdir / "summary.json").read_text())["run"]["processes"]["last_step_questions"]
+    assert sampled[0] and sampled[1] and not set(sampled[0]) & set(sampled[1])
+    assert len(sampled[0]) + len(sampled[1]) == 4  # the kept prompts of step 1, not the warm-up's or the dropped

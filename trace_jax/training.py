@@ -195,6 +195,7 @@ class Training:
         trees = [RolloutTree(self.world.env.prompt_ids(task), task, i) for i, task in enumerate(tasks[:wanted])]
         metrics = {f"alloc/warmup/{k}": v for k, v in self.scheduler.warm_up(trees).items()}
         metrics["time/warmup_s"] = time.perf_counter() - start
+        self.processes.sampled_questions(self.rollouts, trees)  # the warm-up's, so step 1 reports only its own
         return self.processes.reduce(metrics)
 
     def evaluate(self, description: str, leave: bool = True) -> list[dict[str, Any]]:

@@ -95,11 +95,19 @@ class Processes:
 
     def sampled_questions(self, backend: Any, trees: Sequence[RolloutTree]) -> list[list[str]]:
         """Per process, the questions (task ``id``, else prompt index) whose rollouts it sampled itself since
-        the last call, as every process sees it (collective). One process: all of ``trees``."""
-        name = lambda index: str(trees[index].task.get("id", index) if isinstance(trees[index].task, dict) else index)
+        the last call, as every process sees it (collective). One process: all of ``trees``.
+
+        ``trees`` are the ones sampled since the last call, found by ``prompt_index`` (with prompt selection a
+        step's trees are some of its candidates, so an index is not a position in ``trees``).
+        """
+        by_index = {tree.prompt_index: tree for tree in trees}
+
+        def name(tree: Any) -> str:
+            return str(tree.task.get("id", tree.prompt_index) if isinstance(tree.task, dict) else tree.prompt_index)
+
         if not self.multi:
-            return [[name(i) for i in range(len(trees))]]
-        mine = [name(i) for i in backend.take_sampled()]
+            return [[name(tree) for tree in trees]]
+        mine = [name(by_index[index]) for index in backend.take_sampled()]
         return multihost.exchange(mine)
 
     def describe(self) -> dict[str, Any]:
