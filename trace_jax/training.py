@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import time
 from typing import Any
 
 import ml_collections
@@ -140,16 +141,12 @@ class Training:
     # ------------------------------------------------------------------------------------------- step
     def rl_step(self) -> dict[str, float]:
         """One RL update; returns its metrics (rollout, allocation, loss, timings)."""
-        import time
-
         from trace_jax import figures
         from trace_jax.rl.advantages import compute_advantages
         from trace_jax.rl.batch import build_batch
-        from trace_jax.rollout.tree import RolloutTree
 
         start = time.perf_counter()
-        tasks = self.prompts.next_batch()
-        trees = [RolloutTree(self.world.env.prompt_ids(task), task, i) for i, task in enumerate(tasks)]
+        trees = self._roots(self.prompts.next_batch())
         scheduled = self.scheduler.run(trees, batch_size=self.config.rl.prompts_per_step)
         rollout_seconds = time.perf_counter() - start
         advantages = compute_advantages(self.config.rl.advantage, scheduled.trees)
@@ -178,12 +175,15 @@ class Training:
         self.sampled_by_process = self.processes.sampled_questions(self.rollouts, scheduled.trees)
         return self.processes.reduce(metrics)
 
+    def _roots(self, tasks: list[Any]) -> list[Any]:
+        """One unsampled tree per task, numbered by its position (the sharded backend's owner key)."""
+        from trace_jax.rollout.tree import RolloutTree
+
+        return [RolloutTree(self.world.env.prompt_ids(task), task, i) for i, task in enumerate(tasks)]
+
     def warm_up_predictor(self) -> dict[str, float]:
         """The scheduler's predictor warm-up on the next ``allocation.predictor_warmup_prompts`` prompts of the
         stream (before RL step 1; the stream moves past them). Its metrics, or {} when there is none."""
-        import time
-
-        from trace_jax.rollout.tree import RolloutTree
 
         wanted = self.scheduler.config.predictor_warmup_prompts
         if not wanted:
@@ -192,7 +192,7 @@ class Training:
         tasks: list[Any] = []
         while len(tasks) < wanted:
             tasks += self.prompts.next_batch()
-        trees = [RolloutTree(self.world.env.prompt_ids(task), task, i) for i, task in enumerate(tasks[:wanted])]
+        trees = self._roots(tasks[:wanted])
         metrics = {f"alloc/warmup/{k}": v for k, v in self.scheduler.warm_up(trees).items()}
         metrics["time/warmup_s"] = time.perf_counter() - start
         self.processes.sampled_questions(self.rollouts, trees)  # the warm-up's, so step 1 reports only its own

@@ -132,6 +132,11 @@ class StagedPolicy:
     def _score(self, ctx: AllocationContext, items: list[Item]) -> np.ndarray:
         return ctx.true_success(items) if self.scorer == "oracle" else ctx.predict(items)
 
+    @property
+    def _root_share(self) -> float:
+        """Share of the budget stage 1 may spend: all of it without a stage 2."""
+        return 1.0 if self.stage2 == "none" else self.root_fraction
+
     def select_prompts(self, ctx: AllocationContext, num: int) -> np.ndarray:
         """Prompt selection *(ours)*: from more candidates than the batch holds, "active" keeps the ``num``
         whose group of ``m`` rollouts is most likely mixed, ``V_root(v, m)`` on predicted root values with
@@ -140,8 +145,7 @@ class StagedPolicy:
         if self.stage1 == "uniform":
             return _random_prompts(ctx, num)
         roots = [(t, ROOT) for t in range(len(ctx.trees))]
-        share = 1.0 if self.stage2 == "none" else self.root_fraction
-        per_prompt = max(2, ctx.affordable_rollouts(float(ctx.costs(roots[:1])[0]), share) // num)
+        per_prompt = max(2, ctx.affordable_rollouts(float(ctx.costs(roots[:1])[0]), self._root_share) // num)
         value = solvers.root_value(self._score(ctx, roots), per_prompt)
         order = np.lexsort((ctx.rng.random(len(roots)), -value))  # by value, then a random tie-break
         return np.sort(order[:num])
@@ -158,8 +162,7 @@ class StagedPolicy:
         roots = [(t, ROOT) for t in range(len(ctx.trees))]
         if not roots:
             return
-        share = 1.0 if self.stage2 == "none" else self.root_fraction
-        total = ctx.affordable_rollouts(float(ctx.costs(roots[:1])[0]), share)
+        total = ctx.affordable_rollouts(float(ctx.costs(roots[:1])[0]), self._root_share)
         if self.stage1 == "uniform":
             counts = _uniform_counts(len(roots), total, ctx.rng)
         else:

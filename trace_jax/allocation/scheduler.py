@@ -80,6 +80,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"candidates_per_prompt must be >= 1 (prompts drawn per prompt trained): {self.candidates_per_prompt}"
             )
+        if self.predictor_warmup_rollouts < 2 or self.predictor_warmup_updates < 1:
+            raise ValueError(
+                "the predictor warm-up needs predictor_warmup_rollouts >= 2 and predictor_warmup_updates >= 1"
+            )
 
     def candidates(self, batch_size: int) -> int:
         """How many prompts to draw for a batch of ``batch_size``."""
@@ -184,10 +188,6 @@ class TreeScheduler:
         and the cost (``prompts``, ``rollouts``, ``generated_tokens``, ``effective_ratio``, predictor loss).
         """
         cfg = self.config
-        if cfg.predictor_warmup_rollouts < 2 or cfg.predictor_warmup_updates < 1:
-            raise ValueError(
-                "the predictor warm-up needs predictor_warmup_rollouts >= 2 and predictor_warmup_updates >= 1"
-            )
         self._featurize(trees)
         stats = self.backend.continue_anchors(
             [ContinuationRequest(tree, ROOT, cfg.predictor_warmup_rollouts) for tree in trees]

@@ -100,13 +100,13 @@ class Processes:
         ``trees`` are the ones sampled since the last call, found by ``prompt_index`` (with prompt selection a
         step's trees are some of its candidates, so an index is not a position in ``trees``).
         """
-        by_index = {tree.prompt_index: tree for tree in trees}
 
         def name(tree: Any) -> str:
             return str(tree.task.get("id", tree.prompt_index) if isinstance(tree.task, dict) else tree.prompt_index)
 
         if not self.multi:
             return [[name(tree) for tree in trees]]
+        by_index = {tree.prompt_index: tree for tree in trees}
         mine = [name(by_index[index]) for index in backend.take_sampled()]
         return multihost.exchange(mine)
 
