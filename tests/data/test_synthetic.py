@@ -210,3 +210,16 @@ def test_realistic_preset_selects_the_world_and_the_tiny_policy():
     size = num_params(from_config(SFTConfig, config.sft).model_config(config.tokenizer.vocab_size))
     # The default tiny policy: a few-million-parameter one was too slow to warm-start here (configs/realistic.py).
     assert size == num_params(SFTConfig().model_config(config.tokenizer.vocab_size))
+
+
+def test_large_realistic_preset_is_the_realistic_run_with_a_few_million_parameter_policy():
+    configs = pathlib.Path(__file__).resolve().parents[2] / "configs"
+    small = load_config_file(f"{configs / 'realistic.py'}:trace_select3")
+    large = load_config_file(f"{configs / 'realistic_large.py'}:trace_select3")
+    vocab = large.tokenizer.vocab_size
+    assert num_params(from_config(SFTConfig, large.sft).model_config(vocab)) > 3_000_000
+    assert num_params(from_config(SFTConfig, small.sft).model_config(vocab)) < 200_000
+    # Only the policy and its warm-start length differ: same world, tokenizer, ReAct, allocation and RL settings.
+    for section in ("world", "tokenizer", "react", "allocation", "rl", "engine"):
+        assert large[section].to_dict() == small[section].to_dict(), section
+    assert large.sft.split == small.sft.split and large.sft.max_steps > small.sft.max_steps
