@@ -10,7 +10,9 @@ Policies: uniform, dynamic_sampling, root_only, tree_random, tree_entropy, trace
   candidate prompts per prompt it trains and the policy keeps the batch's worth by predicted ``V_root``
   (``allocation.candidates_per_prompt``; the budget is the kept batch's);
 * a warm predictor (``trace_warm``, ``trace_select3_warm``): before RL step 1 the predictor learns from 8
-  rollouts on each of 96 prompts (``allocation.predictor_warmup_prompts``; that sampling is logged at step 0).
+  rollouts on each of 96 prompts (``allocation.predictor_warmup_prompts``; that sampling is logged at step 0);
+* ``trace_select3_warm_dispersion``: the same with the predictor's dispersion head, so selection and stage 1
+  rank prompts by the expected ``V_root`` under the predicted spread of their success probability.
 
 All share the default's budget accounting: equal rollouts per prompt by default; set
 ``--config.allocation.tokens_per_prompt`` (and a large ``rollouts_per_prompt``) for equal generated tokens, as
@@ -38,6 +40,7 @@ class Arm:
 
 SELECT3 = {"candidates_per_prompt": 3.0}
 WARM = {"predictor_warmup_prompts": 96, "predictor_warmup_rollouts": 8}
+DISPERSION = {"predictor_kwargs": {"dispersion": True}}
 
 
 ARMS = {
@@ -48,6 +51,7 @@ ARMS = {
     "active1_uniform2_select3": Arm("trace", {"stage1": "active", "stage2": "uniform"}, SELECT3),
     "trace_warm": Arm("trace", allocation=WARM),
     "trace_select3_warm": Arm("trace", allocation={**SELECT3, **WARM}),
+    "trace_select3_warm_dispersion": Arm("trace", allocation={**SELECT3, **WARM, **DISPERSION}),
 }
 
 

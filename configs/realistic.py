@@ -11,11 +11,9 @@ answer); lookalike distractors (0-4 per entity, each stating a wrong object for 
 are up to 6 turns.
 
 The policy is the default tiny Qwen3 (2 layers, width 64, ~0.14M parameters with the 1024-token BPE) with 1,200
-SFT steps. A 3.4M-parameter policy (4 layers, width 256) with 3,000 steps was the plan, but on the shared
-2-core machine its SFT ran at ~7 s a step (60 steps in 470 s under load ~20), i.e. ~6 hours; set
-``POLICY_OVERRIDES`` (e.g. ``(("hidden_size", 256), ("intermediate_size", 768), ("num_layers", 4),
-("head_dim", 64))``) and ``config.sft.max_steps`` on a faster machine. What this preset gives after the warm
-start is measured by ``python -m trace_jax.bench.difficulty`` (README, "Evidence").
+SFT steps. ``configs/realistic_large.py`` is the same run with a 3.4M-parameter policy (4 layers, width 256,
+2,000 SFT steps: 863 s on the quiet 2-core machine). ``POLICY_OVERRIDES`` changes the policy here. What
+this preset gives after the warm start is measured by ``python -m trace_jax.bench.difficulty`` (README, "Evidence").
 
 The policy argument is as for ``configs/ablation.py`` (default ``trace``).
 """

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from trace_jax.allocation import solvers
 from trace_jax.allocation.anchors import training_anchors
 from trace_jax.allocation.calibration import calibration_metrics
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
@@ -103,6 +104,35 @@ def test_trace_selects_the_candidates_most_likely_to_be_mixed_and_spends_the_bat
     dropped = sorted(closeness[i] for i in closeness if i not in kept)
     assert dropped[0] < dropped[-1]  # premise: the candidates differ
     assert max(closeness[i] for i in kept) <= min(dropped) + 1e-12
+
+
+class _SpreadByPrompt:
+    """A stub predictor: every anchor's mean is 0.5; the dispersion is high for the odd positions of ``trees``."""
+
+    def __init__(self, trees):
+        self.odd = {t.prompt_key: i % 2 == 1 for i, t in enumerate(trees)}
+
+    def predict(self, anchors):
+        return np.full(len(anchors), 0.5)
+
+    def predict_dispersion(self, anchors):
+        return np.asarray([0.9 if self.odd[int(k)] else 0.01 for k in anchors.prompt_keys_n])
+
+    def update(self, anchors):
+        return {}
+
+
+def test_a_predicted_dispersion_steers_selection_and_stage_1_to_prompts_that_can_be_mixed():
+    sim = Simulator(WORLD, 6)
+    candidates = sim.sample_batch(16)
+    config = SchedulerConfig(policy="trace", rollouts_per_prompt=8, candidates_per_prompt=2)
+    sched = TreeScheduler(sim, config, predictor=_SpreadByPrompt(candidates))
+    assert len({t.prompt_key for t in candidates}) == 16  # premise: the stub tells every candidate apart
+    kept = {t.prompt_key for t in sched.run(candidates, batch_size=8).trees}
+    # The means tie (the plug-in V_root would keep a random half); the spread says the even ones can be mixed.
+    assert kept == {t.prompt_key for t in candidates[::2]}
+    roots = solvers.allocate_roots(np.full(4, 0.5), 16, 1, 8, dispersion_b=np.asarray([0.9, 0.01, 0.9, 0.01]))
+    assert roots[1] > roots[0] and roots[3] > roots[2] and roots.sum() == 16
 
 
 def test_policies_without_a_predictor_keep_random_candidates_reproducibly():

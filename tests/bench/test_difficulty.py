@@ -93,6 +93,7 @@ def test_measure_trees_on_the_simulator_recovers_its_world():
     # Split by depth: the roots (what stage 1 ranks) and the deeper prefixes, each scored on its own.
     assert result["predictor"]["roots"]["auc"] > 0.6 and 0.0 <= result["predictor"]["prefixes"]["brier"] <= 1.0
     assert result["predictor"]["mixed_root_auc"] > 0.55  # V_root on predicted roots finds the mixed prompts
+    assert 0.0 <= result["predictor"]["mixed_root_auc_dispersion"] <= 1.0  # and the dispersion head's ranking
 
 
 def test_bad_flags_are_rejected():

@@ -218,3 +218,18 @@ def test_a_predictor_warm_up_is_charged_on_both_cost_axes():
     # At 1,000 tokens the cold run has its final EM; the warm one is only at its step-2 evaluation.
     assert result["policies"]["trace"]["em_at_equal_tokens"]["mean"] == pytest.approx(0.6)
     assert result["policies"]["trace_warm"]["em_at_equal_tokens"]["mean"] == pytest.approx(0.5)
+
+
+def test_the_dispersion_arm_gives_the_scheduler_a_predictor_with_a_dispersion_head():
+    from trace_jax.allocation.scheduler import SchedulerConfig
+    from trace_jax.config_utils import from_config
+    from trace_jax.models.predictor import make_predictor
+
+    args = train_curve.parse_args(["--quick", "--config-file", str(train_curve.CONFIG_DIR / "realistic.py")])
+    predictors = {}
+    for arm in ("trace_select3_warm_dispersion", "trace_select3_warm"):
+        allocation = from_config(SchedulerConfig, train_curve.run_config(arm, 0, args).allocation)
+        assert (allocation.candidates_per_prompt, allocation.predictor_warmup_prompts) == (3.0, 96)
+        predictors[arm] = make_predictor(allocation.predictor, **allocation.predictor_kwargs)
+    assert predictors["trace_select3_warm_dispersion"].dispersion
+    assert not predictors["trace_select3_warm"].dispersion

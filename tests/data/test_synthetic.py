@@ -208,7 +208,7 @@ def test_realistic_preset_selects_the_world_and_the_tiny_policy():
     assert len(world.hop_weights) == world.max_hops == 5 and config.react.max_turns == 6
     assert config.sft.split == "train:chain,trivial"  # the warm start never sees a buried question's answer
     size = num_params(from_config(SFTConfig, config.sft).model_config(config.tokenizer.vocab_size))
-    # The default tiny policy: a few-million-parameter one was too slow to warm-start here (configs/realistic.py).
+    # The default tiny policy; configs/realistic_large.py has the few-million-parameter one.
     assert size == num_params(SFTConfig().model_config(config.tokenizer.vocab_size))
 
 

@@ -149,3 +149,50 @@ def test_transformer_predictor_reads_the_prefix_tokens():
         P.make_predictor("transformer", model_overrides={"vocab_size": 4}).predict(
             gather_anchors(probe, [(0, 1)], with_prefix_ids=True)
         )
+
+
+def _two_kinds_of_prompts(seed: int, num: int = 256, group: int = 8):
+    """Root anchors of two prompt kinds with the same mean success, 0.5: "coin" prompts (each rollout a fair coin)
+    and "all-or-nothing" ones (p is 0 or 1, half each). The features say the kind, never the outcome."""
+    from trace_jax.allocation.anchors import AnchorBatch
+
+    rng = np.random.default_rng(seed)
+    coin = rng.integers(0, 2, num).astype(bool)
+    centers = np.random.default_rng(0).normal(size=(2, 8)) * 2  # the same two kinds in every draw
+    features = (centers[coin.astype(int)] + 0.3 * rng.normal(size=(num, 8))).astype(np.float32)
+    successes = np.where(coin, rng.binomial(group, 0.5, num), group * rng.integers(0, 2, num))
+    keys = np.arange(num, dtype=np.int64) + seed * num
+    zeros = np.zeros(num, np.int64)
+    anchors = AnchorBatch(features, np.ones(num, bool), zeros, keys, successes / group, np.full(num, float(group)))
+    return anchors, coin
+
+
+def test_dispersion_head_tells_all_or_nothing_prompts_from_coins_where_the_mean_cannot():
+    from trace_jax.allocation.solvers import expected_root_value
+
+    train, _ = _two_kinds_of_prompts(seed=1)
+    test, coin = _two_kinds_of_prompts(seed=2)
+    plain, spread = small_mlp(seed=0), small_mlp(seed=0, dispersion=True)
+    for _ in range(15):
+        plain.update(train)
+        spread.update(train)
+    # Premise: both kinds look alike to a mean-only predictor (p̂ ~ 0.5), so the plug-in V_root ties them.
+    plain_value = expected_root_value(plain.predict(test), 0.0, 8)
+    assert plain.predict_dispersion(test) is None
+    assert abs(plain_value[coin].mean() - plain_value[~coin].mean()) < 0.05
+    assert abs(spread.predict(test)[~coin].mean() - 0.5) < 0.1
+    rho = spread.predict_dispersion(test)
+    assert rho[~coin].mean() > 0.8 and rho[coin].mean() < 0.1
+    # With the dispersion, a group of 8 of an all-or-nothing prompt is rarely mixed; a coin's nearly always.
+    value = expected_root_value(spread.predict(test), rho, 8)
+    assert value[~coin].max() < 0.3 < 0.9 < value[coin].min()
+
+
+def test_dispersion_head_round_trips_through_its_state_dict():
+    anchors, _ = _two_kinds_of_prompts(seed=3, num=64)
+    model = small_mlp(seed=4, dispersion=True)
+    model.update(anchors)
+    restored = small_mlp(seed=4, dispersion=True)
+    restored.load_state_dict(model.state_dict())
+    np.testing.assert_allclose(restored.predict_dispersion(anchors), model.predict_dispersion(anchors), atol=1e-6)
+    np.testing.assert_allclose(restored.predict(anchors), model.predict(anchors), atol=1e-6)

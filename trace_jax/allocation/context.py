@@ -147,6 +147,14 @@ class AllocationContext:
             return np.zeros(0)
         return self.predictor.predict(self.anchors(items))
 
+    def predict_dispersion(self, items: Sequence[Item]) -> np.ndarray | None:
+        """float64 [N] predicted dispersion rho of each anchor's success probability, or None when the predictor
+        has no dispersion head (the solvers then use the plug-in values)."""
+        predict = getattr(self.predictor, "predict_dispersion", None)
+        if predict is None or not items:
+            return None
+        return predict(self.anchors(items))
+
     def true_success(self, items: Sequence[Item]) -> np.ndarray:
         """float64 [N] true P(success): only a simulator backend knows it (the oracle policy)."""
         truth = getattr(self.backend, "true_success_probability", None)

@@ -132,6 +132,12 @@ class StagedPolicy:
     def _score(self, ctx: AllocationContext, items: list[Item]) -> np.ndarray:
         return ctx.true_success(items) if self.scorer == "oracle" else ctx.predict(items)
 
+    def _dispersion(self, ctx: AllocationContext, items: list[Item]) -> np.ndarray | float:
+        """The predictor's dispersion of each root's success probability; 0 (plug-in) for the oracle or a
+        predictor without one."""
+        rho = None if self.scorer == "oracle" else ctx.predict_dispersion(items)
+        return 0.0 if rho is None else rho
+
     @property
     def _root_share(self) -> float:
         """Share of the budget stage 1 may spend: all of it without a stage 2."""
@@ -139,14 +145,15 @@ class StagedPolicy:
 
     def select_prompts(self, ctx: AllocationContext, num: int) -> np.ndarray:
         """Prompt selection *(ours)*: from more candidates than the batch holds, "active" keeps the ``num``
-        whose group of ``m`` rollouts is most likely mixed, ``V_root(v, m)`` on predicted root values with
-        ``m`` what stage 1 affords per kept prompt (ties in random order); "uniform" keeps ``num`` at random.
+        whose group of ``m`` rollouts is most likely mixed, ``E[V_root(p, m)]`` on predicted root values (and the
+        predictor's dispersion, if it has one) with ``m`` what stage 1 affords per kept prompt (ties in random
+        order); "uniform" keeps ``num`` at random.
         """
         if self.stage1 == "uniform":
             return _random_prompts(ctx, num)
         roots = [(t, ROOT) for t in range(len(ctx.trees))]
         per_prompt = max(2, ctx.affordable_rollouts(float(ctx.costs(roots[:1])[0]), self._root_share) // num)
-        value = solvers.root_value(self._score(ctx, roots), per_prompt)
+        value = solvers.expected_root_value(self._score(ctx, roots), self._dispersion(ctx, roots), per_prompt)
         order = np.lexsort((ctx.rng.random(len(roots)), -value))  # by value, then a random tie-break
         return np.sort(order[:num])
 
@@ -167,7 +174,8 @@ class StagedPolicy:
             counts = _uniform_counts(len(roots), total, ctx.rng)
         else:
             lo = min(self.min_per_prompt, total // len(roots))
-            counts = solvers.allocate_roots(self._score(ctx, roots), total, lo, self.max_per_prompt)
+            values, rho = self._score(ctx, roots), self._dispersion(ctx, roots)
+            counts = solvers.allocate_roots(values, total, lo, self.max_per_prompt, dispersion_b=rho)
         ctx.dispatch(roots, counts)
 
     def prefix_round(self, ctx: AllocationContext, share: float) -> None:

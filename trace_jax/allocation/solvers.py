@@ -48,6 +48,13 @@ def root_value_table(mean_b: np.ndarray, dispersion_b: np.ndarray | float, max_m
     return np.maximum(table, 0.0)
 
 
+def expected_root_value(mean_b: np.ndarray, dispersion_b: np.ndarray | float, m: int) -> np.ndarray:
+    """float64 [B]: ``E[V_root(p, m)]`` for one group size m; exactly :func:`root_value` when every rho is 0."""
+    if not np.any(dispersion_b):
+        return root_value(mean_b, m)
+    return root_value_table(mean_b, dispersion_b, m)[:, m]
+
+
 def _root_gains(table_bm: np.ndarray, m_lo: int, width: int) -> np.ndarray:
     """float64 [B, width]: the gain of the (m_lo + j + 1)-th rollout of each prompt, non-increasing in j.
 

@@ -164,32 +164,42 @@ def predictor_informativeness(
     the same figures on the held-out roots alone (``roots``: what stage 1 and prompt selection rank, from the
     prompt only) and on the deeper prefixes (``prefixes``: what stage 2 ranks, after some observations), and
     ``mixed_root_auc``: how well ``V_root(v, group_size)`` on the predicted root values ranks the held-out prompts
-    whose sampled group came out mixed above those whose did not (what prompt selection needs).
+    whose sampled group came out mixed above those whose did not (what prompt selection needs), and
+    ``mixed_root_auc_dispersion``: the same for the MLP with a dispersion head, ranking by ``E[V_root]``.
     """
     from trace_jax.allocation.anchors import training_anchors
     from trace_jax.allocation.calibration import calibration_metrics, weighted_auc
-    from trace_jax.allocation.solvers import root_value
+    from trace_jax.allocation.solvers import expected_root_value
     from trace_jax.models.predictor import make_predictor
 
     order = np.random.default_rng(seed).permutation(len(trees))
     train, held_out = [trees[i] for i in order[::2]], [trees[i] for i in order[1::2]]
-    model = make_predictor("mlp")
     anchors = training_anchors(train)
     if anchors.features_nd.shape[1] == 0:
         raise ValueError("the rollout trees carry no anchor features; the predictor has nothing to read")
-    for _ in range(updates):
-        model.update(anchors)
     test = training_anchors(held_out)
+    roots = test.depths_n == 0
+    mixed = ((test.targets_n[roots] > 0) & (test.targets_n[roots] < 1)).astype(np.float64)
+
+    def fitted(**kwargs: Any):
+        model = make_predictor("mlp", **kwargs)
+        for _ in range(updates):
+            model.update(anchors)
+        return model
+
+    model = fitted()
     pred = model.predict(test)
     overall = calibration_metrics(pred, test.targets_n, test.weights_n)
-    parts = {"roots": test.depths_n == 0, "prefixes": test.depths_n > 0}
-    for name, keep in parts.items():
+    for name, keep in {"roots": roots, "prefixes": ~roots}.items():
         if keep.any():
             overall[name] = calibration_metrics(pred[keep], test.targets_n[keep], test.weights_n[keep])
-    roots = parts["roots"]
-    mixed = (test.targets_n[roots] > 0) & (test.targets_n[roots] < 1)
-    selection_score = root_value(pred[roots], group_size)
-    overall["mixed_root_auc"] = weighted_auc(selection_score, mixed.astype(np.float64), np.ones(int(roots.sum())))
+    ones = np.ones(int(roots.sum()))
+    overall["mixed_root_auc"] = weighted_auc(expected_root_value(pred[roots], 0.0, group_size), mixed, ones)
+    # The same ranking with a dispersion head: E[V_root] under the predicted spread of each root's p.
+    spread = fitted(dispersion=True)
+    rho = spread.predict_dispersion(test)[roots]
+    value = expected_root_value(spread.predict(test)[roots], rho, group_size)
+    overall["mixed_root_auc_dispersion"] = weighted_auc(value, mixed, ones)
     return overall
 
 

@@ -7,7 +7,8 @@ Variants, by config string (:data:`PREDICTORS`):
 
 * ``mlp`` (default): a small nnx MLP over the stop-gradient policy feature at the anchor (``node.feature``,
   the final hidden state at the prefix's last token) plus a one-hot depth; weighted BCE, optax Adam, a
-  replay buffer of recent anchors, running feature standardisation.
+  replay buffer of recent anchors, running feature standardisation. ``dispersion=True`` adds a second head,
+  the spread of the success probability, trained on the Beta-binomial likelihood instead of the BCE.
 * ``transformer``: a small separate decoder (the policy's ``Qwen`` architecture, e.g. ``qwen3-tiny``) over
   the anchor's history ids with a value head on the last token; same training as the MLP.
 * ``depth``: the weighted mean ``V̂`` per depth (the baseline the MLP must beat).
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.scipy.special import betaln
 
 from trace_jax.allocation.anchors import AnchorBatch
 from trace_jax.allocation.replay import ReplayBuffer
@@ -39,6 +41,9 @@ from trace_jax.buckets import power_of_two
 from trace_jax.registry import Registry
 
 EPS = 1e-4  # predictions are clipped to [EPS, 1 - EPS]: the solvers never see a certain outcome
+# The dispersion head's range: concentration (1 - rho) / rho from ~0.02 (all-pass or all-fail) to ~1000 (a sure p),
+# which keeps the Beta-binomial's float32 digammas finite at EPS-sized means.
+DISPERSION_RANGE = (1e-3, 0.98)
 
 
 # --------------------------------------------------------------------------------------------- protocol
@@ -119,15 +124,19 @@ class BetaPredictor:
 
 # ----------------------------------------------------------------------------------------------- the MLP
 class _MLP(nnx.Module):
-    def __init__(self, in_dim: int, hidden: int, num_layers: int, rngs: nnx.Rngs):
+    """Logits [N] (one head: P(success)), or [N, 2] with ``dispersion`` (P(success) and the dispersion rho)."""
+
+    def __init__(self, in_dim: int, hidden: int, num_layers: int, rngs: nnx.Rngs, dispersion: bool = False):
         dims = [in_dim] + [hidden] * num_layers
         self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(dims)])
-        self.head = nnx.Linear(dims[-1], 1, rngs=rngs)
+        self.head = nnx.Linear(dims[-1], 2 if dispersion else 1, rngs=rngs)
+        self.dispersion = dispersion
 
     def __call__(self, x_nf: jax.Array) -> jax.Array:
         for layer in self.layers:
             x_nf = nnx.gelu(layer(x_nf))
-        return self.head(x_nf)[:, 0]  # logits [N]
+        logits = self.head(x_nf)
+        return logits if self.dispersion else logits[:, 0]
 
 
 def _bce_loss(graphdef, params, inputs, y_n, w_n):
@@ -136,12 +145,34 @@ def _bce_loss(graphdef, params, inputs, y_n, w_n):
     return (w_n * per_anchor).sum() / jnp.maximum(w_n.sum(), 1e-9)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "optimizer"))
-def _train_step(graphdef, optimizer, params, opt_state, inputs, y_n, w_n):
-    """One Adam step on the leaf-weighted BCE of ``model(*inputs)`` logits against soft targets ``y_n``."""
-    loss, grads = jax.value_and_grad(_bce_loss, argnums=1)(graphdef, params, inputs, y_n, w_n)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+def _beta_binomial_loss(graphdef, params, inputs, y_n, w_n):
+    """Per-leaf NLL of each anchor's ``y * w`` successes in ``w`` leaves under a Beta-binomial with mean
+    ``sigmoid(logit 0)`` and dispersion ``rho = sigmoid(logit 1)`` (concentration ``(1 - rho) / rho``).
+    With one leaf it is the BCE; from two leaves on, how much the outcomes under one anchor agree sets rho."""
+    logits = nnx.merge(graphdef, params)(*inputs)
+    mean = jnp.clip(jax.nn.sigmoid(logits[:, 0]), EPS, 1 - EPS)
+    rho = jnp.clip(jax.nn.sigmoid(logits[:, 1]), *DISPERSION_RANGE)
+    concentration = (1.0 - rho) / rho
+    a, b = mean * concentration, (1.0 - mean) * concentration
+    successes = y_n * w_n
+    log_lik = betaln(successes + a, w_n - successes + b) - betaln(a, b)
+    return -log_lik.sum() / jnp.maximum(w_n.sum(), 1e-9)
+
+
+def _make_train_step(loss_fn: Callable[..., jax.Array]):
+    @functools.partial(jax.jit, static_argnames=("graphdef", "optimizer"))
+    def train_step(graphdef, optimizer, params, opt_state, inputs, y_n, w_n):
+        loss, grads = jax.value_and_grad(loss_fn, argnums=1)(graphdef, params, inputs, y_n, w_n)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
+# One Adam step on the leaf-weighted BCE of ``model(*inputs)`` logits against soft targets ``y_n``.
+_train_step = _make_train_step(_bce_loss)
+# The same on the Beta-binomial NLL (a two-headed MLP: mean and dispersion).
+_dispersion_train_step = _make_train_step(_beta_binomial_loss)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -172,6 +203,10 @@ class MLPPredictor:
       replay_size: most recent training anchors kept for replay (checkpointed, so a resume is exact).
       feature_dim: anchor feature size; None builds the network at the first batch.
       seed: initialisation and minibatch sampling.
+      dispersion: *(ours)* a second head predicts how spread the anchor's success probability is, trained on
+        the Beta-binomial likelihood of the outcomes under each anchor (:meth:`predict_dispersion`). A prompt
+        the features cannot tell between all-pass and all-fail gets a high dispersion, so the solvers'
+        expected ``V_root`` no longer promises it a mixed group (``allocation.solvers``).
     """
 
     def __init__(
@@ -185,8 +220,10 @@ class MLPPredictor:
         replay_size: int = 8192,
         feature_dim: int | None = None,
         seed: int = 0,
+        dispersion: bool = False,
     ):
         self.hidden, self.num_layers, self.max_depth = hidden, num_layers, max_depth
+        self.dispersion = dispersion
         self.train_steps, self.batch_size = train_steps, batch_size
         self.seed = seed
         self.optimizer = adam(float(learning_rate))
@@ -198,7 +235,8 @@ class MLPPredictor:
     # ---------------------------------------------------------------------------------------- set-up
     def _build(self, feature_dim: int) -> None:
         self.feature_dim = feature_dim
-        model = _MLP(feature_dim + 1 + self.max_depth + 1, self.hidden, self.num_layers, nnx.Rngs(self.seed))
+        in_dim = feature_dim + 1 + self.max_depth + 1
+        model = _MLP(in_dim, self.hidden, self.num_layers, nnx.Rngs(self.seed), self.dispersion)
         self.graphdef, self.params = nnx.split(model, nnx.Param)
         self.opt_state = self.optimizer.init(self.params)
         self.count = 0.0  # running feature statistics (Chan et al. parallel update)
@@ -230,15 +268,30 @@ class MLPPredictor:
         return np.concatenate([x, has_feature_n[:, None], depth], axis=1).astype(np.float32)
 
     # ------------------------------------------------------------------------------------------- use
-    def predict(self, anchors: AnchorBatch) -> np.ndarray:
+    def _heads(self, anchors: AnchorBatch) -> np.ndarray | None:
+        """float64 [N] P(success), or [N, 2] with the dispersion; None before the network is built."""
         n = len(anchors)
         if not self._ensure_built(anchors):
-            return np.full(n, 0.5)  # nothing seen yet: every outcome equally likely
+            return None
         x = self._inputs(self._features(anchors), anchors.has_feature_n, anchors.depths_n)
         padded = np.zeros((_bucket(n), x.shape[1]), np.float32)
         padded[:n] = x
         probs = np.asarray(_predict(self.graphdef, self.params, (padded,)))[:n]
         return np.clip(probs.astype(np.float64), EPS, 1 - EPS)
+
+    def predict(self, anchors: AnchorBatch) -> np.ndarray:
+        heads = self._heads(anchors)
+        if heads is None:
+            return np.full(len(anchors), 0.5)  # nothing seen yet: every outcome equally likely
+        return heads[:, 0] if self.dispersion else heads
+
+    def predict_dispersion(self, anchors: AnchorBatch) -> np.ndarray | None:
+        """float64 [N] predicted dispersion rho of each anchor's success probability (``Var(p) = rho v (1 - v)``);
+        None for a predictor without the dispersion head. Before it has seen any feature: 0.5."""
+        if not self.dispersion:
+            return None
+        heads = self._heads(anchors)
+        return np.full(len(anchors), 0.5) if heads is None else np.clip(heads[:, 1], *DISPERSION_RANGE)
 
     def update(self, anchors: AnchorBatch) -> dict[str, float]:
         keep = np.isfinite(anchors.targets_n) & (anchors.weights_n > 0)
@@ -259,7 +312,8 @@ class MLPPredictor:
             batch = self.replay.sample(rng, self.batch_size)
             # inputs per minibatch: with policy-sized features (thousands of dims) the whole replay would not fit
             x = self._inputs(batch["features"], batch["has_feature"], batch["depths"])
-            self.params, self.opt_state, loss = _train_step(
+            train_step = _dispersion_train_step if self.dispersion else _train_step
+            self.params, self.opt_state, loss = train_step(
                 self.graphdef,
                 self.optimizer,
                 self.params,
