@@ -23,7 +23,7 @@ def test_overrides_win_and_partial_sections_keep_defaults():
 
 
 def test_tuple_fields_can_be_overridden_on_the_command_line():
-    from trace_jax.command_line import load_config
+    from trace_jax.job.commands import load_config
 
     flags = ["--config.engine.append_windows=(512,)", "--config.batch.length_buckets=(64, 512)"]
     config, _ = load_config(["train", *flags])

@@ -61,10 +61,10 @@ def test_a_bucket_run_directory_keeps_its_url_through_the_main_job_s_writers(tmp
     import jax.numpy as jnp
     import ml_collections
 
-    from trace_jax import recipe, rundir
     from trace_jax.checkpoint.state import StateCheckpointer
+    from trace_jax.job import build, rundir
+    from trace_jax.job.train import _write_json
     from trace_jax.metrics import MetricWriter, read_jsonl
-    from trace_jax.train import _write_json
 
     monkeypatch.chdir(tmp_path)
     config = ml_collections.ConfigDict({"rl": {"steps": 1}, "seed": 0})
@@ -72,7 +72,7 @@ def test_a_bucket_run_directory_keeps_its_url_through_the_main_job_s_writers(tmp
         workdir = paths.as_path("gs://bucket/run")
         rundir.check_usable(workdir)
         rundir.check_same_run(workdir, config)
-        recipe.save_run_config(config, workdir)
+        build.save_run_config(config, workdir)
         logs = paths.LocalMirror(workdir, tmp_path / "host_a")
         assert logs.mirrored and str(logs.remote) == "gs://bucket/run"
         writer = MetricWriter(logs.local)
@@ -109,7 +109,7 @@ def test_a_local_run_directory_is_its_own_mirror(tmp_path):
 
 
 def test_the_warm_start_cache_refuses_a_bucket_instead_of_writing_a_local_gs_folder():
-    from trace_jax.warm_start import WarmStartCache
+    from trace_jax.job.warm_start import WarmStartCache
 
     with pytest.raises(ValueError, match="file locks"):
         WarmStartCache("gs://bucket/warm_start")

@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_jax import figures
 from trace_jax.allocation.context import AllocationContext, Budget, CostModel
 from trace_jax.allocation.policies import POLICIES, make_policy
+from trace_jax.allocation.predictor import DepthPredictor
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
-from trace_jax.models.predictor import DepthPredictor
+from trace_jax.rollout import figures
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
 from trace_jax.rollout.tree import RolloutTree
 

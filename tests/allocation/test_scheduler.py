@@ -6,9 +6,9 @@ import pytest
 from trace_jax.allocation import solvers
 from trace_jax.allocation.anchors import training_anchors
 from trace_jax.allocation.calibration import calibration_metrics
+from trace_jax.allocation.predictor import MLPPredictor
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
-from trace_jax.models.predictor import MLPPredictor
 from trace_jax.rollout.backend import ContinuationRequest
 from trace_jax.rollout.engine import EngineConfig
 from trace_jax.rollout.mock import MockEngine, ToyEnv, toy_policy

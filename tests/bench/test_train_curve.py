@@ -10,7 +10,7 @@ from trace_jax.metrics import MetricWriter, read_jsonl
 
 
 def fake_records(tokens_per_step, em_by_step, eff=0.5, step_seconds=1.0, signal=0.4):
-    """metrics.jsonl records the way ``trace_jax.train.train`` writes them (final eval on a separate line)."""
+    """metrics.jsonl records the way ``trace_jax.job.train.train`` writes them (final eval on a separate line)."""
     records = []
     last = len(tokens_per_step)
     for step, tokens in enumerate(tokens_per_step, start=1):
@@ -186,16 +186,16 @@ def test_stage_ablation_arms_run_trace_with_one_stage_swapped():
 
 
 def test_prompt_selection_arms_draw_three_candidates_per_trained_prompt():
-    from trace_jax import recipe
     from trace_jax.allocation.scheduler import SchedulerConfig
     from trace_jax.config_utils import from_config
+    from trace_jax.job import build
 
     args = train_curve.parse_args(["--quick", "--config-file", str(train_curve.CONFIG_DIR / "realistic.py")])
     drawn = {}
     for arm in ("trace_select3", "root_only_select3", "active1_uniform2_select3", "trace"):
         config = train_curve.run_config(arm, 0, args)
         scheduler = from_config(SchedulerConfig, config.allocation)
-        drawn[arm] = (scheduler.policy, recipe.prompts_drawn_per_step(config) / config.rl.prompts_per_step)
+        drawn[arm] = (scheduler.policy, build.prompts_drawn_per_step(config) / config.rl.prompts_per_step)
     assert drawn == {
         "trace_select3": ("trace", 3.0),
         "root_only_select3": ("root_only", 3.0),
@@ -221,9 +221,9 @@ def test_a_predictor_warm_up_is_charged_on_both_cost_axes():
 
 
 def test_the_dispersion_arm_gives_the_scheduler_a_predictor_with_a_dispersion_head():
+    from trace_jax.allocation.predictor import make_predictor
     from trace_jax.allocation.scheduler import SchedulerConfig
     from trace_jax.config_utils import from_config
-    from trace_jax.models.predictor import make_predictor
 
     args = train_curve.parse_args(["--quick", "--config-file", str(train_curve.CONFIG_DIR / "realistic.py")])
     predictors = {}

@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM
 from tests.helpers import build_hf_checkpoint
 from trace_jax.checkpoint import hf
 from trace_jax.checkpoint.hf import KEY_MAP, _read_safetensors, _write_safetensors, load_hf
+from trace_jax.cli import ExitCode
+from trace_jax.job.commands import hf_main
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +24,11 @@ def qwen3_dir(tmp_path_factory):
 @pytest.mark.parametrize("family,tied,shard", [("qwen3", False, 0), ("qwen2", True, 30_000)])
 def test_import_export_reload_gives_identical_tensors(tmp_path, family, tied, shard):
     original = build_hf_checkpoint(tmp_path / "hf", family, tie_word_embeddings=tied)
-    hf.main(["import", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")])
-    hf.main(
+    assert hf_main(["import", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == ExitCode.OK
+    code = hf_main(
         ["export", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back"), "--max-shard-bytes", str(shard)]
     )
+    assert code == ExitCode.OK
     assert (tmp_path / "back" / "model.safetensors.index.json").exists() == bool(shard)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     want, got = original.state_dict(), reloaded.state_dict()
@@ -111,6 +114,8 @@ def test_missing_weights_and_missing_shard(qwen3_dir, tmp_path):
         load_hf(path)
 
 
-def test_export_of_an_unknown_checkpoint_dir_is_clear(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a trace_jax model checkpoint"):
-        hf.main(["export", "--ckpt", str(tmp_path), "--out", str(tmp_path / "x")])
+def test_export_of_an_unknown_checkpoint_dir_is_clear(tmp_path, capsys):
+    code = hf_main(["export", "--ckpt", str(tmp_path), "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert code == ExitCode.MISSING_FILE and "Traceback" not in err
+    assert err.startswith("error: ") and "not a trace_jax model checkpoint" in err

@@ -10,8 +10,8 @@ import pytest
 from trace_jax.config_utils import from_config, load_config_file
 from trace_jax.data.synthetic import KINDS, RELATIONS, SyntheticWorld, WorldConfig
 from trace_jax.envs.retriever import BM25Retriever
+from trace_jax.job.sft import SFTConfig
 from trace_jax.models.qwen import num_params
-from trace_jax.sft import SFTConfig
 
 SMALL = WorldConfig(scale=2, questions_per_hop=60, ood_questions=30)
 

@@ -2,7 +2,7 @@
 
 An anchor is a (tree index, node id) pair; :func:`gather_anchors` turns a list of them into an
 :class:`AnchorBatch` of host arrays (features, depths, prompt keys, optionally ``V̂`` targets, leaf-count
-weights and history ids) that every :class:`trace_jax.models.predictor.SuccessPredictor` reads.
+weights and history ids) that every :class:`trace_jax.allocation.predictor.SuccessPredictor` reads.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from trace_jax.allocation.anchors import AnchorBatch, gather_anchors
-from trace_jax.models.predictor import SuccessPredictor
+from trace_jax.allocation.predictor import SuccessPredictor
 from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend, RolloutStats
 from trace_jax.rollout.tree import RolloutTree
 

@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from trace_jax import figures
 from trace_jax.allocation.anchors import training_anchors
 from trace_jax.allocation.calibration import calibration_metrics
 from trace_jax.allocation.context import AllocationContext, Budget, CostModel
 from trace_jax.allocation.policies import AllocationPolicy, make_policy
-from trace_jax.models.predictor import SuccessPredictor, make_predictor
+from trace_jax.allocation.predictor import SuccessPredictor, make_predictor
+from trace_jax.rollout import figures
 from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend, RolloutStats
 from trace_jax.rollout.tree import ROOT, RolloutTree
 

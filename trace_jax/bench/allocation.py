@@ -38,10 +38,10 @@ from trace_jax.allocation.anchors import training_anchors
 from trace_jax.allocation.calibration import calibration_metrics
 from trace_jax.allocation.context import AllocationContext, Budget
 from trace_jax.allocation.policies import POLICIES, StagedPolicy
+from trace_jax.allocation.predictor import make_predictor
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
 from trace_jax.allocation.solvers import allocate_prefixes
-from trace_jax.models.predictor import make_predictor
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
 
 REPORTED = ("effective_ratio", "nonzero_advantage_tokens", "nonzero_advantage_leaves", "tokens_per_leaf")

@@ -169,8 +169,8 @@ def predictor_informativeness(
     """
     from trace_jax.allocation.anchors import training_anchors
     from trace_jax.allocation.calibration import calibration_metrics, weighted_auc
+    from trace_jax.allocation.predictor import make_predictor
     from trace_jax.allocation.solvers import expected_root_value
-    from trace_jax.models.predictor import make_predictor
 
     order = np.random.default_rng(seed).permutation(len(trees))
     train, held_out = [trees[i] for i in order[::2]], [trees[i] for i in order[1::2]]
@@ -204,7 +204,7 @@ def predictor_informativeness(
 
 
 def by_group(trees: Sequence[RolloutTree], samples: int, group_size: int) -> dict[str, dict[str, Any]]:
-    from trace_jax.evaluate import group_of
+    from trace_jax.job.evaluate import group_of
 
     groups: dict[str, list[int]] = collections.defaultdict(list)
     for tree in trees:
@@ -274,19 +274,19 @@ def measure_trees(
 
 def measure(config, args: argparse.Namespace) -> dict[str, Any]:
     """The config's warm start (cached), then :func:`measure_trees` on ``--prompts`` questions of ``--split``."""
-    from trace_jax import recipe
+    from trace_jax.job import build
     from trace_jax.models.qwen import num_params
     from trace_jax.rollout.tree import RolloutTree
 
     start = time.perf_counter()
-    warm = recipe.build_warm_start(config)
+    warm = build.build_warm_start(config)
     warm_seconds = time.perf_counter() - start
     rows = warm.world.world.questions(args.split)
     rng = np.random.default_rng(args.seed)
     tasks = [rows[i] for i in rng.permutation(len(rows))[: args.prompts]]
     env = warm.world.env
     trees = [RolloutTree(env.prompt_ids(task), dict(task), i) for i, task in enumerate(tasks)]
-    runner = recipe.build_runner(config, warm.sft.model_config, warm.sft.params, warm.world, seed=args.seed)
+    runner = build.build_runner(config, warm.sft.model_config, warm.sft.params, warm.world, seed=args.seed)
     result = measure_trees(runner, trees, args, rng)
     result["policy"] = {
         "params": num_params(warm.sft.model_config),

@@ -66,13 +66,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_argv = [a for a in argv if not a.startswith(("--steps=", "--out="))]
     memory = PhaseMemory()
     _reset_peak()
-    from trace_jax import cli, command_line, training
+    from trace_jax import cli
+    from trace_jax.job import commands, loop
 
     cli.quiet_third_party(0)
-    config, _ = command_line.load_config(train_argv)
+    config, _ = commands.load_config(train_argv)
     import jax
 
-    from trace_jax import validate
+    from trace_jax.job import validate
     from trace_jax.metrics import PhaseTimer
 
     jax.numpy.zeros(1).block_until_ready()
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     memory.end("imports + jax runtime")
     console = cli.Console(verbosity=-1)
     with tempfile.TemporaryDirectory() as workdir:
-        run = training.Training(config, pathlib.Path(workdir), console, PhaseTimer())
+        run = loop.Training(config, pathlib.Path(workdir), console, PhaseTimer())
         memory.end("warm start + setup")
         run.evaluate("evaluation")
         memory.end("evaluation before RL")

@@ -40,22 +40,22 @@ from typing import Any
 import jax
 import numpy as np
 
-from trace_jax import recipe
-from trace_jax.command_line import DEFAULT_CONFIG
 from trace_jax.config_utils import from_config
 from trace_jax.data.prompts import PromptStream
+from trace_jax.job import build
+from trace_jax.job.commands import DEFAULT_CONFIG
+from trace_jax.job.sft import SFTConfig, run_sft
 from trace_jax.rollout.backend import ContinuationRequest
 from trace_jax.rollout.tree import ROOT, RolloutTree
-from trace_jax.sft import SFTConfig, run_sft
 
 
 def _setup(workdir: pathlib.Path):
     from trace_jax.config_utils import load_config_file
 
     config = load_config_file(str(DEFAULT_CONFIG))
-    world = recipe.build_world(config, workdir)
+    world = build.build_world(config, workdir)
     sft = run_sft(from_config(SFTConfig, config.sft), world.world, world.tokenizer, workdir, env=world.env)
-    engine = recipe.build_engine(config, sft.model_config, sft.params)
+    engine = build.build_engine(config, sft.model_config, sft.params)
     return config, world, engine
 
 
@@ -63,8 +63,8 @@ def _rollout_steps(config, world, engine, steps: int, timed: bool, seed: int | N
     """Wall seconds of ``steps`` rollout phases from the run's seeds (fresh runner, scheduler and prompts;
     ``seed`` replaces the run's)."""
     seed = config.seed if seed is None else seed
-    runner = recipe.build_runner(config, engine.model_config, None, world, seed=seed, engine=engine)
-    scheduler = recipe.build_scheduler(config, runner)
+    runner = build.build_runner(config, engine.model_config, None, world, seed=seed, engine=engine)
+    scheduler = build.build_scheduler(config, runner)
     prompts = PromptStream(world.world.questions("train"), config.rl.prompts_per_step, seed)
     engine.programs.timed = timed
     walls = []
@@ -115,7 +115,7 @@ def rollout_phase(config, world, engine, steps: int) -> dict[str, Any]:
 
 
 def kv_bytes(config, world, engine, prompts: int = 8, roots: int = 4, anchors: int = 2, k: int = 4) -> dict[str, Any]:
-    runner = recipe.build_runner(config, engine.model_config, None, world, seed=config.seed + 1, engine=engine)
+    runner = build.build_runner(config, engine.model_config, None, world, seed=config.seed + 1, engine=engine)
     state = engine.acquire_state([list(s) for s in world.env.stop_sequences])
     engine.release_state(state)
     stats_before = dataclasses.replace(state.pool.stats)

@@ -5,7 +5,7 @@
         [--eval-every 4] [--workdir runs/train_curve] [--compile-cache DIR] [--quick] [--report-only]
         [--out bench_results/train_curve.json]
 
-Every (seed, policy) run is the main job, ``trace_jax.train.train``, on ``<config-file>:<policy>`` (default
+Every (seed, policy) run is the main job, ``trace_jax.job.train.train``, on ``<config-file>:<policy>`` (default
 ``configs/ablation.py``; ``configs/realistic.py`` is the realistic-difficulty world) with a smaller RL budget
 and one change to the accounting: each step's budget is ``--tokens-per-prompt`` x prompts *generated tokens*
 (``SchedulerConfig.tokens_per_prompt``) instead of a rollout count, so a policy whose forks are cheaper gets
@@ -382,9 +382,9 @@ def warm_start(args: argparse.Namespace, workdir: pathlib.Path) -> pathlib.Path:
     """The one SFT warm start every run starts from: the config's warm-start cache entry (trained there on a
     miss, so the runs and ``trace_jax.bench.difficulty`` share it). Returns ``WORKDIR/shared``, where the
     warm start's held-out evaluation is kept for every run."""
-    from trace_jax import recipe
+    from trace_jax.job import build
 
-    warm = recipe.build_warm_start(run_config(args.policies[0], args.seeds[0], args))
+    warm = build.build_warm_start(run_config(args.policies[0], args.seeds[0], args))
     print(
         f"warm start: {'trained' if warm.trained else 'reused'} in {warm.entry.directory} "
         f"(step {warm.sft.steps}, loss {warm.sft.final_loss:.3f})",
@@ -396,8 +396,8 @@ def warm_start(args: argparse.Namespace, workdir: pathlib.Path) -> pathlib.Path:
 
 
 def run_one(policy: str, seed: int, args: argparse.Namespace, shared: pathlib.Path, workdir: pathlib.Path) -> RunCurve:
-    """One training run through ``trace_jax.train.train`` (resumed if its workdir holds a checkpoint)."""
-    from trace_jax.train import train
+    """One training run through ``trace_jax.job.train.train`` (resumed if its workdir holds a checkpoint)."""
+    from trace_jax.job.train import train
 
     rundir = workdir / f"{policy}_s{seed}"
     rundir.mkdir(parents=True, exist_ok=True)

@@ -40,13 +40,13 @@ from flax import nnx
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
 from trace_jax.config_utils import from_config
+from trace_jax.job.sft import SFTConfig
 from trace_jax.models.qwen import Qwen
 from trace_jax.optim import make_optimizer
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batch import BatchConfig, build_batch
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLTrainer, UpdateConfig
-from trace_jax.sft import SFTConfig
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "default.py"
 

@@ -6,16 +6,15 @@ transform)``. Loading reads it left to right, exporting right to left. HF's per-
 Safetensors files are memory-mapped and each array is assembled on the mesh shard by shard
 (``jax.make_array_from_callback``), so a large model never sits whole on one device.
 
-Command line::
+Command line (``trace_jax.job.commands.hf_main``)::
 
-    python -m trace_jax.checkpoint.hf import --hf-dir D --out CKPT   # HF dir -> orbax checkpoint
-    python -m trace_jax.checkpoint.hf export --ckpt CKPT --out D     # orbax checkpoint -> HF dir
-    python -m trace_jax.checkpoint.hf export --workdir RUN --out D   # a run's newest policy + tokenizer files
+    python -m trace_jax.hf import --hf-dir D --out CKPT   # HF dir -> orbax checkpoint
+    python -m trace_jax.hf export --ckpt CKPT --out D     # orbax checkpoint -> HF dir
+    python -m trace_jax.hf export --workdir RUN --out D   # a run's newest policy + tokenizer files
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -344,34 +343,3 @@ def load_orbax(ckpt_dir: str | os.PathLike, mesh: Mesh | None = None) -> tuple[M
         restored = checkpointer.restore(os.path.join(ckpt_dir, "params"), nnx.to_pure_dict(target))
     nnx.replace_by_pure_dict(target, restored)
     return config, target
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trace_jax.checkpoint.hf", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    to_orbax = commands.add_parser("import", help="HF directory -> orbax checkpoint")
-    to_orbax.add_argument("--hf-dir", required=True)
-    to_orbax.add_argument("--out", required=True)
-    to_hf = commands.add_parser("export", help="orbax checkpoint or a training run's policy -> HF directory")
-    source = to_hf.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt", help="an orbax checkpoint written by `import`")
-    source.add_argument("--workdir", help="a trace_jax.train run: its newest policy, with its tokenizer files")
-    to_hf.add_argument("--out", required=True)
-    to_hf.add_argument("--max-shard-bytes", type=int, default=0)
-    args = parser.parse_args(argv)
-    if args.command == "import":
-        config, params = load_hf(args.hf_dir)
-        save_orbax(config, params, args.out)
-    elif args.workdir:
-        from trace_jax import recipes  # it builds on this module
-
-        recipes.main(["export", "--workdir", args.workdir, "--out", args.out])
-        return
-    else:
-        config, params = load_orbax(args.ckpt)
-        save_hf(config, params, args.out, args.max_shard_bytes)
-    print(f"{args.command}: wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -20,7 +20,7 @@ import ml_collections
 
 from trace_jax.cli import ConfigError
 from trace_jax.config_utils import from_config
-from trace_jax.schema import SECTIONS
+from trace_jax.job.schema import SECTIONS
 
 
 def _is_int(value: Any) -> bool:
@@ -60,7 +60,7 @@ def _estimators() -> list[str]:
 
 
 def _predictors() -> list[str]:
-    from trace_jax.models.predictor import PREDICTORS
+    from trace_jax.allocation.predictor import PREDICTORS
 
     return sorted(PREDICTORS)
 

@@ -1,6 +1,6 @@
 """Builds the pieces of a run from its config: world, tokenizer, environment, engine, runners, scheduler.
 
-Shared by ``trace_jax.train`` (which also trains) and ``trace_jax.evaluate`` (which rebuilds a finished
+Shared by ``trace_jax.job.train`` (which also trains) and ``trace_jax.job.evaluate`` (which rebuilds a finished
 run from the ``config.json`` written into its workdir), so both see exactly the same world and env.
 """
 
@@ -17,20 +17,20 @@ from typing import Any
 import ml_collections
 from flax import nnx
 
-from trace_jax import rundir
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
 from trace_jax.config_utils import from_config
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.data.tokenizer import load_tokenizer, train_world_tokenizer
 from trace_jax.envs.react import ReActConfig, ReActEnv
 from trace_jax.envs.retriever import RetrieverConfig, build_retriever
+from trace_jax.job import rundir
+from trace_jax.job.processes import Processes
+from trace_jax.job.sft import SFTConfig, SFTResult, run_sft
+from trace_jax.job.warm_start import CacheEntry, WarmStartCache, WarmStartConfig, key_material
 from trace_jax.models.qwen import ModelConfig
-from trace_jax.parallel.processes import Processes
 from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.layout import SamplingLayout
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
-from trace_jax.sft import SFTConfig, SFTResult, run_sft
-from trace_jax.warm_start import CacheEntry, WarmStartCache, WarmStartConfig, key_material
 
 CONFIG_FILE = rundir.CONFIG_FILE
 CHECKPOINTS = rundir.CHECKPOINTS

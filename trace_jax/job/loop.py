@@ -1,6 +1,6 @@
 """One run's state between RL steps (policy, optimizer, engine, scheduler, prompt stream) and the step itself.
 
-``trace_jax.train`` orchestrates it: warm start, evaluation, the RL loop, checkpoints and logs.
+``trace_jax.job.train`` orchestrates it: warm start, evaluation, the RL loop, checkpoints and logs.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from trace_jax import rundir
 from trace_jax.cli import Console
+from trace_jax.job import rundir
 
 
 def eval_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -27,13 +27,13 @@ class Training:
     def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, console: Console, timer: Any):
         import jax
 
-        from trace_jax import recipe, recipes
         from trace_jax.checkpoint.state import StateCheckpointer
         from trace_jax.config_utils import from_config
+        from trace_jax.job import build, sources
+        from trace_jax.job.processes import Processes
         from trace_jax.models.qwen import abstract_model
         from trace_jax.optim import make_optimizer
         from trace_jax.parallel.mesh import make_mesh, shard_state
-        from trace_jax.parallel.processes import Processes
         from trace_jax.rl.batch import BatchConfig
         from trace_jax.rl.losses import LossConfig
         from trace_jax.rl.trainer import RLTrainer, UpdateConfig
@@ -43,7 +43,7 @@ class Training:
         self.mesh = make_mesh(**config.mesh)
         self.processes = Processes()  # one or several JAX processes: who samples what, who writes
         # config.recipe.kind: the synthetic world + SFT warm start, or a HF checkpoint + Search-R1 data.
-        self.source = recipes.source_of(config)
+        self.source = sources.source_of(config)
         with timer.phase("warm_start"):
             self.start = self.source.start(config, workdir, self.mesh, progress=console.progress, notify=console.info)
         console.info(self.start.message)
@@ -76,17 +76,17 @@ class Training:
             )
             # One engine (its own sampling copy of the weights) serves both the rollouts and the evaluation; with
             # several processes each has its own, on its own devices.
-            engine = recipe.build_engine(config, self.model_config, mesh=self.processes.sampling_mesh(self.mesh))
-            self.runner = recipe.build_runner(
+            engine = build.build_engine(config, self.model_config, mesh=self.processes.sampling_mesh(self.mesh))
+            self.runner = build.build_runner(
                 config, self.model_config, None, self.world, seed=config.seed, engine=engine
             )
-            self.eval_runner = recipe.build_runner(
+            self.eval_runner = build.build_runner(
                 config, self.model_config, None, self.world, greedy=True, engine=engine
             )
             self._set_params()
             # Each process samples the trees it owns; all hold every tree, so the allocation is the same everywhere.
             self.rollouts = self.processes.backend(self.runner)
-            self.scheduler = recipe.build_scheduler(config, self.rollouts)
+            self.scheduler = build.build_scheduler(config, self.rollouts)
             self.prompts = self.source.prompt_stream(config, self.world)
             self.checkpointer = StateCheckpointer(
                 workdir / rundir.CHECKPOINTS, save_every=config.rl.checkpoint_every, keep=config.rl.keep_checkpoints
@@ -141,9 +141,9 @@ class Training:
     # ------------------------------------------------------------------------------------------- step
     def rl_step(self) -> dict[str, float]:
         """One RL update; returns its metrics (rollout, allocation, loss, timings)."""
-        from trace_jax import figures
         from trace_jax.rl.advantages import compute_advantages
         from trace_jax.rl.batch import build_batch
+        from trace_jax.rollout import figures
 
         start = time.perf_counter()
         trees = self._roots(self.prompts.next_batch())
@@ -200,7 +200,7 @@ class Training:
 
     def evaluate(self, description: str, leave: bool = True) -> list[dict[str, Any]]:
         """Greedy EM/F1 rows (per hop group, then ``all``) on ``config.eval``'s questions, with a progress bar."""
-        from trace_jax.evaluate import evaluate
+        from trace_jax.job.evaluate import evaluate
 
         config = self.config
         tasks = self.world.world.questions(config.eval.split)

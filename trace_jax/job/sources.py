@@ -1,7 +1,7 @@
 """Where a run's policy, tokenizer, questions and retriever come from, chosen by ``config.recipe.kind``.
 
 * ``synthetic`` (the default when a config has no ``recipe`` section): the synthetic multi-hop world, a
-  BPE trained on it, and a tiny Qwen3 warm-started by SFT on gold trajectories (``trace_jax.sft``).
+  BPE trained on it, and a tiny Qwen3 warm-started by SFT on gold trajectories (``trace_jax.job.sft``).
 * ``search_r1``: a Hugging Face Qwen2/Qwen3 checkpoint (``config.model.hf_dir``) loaded by ``load_hf``
   straight onto the run's mesh, its own tokenizer and chat template, Search-R1 question files read
   through TFDS + grain (``trace_jax.data.search_r1``), the retriever the ``retriever`` section names
@@ -10,24 +10,23 @@
 
 Each kind is a :class:`RecipeSource` in ``SOURCES``. Export a run's newest policy by hand::
 
-    python -m trace_jax.recipes export --workdir runs/qwen3-8b --out exported/
+    python -m trace_jax.hf export --workdir runs/qwen3-8b --out exported/
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
 import ml_collections
 from flax import nnx
 
-from trace_jax import paths, recipe
+from trace_jax import paths
 from trace_jax.checkpoint.hf import load_hf, save_hf
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.config_utils import from_config
@@ -36,6 +35,7 @@ from trace_jax.data.search_r1 import SearchR1Data, SearchR1DataConfig
 from trace_jax.data.tokenizer import load_tokenizer
 from trace_jax.envs.react import ReActConfig, ReActEnv
 from trace_jax.envs.retriever import RetrieverConfig, build_retriever
+from trace_jax.job import build
 from trace_jax.models.qwen import ModelConfig
 from trace_jax.parallel import multihost
 from trace_jax.registry import Registry
@@ -67,7 +67,7 @@ class Start:
     tokenizer_dir: the HF tokenizer directory of the policy (exported beside it).
     """
 
-    world: recipe.World
+    world: build.World
     model_config: ModelConfig
     params: nnx.State
     source: str
@@ -92,7 +92,7 @@ class RecipeSource(Protocol):
         ``progress`` / ``notify``: console hooks for long work (a warm start)."""
         ...
 
-    def prompt_stream(self, config: ml_collections.ConfigDict, world: recipe.World) -> Any:
+    def prompt_stream(self, config: ml_collections.ConfigDict, world: build.World) -> Any:
         """Training prompt batches: ``next_batch()``, ``state_dict()``, ``load_state_dict(state)``."""
         ...
 
@@ -109,7 +109,7 @@ class SyntheticSource:
     splits = ("train", "test", "ood")
 
     def start(self, config, workdir, mesh=None, progress=None, notify=None):
-        warm = recipe.build_warm_start(config, progress=progress, notify=notify)
+        warm = build.build_warm_start(config, progress=progress, notify=notify)
         sft = warm.sft
         message = (
             f"warm start {'trained' if warm.trained else 'reused'}: {sft.steps} SFT steps, "
@@ -123,11 +123,11 @@ class SyntheticSource:
             message,
             warm.describe(),
             str(warm.entry.directory),
-            str(warm.entry.directory / "tokenizer"),  # where recipe.build_world keeps it
+            str(warm.entry.directory / "tokenizer"),  # where build.build_world keeps it
         )
 
     def prompt_stream(self, config, world):
-        return PromptStream(world.world.questions("train"), recipe.prompts_drawn_per_step(config), config.seed)
+        return PromptStream(world.world.questions("train"), build.prompts_drawn_per_step(config), config.seed)
 
     def finish(self, config, workdir, policy):
         return {}
@@ -176,14 +176,14 @@ class SearchR1Source:
                 "model.tokenizer_dir must be this checkpoint's tokenizer"
             )
         facts = {"hf_dir": hf_dir, "steps": 0, "reproducible": True}
-        world = recipe.World(data, tokenizer, env)
+        world = build.World(data, tokenizer, env)
         source = f"hf checkpoint {hf_dir}"
         return Start(world, model_config, params, source, f"policy: {hf_dir}", facts, hf_dir, _tokenizer_dir(config))
 
     def prompt_stream(self, config, world):
         # Every process reads the whole step's batch: all of them run the scheduler over every tree, and each
-        # samples the trees it owns (``trace_jax.parallel.sharded_rollouts``).
-        return world.world.stream(config.data.train_split, recipe.prompts_drawn_per_step(config), config.seed, 0, 1)
+        # samples the trees it owns (``trace_jax.job.sharded_rollouts``).
+        return world.world.stream(config.data.train_split, build.prompts_drawn_per_step(config), config.seed, 0, 1)
 
     def finish(self, config, workdir, policy):
         out = paths.as_path(workdir) / EXPORT_DIR
@@ -205,7 +205,7 @@ def latest_policy(
     """The newest policy of a run: the latest RL checkpoint's params, else the starting policy's; with the
     run's start (world, model config) and a description of which policy it is."""
     start = source_of(config).start(config, paths.as_path(workdir), mesh)
-    restored = StateCheckpointer(paths.as_path(workdir) / recipe.CHECKPOINTS).restore_latest(
+    restored = StateCheckpointer(paths.as_path(workdir) / build.CHECKPOINTS).restore_latest(
         target={"params": start.params}, keys=["params"]
     )
     if restored is None:
@@ -214,39 +214,25 @@ def latest_policy(
 
 
 def export_policy(
-    model_config: ModelConfig, params: nnx.State, tokenizer_dir: str | pathlib.Path, out: str | pathlib.Path
+    model_config: ModelConfig,
+    params: nnx.State,
+    tokenizer_dir: str | pathlib.Path,
+    out: str | pathlib.Path,
+    max_shard_bytes: int = 0,
 ) -> pathlib.Path:
     """Writes ``params`` as a HF checkpoint directory (``save_hf``) and copies the tokenizer files of
     ``tokenizer_dir`` beside it, so ``AutoModelForCausalLM`` and ``AutoTokenizer`` both load ``out``.
     ``out`` may be a bucket URL: the directory is written locally, then copied up."""
     if paths.is_url(out):
         with tempfile.TemporaryDirectory() as local:
-            export_policy(model_config, params, tokenizer_dir, local)
+            export_policy(model_config, params, tokenizer_dir, local, max_shard_bytes)
             paths.copy_tree(local, out)
         return paths.as_path(out)
     out = pathlib.Path(out)
-    save_hf(model_config, params, out)
+    save_hf(model_config, params, out, max_shard_bytes)
     copied = [name for name in TOKENIZER_FILES if (pathlib.Path(tokenizer_dir) / name).is_file()]
     if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
         raise FileNotFoundError(f"{tokenizer_dir} holds no tokenizer.json / tokenizer.model to export beside the model")
     for name in copied:
         shutil.copyfile(pathlib.Path(tokenizer_dir) / name, out / name)
     return out
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trace_jax.recipes", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    export = commands.add_parser("export", help="a run's newest policy -> HF directory with its tokenizer")
-    export.add_argument("--workdir", required=True, help="a trace_jax.train run directory")
-    export.add_argument("--out", required=True, help="the HF directory to write")
-    args = parser.parse_args(argv)
-    workdir = paths.as_path(args.workdir)
-    config = recipe.load_run_config(workdir)
-    start, params, source = latest_policy(config, workdir)
-    export_policy(start.model_config, params, start.tokenizer_dir, args.out)
-    print(f"export: {source} -> {args.out}")
-
-
-if __name__ == "__main__":
-    main()

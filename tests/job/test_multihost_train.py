@@ -30,7 +30,7 @@ import pytest
 from tests.helpers import TINY_MAIN_JOB, main_job_command
 from trace_jax.checkpoint.state import StateCheckpointer
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = [
     *TINY_MAIN_JOB,
     "--config.rl.checkpoint_every=1",

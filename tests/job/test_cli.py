@@ -7,14 +7,15 @@ import sys
 
 import pytest
 
-from trace_jax import train
 from trace_jax.cli import ExitCode
+from trace_jax.job import train
+from trace_jax.job.commands import evaluate_main, train_main
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run(capsys, *args):
-    code = train.main(["trace_jax.train", *args])
+    code = train_main(["trace_jax.train", *args])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -91,7 +92,7 @@ def test_unusable_workdirs_are_refused_before_work(capsys, tmp_path):
 
 def test_a_workdir_holding_another_run_is_refused(capsys, tmp_path):
     from trace_jax.config_utils import load_config_file
-    from trace_jax.recipe import save_run_config
+    from trace_jax.job.build import save_run_config
 
     config = load_config_file(str(ROOT / "configs" / "default.py"))
     save_run_config(config, tmp_path)
@@ -129,8 +130,6 @@ def test_the_real_command_exits_with_the_code_and_no_traceback(tmp_path):
 
 
 def test_evaluate_on_a_directory_that_is_not_a_run_ends_in_one_line(capsys, tmp_path):
-    from trace_jax import evaluate
-
-    code = evaluate.main(["--workdir", str(tmp_path / "nowhere")])
+    code = evaluate_main(["--workdir", str(tmp_path / "nowhere")])
     assert code == ExitCode.MISSING_FILE
     assert_one_line_error(capsys.readouterr().err, "has no config.json", "trace_jax.train run")

@@ -20,7 +20,7 @@ import pytest
 from tests.helpers import TINY_MAIN_JOB, main_job_command
 from trace_jax.checkpoint.state import StateCheckpointer
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = [
     *TINY_MAIN_JOB,
     "--config.rl.steps=3",
@@ -214,17 +214,17 @@ LEARN_STEPS = 6
 
 
 def test_a_few_rl_steps_raise_em_on_the_questions_they_train_on(tmp_path):
-    from trace_jax import recipe
     from trace_jax.cli import Console
-    from trace_jax.command_line import load_config
-    from trace_jax.evaluate import evaluate
+    from trace_jax.job import build
+    from trace_jax.job.commands import load_config
+    from trace_jax.job.evaluate import evaluate
+    from trace_jax.job.loop import Training
     from trace_jax.metrics import PhaseTimer
-    from trace_jax.training import Training
 
     config, _ = load_config(["train", *LEARNS, f"--config.warm_start.cache_dir={tmp_path / 'cache'}"])
     run = Training(config, tmp_path / "run", Console(verbosity=-1), PhaseTimer())
     tasks = run.world.world.questions("train")
-    sampler = recipe.build_runner(config, run.model_config, None, run.world, seed=10_000, engine=run.runner.engine)
+    sampler = build.build_runner(config, run.model_config, None, run.world, seed=10_000, engine=run.runner.engine)
 
     def sampled_em() -> float:
         sampler.load_state_dict({"next_seed": 10_000})  # the same draws before and after

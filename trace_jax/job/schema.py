@@ -20,6 +20,8 @@ from trace_jax.allocation.scheduler import SchedulerConfig
 from trace_jax.data.synthetic import WorldConfig
 from trace_jax.envs.react import ReActConfig
 from trace_jax.envs.retriever import RetrieverConfig
+from trace_jax.job.sft import SFTConfig
+from trace_jax.job.warm_start import WarmStartConfig
 from trace_jax.optim import OptimizerConfig
 from trace_jax.parallel.distributed import DistributedConfig
 from trace_jax.rl.batch import BatchConfig
@@ -27,8 +29,6 @@ from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import UpdateConfig
 from trace_jax.rollout.engine import EngineConfig
 from trace_jax.rollout.runner import RunnerConfig
-from trace_jax.sft import SFTConfig
-from trace_jax.warm_start import WarmStartConfig
 
 
 @dataclasses.dataclass(frozen=True)

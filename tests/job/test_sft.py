@@ -8,9 +8,9 @@ import numpy as np
 import optax
 import pytest
 
-from trace_jax import sft
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.data.tokenizer import train_world_tokenizer
+from trace_jax.job import sft
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ its allocation policy, optimizer and so on are not part of it.
 Layout under ``cache_dir`` (default ``~/.cache/trace_jax/warm_start``)::
 
     <key>/tokenizer/       the world's BPE (a HF tokenizer directory)
-    <key>/sft/             orbax checkpoint of the SFT params (``trace_jax.sft.run_sft``)
+    <key>/sft/             orbax checkpoint of the SFT params (``trace_jax.job.sft.run_sft``)
     <key>/warm_start.json  what was trained and how (written last: its presence means complete)
     <key>.lock             held while one run builds the entry; concurrent runs wait for it
 

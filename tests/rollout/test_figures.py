@@ -2,7 +2,7 @@
 
 import pytest
 
-from trace_jax import figures
+from trace_jax.rollout import figures
 from trace_jax.rollout.tree import RolloutTree
 
 

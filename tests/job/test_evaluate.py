@@ -1,7 +1,7 @@
 """Evaluation groups: hop counts for chain questions, kind and hops for the realistic world's other kinds."""
 
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
-from trace_jax.evaluate import group_of
+from trace_jax.job.evaluate import group_of
 
 
 def test_groups_split_the_realistic_kinds_and_keep_plain_hop_names():

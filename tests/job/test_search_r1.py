@@ -26,9 +26,7 @@ from flax import nnx
 
 from tests import search_r1_fixtures as fixtures
 from tests.helpers import torch_logits
-from trace_jax import recipe, recipes
 from trace_jax.checkpoint.hf import load_hf
-from trace_jax.checkpoint.hf import main as hf_main
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.config_utils import load_config_file
 from trace_jax.data.tokenizer import load_tokenizer
@@ -41,12 +39,14 @@ from trace_jax.envs.react import (
 )
 from trace_jax.envs.retriever import BM25Retriever, HttpRetriever, make_server
 from trace_jax.envs.stops import stop_id_sequences
-from trace_jax.evaluate import evaluate
+from trace_jax.job import build, sources
+from trace_jax.job.commands import hf_main
+from trace_jax.job.evaluate import evaluate
 from trace_jax.models.qwen import abstract_model
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batch import BatchConfig, build_batch
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = f"{REPO}/configs/search_r1.py:tiny"
 
 
@@ -117,11 +117,11 @@ def test_train_over_a_stalling_http_server_checkpoints_evaluates_and_exports_wha
     failures = sum(r.get("rollout/retrieval_failures", 0) for r in records)
     assert counting.stalls >= 1 and 1 <= failures <= counting.stalls, (counting.stalls, failures)
     assert [row["group"] for row in summary["eval_after"]] == ["hotpotqa", "nq", "all"]  # EM/F1 per source
-    assert StateCheckpointer(workdir / recipe.CHECKPOINTS).latest_step() == 2
+    assert StateCheckpointer(workdir / build.CHECKPOINTS).latest_step() == 2
 
-    export = pathlib.Path(summary["exports"][recipes.EXPORT_DIR])
-    config = recipe.load_run_config(workdir)
-    start, params, source = recipes.latest_policy(config, workdir)
+    export = pathlib.Path(summary["exports"][sources.EXPORT_DIR])
+    config = build.load_run_config(workdir)
+    start, params, source = sources.latest_policy(config, workdir)
     world = start.world
     assert source == "rl step 2"
     _, initial = load_hf(files["hf"])
@@ -137,7 +137,7 @@ def test_train_over_a_stalling_http_server_checkpoints_evaluates_and_exports_wha
     theirs = torch_logits(AutoModelForCausalLM.from_pretrained(export).eval(), ids)
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
-    hf_main(["export", "--workdir", str(workdir), "--out", str(tmp_path / "again")])  # the CLI, by hand
+    assert hf_main(["export", "--workdir", str(workdir), "--out", str(tmp_path / "again")]) == 0  # the CLI, by hand
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
     np.testing.assert_array_equal(torch_logits(again, ids), theirs)
     assert AutoTokenizer.from_pretrained(tmp_path / "again").get_vocab() == world.tokenizer.get_vocab()
@@ -150,7 +150,7 @@ def test_a_stop_table_over_the_engine_maximum_fails_at_start_with_the_flag_to_ra
     assert 2 < count <= config.engine.max_stop_sequences  # premise: several spellings, and they fit
     config.engine.max_stop_sequences = count - 1
     with pytest.raises(ValueError, match=f"--config.engine.max_stop_sequences={count} or more"):
-        recipes.source_of(config).start(config, tmp_path)
+        sources.source_of(config).start(config, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +158,8 @@ def greedy_run(files, tmp_path_factory):
     """A greedy runner of the tiny checkpoint in the search_r1 world (BM25 over the corpus in process)."""
     workdir = tmp_path_factory.mktemp("world")
     config = tiny_config(files, kind="bm25", corpus=str(files["corpus"]))
-    start = recipes.source_of(config).start(config, workdir)
-    runner = recipe.build_runner(config, start.model_config, start.params, start.world, greedy=True)
+    start = sources.source_of(config).start(config, workdir)
+    runner = build.build_runner(config, start.model_config, start.params, start.world, greedy=True)
     return start.world, runner
 
 
@@ -206,7 +206,7 @@ def test_the_engine_turn_ends_at_a_stop_tag_its_id_table_misses_and_the_next_tur
     table = [tuple(s) for s in env.stop_sequences]
     assert not any(tuple(ids[n - len(s) : n]) == s for s in table for n in range(len(s), len(ids) + 1))  # premise
     model_config, params = load_hf(fixtures.write_checkpoint(tmp_path / "hf", tokenizer, turn))
-    spaced = recipe.build_runner(
+    spaced = build.build_runner(
         tiny_config(files, kind="bm25", corpus=str(files["corpus"])), model_config, params, world, greedy=True,
         engine=runner.engine,
     )  # fmt: skip

@@ -27,8 +27,8 @@ import jax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from trace_jax.job.sharded_rollouts import ProcessShardedBackend
 from trace_jax.parallel import multihost
-from trace_jax.parallel.sharded_rollouts import ProcessShardedBackend
 from trace_jax.rollout.tree import RolloutTree
 
 T = TypeVar("T")

@@ -8,15 +8,15 @@ import sys
 
 import pytest
 
-from tests.test_train import TINY
+from tests.job.test_train import TINY
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def compiles(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("compiles")
-    command = [sys.executable, "-m", "tests.compile_check", str(workdir), "5", *TINY]
+    command = [sys.executable, "-m", "tests.job.compile_check", str(workdir), "5", *TINY]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -1,0 +1,233 @@
+"""The commands: ``python -m trace_jax.train``, ``python -m trace_jax.evaluate`` and ``python -m trace_jax.hf``.
+
+Each ``*_main(argv)`` parses its command line, runs the job and returns the exit code (``trace_jax.cli.ExitCode``);
+the modules ``trace_jax.train``, ``trace_jax.evaluate`` and ``trace_jax.hf`` only call them. The parts that import
+JAX are imported inside the commands, so ``--help`` and a mistyped flag answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import ml_collections
+
+from trace_jax import cli
+
+DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "default.py"
+DEFAULT_WORKDIR = "./runs/default"
+USAGE = f"""usage: python -m trace_jax.train [--config=FILE[:ARG]] [--workdir=DIR] [--config.KEY=VALUE ...]
+                                [--show-config] [--verbosity=N]
+
+Trains the TRACE agent end to end: warm start (cached), evaluation, RL, evaluation.
+
+options:
+  --config=FILE[:ARG]   a config file (default: configs/default.py); ablations: configs/ablation.py:uniform
+  --config.KEY=VALUE    override any config key, e.g. --config.rl.steps=40 --config.optim.learning_rate=1e-4
+  --workdir=DIR         run directory (default: {DEFAULT_WORKDIR}); rerunning resumes, a larger rl.steps extends
+  --show-config         print every config key with its value and doc (overrides applied), then exit
+  --verbosity=N         1 or more: library logs and full tracebacks on errors
+  -h, --help            show this help and exit
+
+exit codes: 0 done (or already complete), 2 bad flag or config value, 3 missing file, 4 unusable workdir,
+130 interrupted (rerun the same command to resume), 1 unexpected error."""
+
+
+# -------------------------------------------------------------------------------------------- command line
+def flag_value(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+        if arg == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def verbosity_of(argv: list[str]) -> int:
+    value = flag_value(argv, "verbosity") or flag_value(argv, "v")
+    try:
+        return int(value) if value is not None else 0
+    except ValueError:
+        return 0  # reported properly when the flags are parsed
+
+
+def _fresh_flag_values(argv: list[str]) -> Any:
+    """A fresh absl flag set for one command line (the global one keeps state between parses)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    values = flags.FlagValues()
+    # config_flags reads the --config.x overrides from the argv given here (sys.argv when None).
+    config_flags.DEFINE_config_file(
+        "config", str(DEFAULT_CONFIG), "Run config (a configs/*.py file).", flag_values=values, sys_argv=argv
+    )
+    flags.DEFINE_string("workdir", DEFAULT_WORKDIR, "Run directory: checkpoints, logs, plots.", flag_values=values)
+    flags.DEFINE_bool("show_config", False, "Print every config key, its value and doc.", flag_values=values)
+    flags.DEFINE_integer("verbosity", 0, "1 or more: library logs and tracebacks.", short_name="v", flag_values=values)
+    return values
+
+
+def load_config(argv: list[str]) -> tuple[ml_collections.ConfigDict, Any]:
+    """The config of a command line (file, then ``--config.x=v`` overrides) and the parsed flags.
+
+    Raises ``MissingFileError`` for a config file that does not exist and ``ConfigError`` for a config file
+    that fails, an unknown key, a value of the wrong type or a stray argument; nothing else is touched.
+    """
+    from trace_jax.config_utils import load_config_file, unknown_overrides
+
+    spec = flag_value(argv, "config") or str(DEFAULT_CONFIG)
+    path = pathlib.Path(spec.partition(":")[0])
+    if not path.is_file():
+        raise cli.MissingFileError(f"config file {path} does not exist; pass --config=configs/<name>.py")
+    try:
+        base = load_config_file(spec)
+    except (ValueError, TypeError, KeyError) as e:
+        raise cli.ConfigError(f"--config={spec}: {' '.join(str(e).split())}") from None
+    problems = unknown_overrides([a for a in argv if a.startswith("--config.")], base)
+    if problems:
+        raise cli.ConfigError("; ".join(problems) + " (--show-config lists every key)")
+    argv = [("--show_config" if arg == "--show-config" else arg) for arg in argv]
+    if flag_value(argv, "config") is None:  # named explicitly, so the overrides are parsed against it
+        argv = [argv[0], f"--config={spec}", *argv[1:]]
+    values = _fresh_flag_values(argv)
+    try:
+        rest = values(argv)
+    except Exception as e:  # absl's flag errors and ml_collections' type errors for a --config.x value
+        raise cli.ConfigError(f"{' '.join(str(e).split())} (see --help)") from None
+    if len(rest) > 1:
+        raise cli.ConfigError(f"unexpected arguments {rest[1:]}; options look like --config.rl.steps=40 (see --help)")
+    return values.config, values
+
+
+# ------------------------------------------------------------------------------------------ train
+def _train(argv: list[str], console: cli.Console) -> None:
+    if any(arg in ("-h", "--help", "-help", "--helpshort", "--helpfull", "-?") for arg in argv[1:]):
+        print(USAGE)
+        return
+    config, parsed = load_config(argv)
+    if parsed.show_config:
+        from trace_jax.job.schema import describe  # the config sections' dataclasses import JAX
+
+        print(describe(config))
+        return
+    from trace_jax.job import train  # JAX and the whole job: only once the command line is known to be good
+
+    summary = train.train(config, parsed.workdir, console)
+    print(f"\n{train.summary_line(summary)}")
+    print(train.summary_table(summary))
+    print(f"\nwrote {parsed.workdir}/summary.json, metrics.jsonl, tensorboard/, plots/, checkpoints/")
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """``python -m trace_jax.train``: runs, resumes or extends a run (see ``USAGE``); returns the exit code."""
+    argv = list(sys.argv if argv is None else argv)
+    verbosity = verbosity_of(argv)
+    cli.quiet_third_party(verbosity)
+    console = cli.Console(verbosity)
+    return cli.run_main(lambda: _train(argv, console), console)
+
+
+# --------------------------------------------------------------------------------------- evaluate
+def _evaluate(args: Any) -> None:
+    from trace_jax import paths  # the job's modules import JAX
+    from trace_jax.job import build, sources
+    from trace_jax.job.evaluate import evaluate
+    from trace_jax.metrics import format_table
+
+    workdir = paths.as_path(args.workdir)  # gs://bucket/run stays a URL
+    if not (workdir / build.CONFIG_FILE).is_file():
+        raise cli.MissingFileError(f"{workdir} has no {build.CONFIG_FILE}: pass the --workdir of a trace_jax.train run")
+    config = build.load_run_config(workdir)
+    splits = sources.source_of(config).splits
+    if args.split not in splits:
+        raise cli.ConfigError(f"--split={args.split!r} is not allowed: one of {', '.join(splits)}")
+    if args.samples < 1 or args.limit < 0:
+        raise cli.ConfigError("--samples must be >= 1 and --limit >= 0")
+    start, params, source = sources.latest_policy(config, workdir)
+    runner = build.build_runner(config, start.model_config, params, start.world, greedy=args.samples == 1)
+    tasks = start.world.world.questions(args.split)
+    tasks = tasks[: args.limit] if args.limit else tasks
+    console = cli.Console(args.verbosity)
+    with console.progress(len(tasks), f"evaluating {args.split}", unit="question") as bar:
+        chunk = max(config.engine.max_slots, -(-len(tasks) // 4))
+        result = evaluate(runner, start.world.env, tasks, args.samples, progress=bar, chunk_size=chunk)
+    print(f"policy: {source}; split {args.split}; {len(tasks)} questions x {args.samples} samples")
+    print(format_table(result.rows))
+    out = workdir / f"eval_{args.split}.json"
+    out.write_text(json.dumps({"policy": source, "split": args.split, "rows": result.rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+def evaluate_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m trace_jax.evaluate``: EM/F1 per group and pass@k of a run's newest policy."""
+    parser = argparse.ArgumentParser(
+        prog="python -m trace_jax.evaluate", description="EM / F1 per group and pass@k of a run's newest policy."
+    )
+    parser.add_argument("--workdir", required=True, help="a trace_jax.train run directory")
+    parser.add_argument("--split", default="test", help="split: train, test or ood (synthetic); train, dev or test")
+    parser.add_argument("--samples", type=int, default=1, help="samples per question (1: greedy decoding)")
+    parser.add_argument("--limit", type=int, default=0, help="evaluate only the first N questions (0: all)")
+    parser.add_argument("--verbosity", type=int, default=0, help="1 or more: library logs and tracebacks")
+    args = parser.parse_args(argv)
+    cli.quiet_third_party(args.verbosity)
+    console = cli.Console(args.verbosity)
+    return cli.run_main(lambda: _evaluate(args), console)
+
+
+# ------------------------------------------------------------------------------------------ hf
+def _hf(args: Any) -> None:
+    try:
+        _port(args)
+    except FileNotFoundError as e:  # a directory that is not a checkpoint, or one with files missing
+        raise cli.MissingFileError(str(e)) from None
+
+
+def _port(args: Any) -> None:
+    from trace_jax import paths  # JAX and orbax
+    from trace_jax.checkpoint import hf
+    from trace_jax.job import build, sources
+
+    if args.command == "import":
+        config, params = hf.load_hf(args.hf_dir)
+        hf.save_orbax(config, params, args.out)
+        print(f"import: {args.hf_dir} -> {args.out}")
+    elif args.workdir:
+        workdir = paths.as_path(args.workdir)
+        if not (workdir / build.CONFIG_FILE).is_file():
+            raise cli.MissingFileError(
+                f"{workdir} has no {build.CONFIG_FILE}: pass the --workdir of a trace_jax.train run"
+            )
+        config = build.load_run_config(workdir)
+        start, params, source = sources.latest_policy(config, workdir)
+        sources.export_policy(start.model_config, params, start.tokenizer_dir, args.out, args.max_shard_bytes)
+        print(f"export: {source} -> {args.out}")
+    else:
+        config, params = hf.load_orbax(args.ckpt)
+        hf.save_hf(config, params, args.out, args.max_shard_bytes)
+        print(f"export: {args.ckpt} -> {args.out}")
+
+
+def hf_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m trace_jax.hf``: Hugging Face checkpoints to orbax and back, or a run's newest policy to HF."""
+    parser = argparse.ArgumentParser(
+        prog="python -m trace_jax.hf", description="Hugging Face Qwen checkpoints <-> trace_jax checkpoints."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_orbax = commands.add_parser("import", help="HF directory -> orbax checkpoint")
+    to_orbax.add_argument("--hf-dir", required=True)
+    to_orbax.add_argument("--out", required=True)
+    to_hf = commands.add_parser("export", help="an orbax checkpoint, or a run's newest policy, -> HF directory")
+    source = to_hf.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt", help="an orbax checkpoint written by `import`")
+    source.add_argument("--workdir", help="a trace_jax.train run: its newest policy, with its tokenizer files")
+    to_hf.add_argument("--out", required=True)
+    to_hf.add_argument("--max-shard-bytes", type=int, default=0, help="split the safetensors above this size")
+    parser.add_argument("--verbosity", type=int, default=0, help="1 or more: library logs and tracebacks")
+    args = parser.parse_args(argv)
+    cli.quiet_third_party(args.verbosity)
+    console = cli.Console(args.verbosity)
+    return cli.run_main(lambda: _hf(args), console)

@@ -1,0 +1,232 @@
+"""The main job: synthetic world -> tokenizer -> SFT warm start -> TRACE RL, with evaluation around it.
+
+    python -m trace_jax.train                                     # configs/default.py, ./runs/default
+    python -m trace_jax.train --show-config                       # every key, its value and what it means
+    python -m trace_jax.train --config=configs/ablation.py:uniform --workdir=runs/uniform
+    python -m trace_jax.train --config.rl.steps=40 --workdir=runs/long
+
+Each RL step: a batch of training questions becomes trees under the allocation policy's budget
+(``TreeScheduler``), the trees become advantages and a ``TrainBatch``, and one jit'd update runs under the
+mesh. The warm start (tokenizer + SFT policy, a fixed number of steps) comes from a cache shared by all runs
+(``trace_jax.job.warm_start``), so the same config and seed give the same numbers on any machine and load, and
+ablations start from the same model. Written to the workdir: ``metrics.jsonl``, TensorBoard events
+(``tensorboard/``), PNG plots (``plots/``), orbax checkpoints of the whole state (``checkpoints/``, step 0
+included), ``summary.json`` (written last: a run with one is finished), ``config.json`` and ``train.log``.
+
+After a kill, rerunning the same command resumes from the latest checkpoint, and the logs end up exactly as
+an uninterrupted run's: each step's record (evaluations included) is written before that step is
+checkpointed, and a resumed writer keeps what was logged up to the checkpoint and drops the rest. Rerunning
+a finished run changes nothing (one line in ``train.log``); a larger ``--config.rl.steps`` extends it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+import ml_collections
+import numpy as np
+from etils import epath
+
+from trace_jax import paths
+from trace_jax.cli import Console, Interrupted
+from trace_jax.job import rundir
+from trace_jax.job.loop import Training, eval_metrics
+from trace_jax.metrics import JSONL_NAME, TENSORBOARD_DIR
+
+PLOTS = {
+    "reward.png": ["rollout/mean_reward", "eval/em"],
+    "effective_ratio.png": ["alloc/effective_ratio", "alloc/nonzero_adv_token_share"],
+}
+
+
+def _summary(run: Training, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the run achieved (reproducible: equal for equal config and seed) plus ``run``: how it went
+    (wall-clock seconds per phase, resumes, where the warm start lives; these vary with the machine)."""
+    config = run.config
+    steps = [r for r in records if "alloc/effective_ratio" in r]
+    warm = run.start.facts
+    summary = {
+        "policy": config.allocation.policy,
+        "seed": config.seed,
+        "steps": run.step,
+        "eval_before": run.eval_before,
+        "eval_after": run.last_eval,
+        "mean_effective_ratio": float(np.mean([r["alloc/effective_ratio"] for r in steps])) if steps else None,
+        "generated_tokens": float(sum(r.get("alloc/budget/generated_tokens", 0.0) for r in steps)),
+        "warm_start": warm,
+        "reproducible": warm["reproducible"],
+    }
+    if not warm["reproducible"]:
+        summary["not_reproducible_because"] = (
+            f"sft.time_budget_s={config.sft.time_budget_s} stopped the warm start at step {warm['steps']} of "
+            f"{config.sft.max_steps}: another machine or load stops it elsewhere"
+        )
+    summary["run"] = {
+        "timings_s": run.timer.state_dict(),
+        "resumes": run.resumes,
+        "warm_start_dir": str(run.start.directory),
+        # Which process sampled which questions in the last step (one list per process).
+        "processes": {**run.processes.describe(), "last_step_questions": run.sampled_by_process},
+        "note": "wall-clock figures: they depend on the machine and its load",
+    }
+    return summary
+
+
+def _write_json(path: epath.Path, value: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    tmp.replace(path)  # atomic: summary.json marks a finished run, so it is never half written
+
+
+def train(
+    config: ml_collections.ConfigDict, workdir: str | os.PathLike, console: Console | None = None
+) -> dict[str, Any]:
+    """Runs, resumes or extends the run in ``workdir``; returns its summary (also ``workdir/summary.json``).
+
+    A finished run (its ``summary.json`` has ``config.rl.steps`` steps) is left untouched and its summary
+    returned. Raises :class:`trace_jax.cli.UserError` subclasses for an unusable workdir or config, and
+    :class:`trace_jax.cli.Interrupted` on Ctrl-C / SIGTERM (saying which checkpoint a rerun resumes from).
+    """
+    from trace_jax.config_utils import from_config
+    from trace_jax.job import validate
+    from trace_jax.parallel import distributed
+
+    console = console if console is not None else Console()
+    workdir = paths.as_path(workdir)  # gs://bucket/run stays a URL (pathlib.Path would make it gs:/bucket/run)
+    validate.validate(config)
+    # Before anything touches a device: with several processes, each joins the job here.
+    distributed.initialize(from_config(distributed.DistributedConfig, config.distributed))
+    rundir.check_usable(workdir)
+    rundir.check_same_run(workdir, config)
+    logs = paths.LocalMirror(workdir)  # logs, events and plots are written locally; a bucket gets copies
+    if distributed.is_main_process():  # one train.log, written by process 0
+        logs.pull((rundir.LOG_FILE, JSONL_NAME, TENSORBOARD_DIR))
+        console.attach_log(logs.local / rundir.LOG_FILE)
+    steps = config.rl.steps
+    finished = rundir.finished_summary(workdir, config)
+    if finished is not None:
+        console.info(
+            f"{workdir} is already complete: {steps} RL steps (summary.json); nothing to do. "
+            f"To train it further, rerun with --config.rl.steps=N for some N > {steps}."
+        )
+        return finished
+    try:
+        return _train(config, workdir, console, logs)
+    except KeyboardInterrupt:
+        done = rundir.checkpoint_steps(workdir)
+        where = (
+            f"the last checkpoint is step {done[-1]} in {workdir / rundir.CHECKPOINTS}; rerun the same command to "
+            "resume from it"
+            if done
+            else "no checkpoint was written yet; rerun the same command to start again (a finished warm start is "
+            "reused from its cache)"
+        )
+        raise Interrupted(f"interrupted; {where}") from None
+
+
+def _train(
+    config: ml_collections.ConfigDict, workdir: epath.Path, console: Console, logs: paths.LocalMirror
+) -> dict[str, Any]:
+    import jax
+
+    from trace_jax import heap
+    from trace_jax.job import build, validate
+    from trace_jax.metrics import MetricWriter, PhaseTimer
+    from trace_jax.parallel import distributed
+
+    validate.check_mesh(config, jax.device_count())
+    console.log(f"start: {' '.join(sys.argv[1:]) or '(defaults)'}")
+    distributed.run_on_main(build.save_run_config, config, workdir)
+    timer = PhaseTimer()
+    run = Training(config, workdir, console, timer)
+    resumed = run.resume()
+    steps = config.rl.steps
+    # Only process 0 writes metrics.jsonl and TensorBoard (the metrics are reduced across processes first).
+    writer = distributed.MainProcessWriter(lambda: MetricWriter(logs.local, resume_step=run.step if resumed else None))
+    try:
+        heap.release()  # the warm start's and setup's temporaries
+        if resumed:
+            console.info(f"resuming at RL step {run.step} of {steps} (checkpoint in {workdir / rundir.CHECKPOINTS})")
+        else:
+            run.eval_before = run.last_eval = run.evaluate("evaluation before RL")
+            writer.write(0, {**eval_metrics(run.eval_before), **run.warm_up_predictor()})
+            distributed.run_on_main(logs.push)
+            run.save(force=True)  # step 0: the evaluation above is logged once, whatever happens next
+        with console.progress(steps, "TRACE RL", initial=run.step) as bar:
+            while run.step < steps:
+                with timer.phase("rl"):
+                    metrics = run.rl_step()
+                last = run.step == steps
+                if last or (config.eval.every and run.step % config.eval.every == 0):
+                    run.last_eval = run.evaluate(f"evaluation at step {run.step}", leave=False)
+                    metrics.update(eval_metrics(run.last_eval))
+                writer.write(run.step, metrics)  # before the checkpoint: a resume never loses a step's record
+                distributed.run_on_main(logs.push)
+                run.save(force=last)
+                heap.release()  # the step's freed temporaries, back to the OS (see trace_jax.heap)
+                bar.set_postfix(
+                    reward=f"{metrics['rollout/mean_reward']:.2f}", eff=f"{metrics['alloc/effective_ratio']:.2f}"
+                )
+                bar.update(1)
+    finally:
+        writer.close()
+        run.checkpointer.close()
+    final = dataclasses.replace(run.start, params=run.state.params, source=f"rl step {run.step}")
+    exports = run.source.finish(config, workdir, final)  # search_r1: the HF export (collective)
+    summary = distributed.run_on_main(_finish, run, workdir, logs, exports)
+    console.log(f"finished: {run.step} RL steps")
+    distributed.run_on_main(logs.push)
+    return run.processes.from_main(summary)  # every process returns process 0's summary
+
+
+def _finish(run: Training, workdir: epath.Path, logs: paths.LocalMirror, exports: dict[str, str]) -> dict[str, Any]:
+    """Process 0's part of the end of a run: plots, the summary and the warm start's scores."""
+    from trace_jax.metrics import plot_metrics, read_jsonl
+
+    records = read_jsonl(logs.local / JSONL_NAME)
+    for name, keys in PLOTS.items():
+        plot_metrics(records, keys, logs.local / "plots" / name)
+    summary = _summary(run, records)
+    summary["exports"] = exports
+    _write_json(workdir / "eval_before.json", {"step": 0, "rows": run.eval_before})  # the warm start's scores
+    _write_json(workdir / rundir.SUMMARY_FILE, summary)  # last: its presence marks the run finished
+    return summary
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """Held-out EM per group before (SFT) and after RL, as a Markdown table."""
+    from trace_jax.metrics import format_table
+
+    after = {row["group"]: row for row in summary["eval_after"]}
+    rows = [
+        {
+            "group": row["group"],
+            "n": row["n"],
+            "EM sft": row["em"],
+            "EM rl": after[row["group"]]["em"],
+            "F1 sft": row["f1"],
+            "F1 rl": after[row["group"]]["f1"],
+        }
+        for row in summary["eval_before"]
+    ]
+    return format_table(rows)
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """One line: steps, RL time and the other phases' times, mean effective ratio."""
+    timings = summary.get("run", {}).get("timings_s", {})
+    ratio = summary["mean_effective_ratio"]
+    phases = ", ".join(
+        f"{name.replace('_', ' ')} {timings[name]:.0f} s"
+        for name in ("warm_start", "setup", "evaluation")
+        if name in timings
+    )
+    return (
+        f"TRACE RL ({summary['policy']}): {summary['steps']} steps, RL {timings.get('rl', 0.0):.0f} s "
+        f"({phases}; total {timings.get('total', 0.0):.0f} s); mean effective ratio "
+        f"{'n/a' if ratio is None else f'{ratio:.3f}'}"
+    )
