@@ -14,6 +14,9 @@ from trace_jax.config_utils import to_config
 from trace_jax.data.synthetic import WorldConfig
 from trace_jax.envs.react import ReActConfig
 from trace_jax.envs.retriever import RetrieverConfig
+from trace_jax.job.schema import EvalConfig, MeshConfig, RLConfig, TokenizerConfig
+from trace_jax.job.sft import SFTConfig
+from trace_jax.job.warm_start import WarmStartConfig
 from trace_jax.optim import OptimizerConfig
 from trace_jax.parallel.distributed import DistributedConfig
 from trace_jax.rl.batch import BatchConfig
@@ -21,9 +24,6 @@ from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import UpdateConfig
 from trace_jax.rollout.engine import EngineConfig
 from trace_jax.rollout.runner import RunnerConfig
-from trace_jax.schema import EvalConfig, MeshConfig, RLConfig, TokenizerConfig
-from trace_jax.sft import SFTConfig
-from trace_jax.warm_start import WarmStartConfig
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

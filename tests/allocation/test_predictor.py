@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
+from trace_jax.allocation import predictor as P
 from trace_jax.allocation.anchors import gather_anchors, training_anchors
 from trace_jax.allocation.calibration import calibration_metrics
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
-from trace_jax.models import predictor as P
 from trace_jax.rollout.backend import ContinuationRequest
 from trace_jax.rollout.tree import RolloutTree
 

@@ -185,7 +185,7 @@ class _PerLayerQwen(nnx.Module):
 
 
 def test_old_per_layer_checkpoint_restores_into_the_stacked_model(tmp_path):
-    from trace_jax.models.qwen import ModelConfig, Qwen
+    from trace_jax.models import ModelConfig, Qwen
 
     config = ModelConfig.preset("qwen3-tiny")
     _, old_params = nnx.split(_PerLayerQwen(config, nnx.Rngs(1)), nnx.Param)

@@ -11,7 +11,7 @@ from trace_jax.config_utils import from_config, load_config_file
 from trace_jax.data.synthetic import KINDS, RELATIONS, SyntheticWorld, WorldConfig
 from trace_jax.envs.retriever import BM25Retriever
 from trace_jax.job.sft import SFTConfig
-from trace_jax.models.qwen import num_params
+from trace_jax.models import num_params
 
 SMALL = WorldConfig(scale=2, questions_per_hop=60, ood_questions=30)
 

@@ -42,7 +42,7 @@ from trace_jax.envs.stops import stop_id_sequences
 from trace_jax.job import build, sources
 from trace_jax.job.commands import hf_main
 from trace_jax.job.evaluate import evaluate
-from trace_jax.models.qwen import abstract_model
+from trace_jax.models import abstract_model
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batch import BatchConfig, build_batch
 

@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 
 from trace_jax.checkpoint.hf import load_hf
-from trace_jax.models.qwen import Qwen, abstract_model
+from trace_jax.models import Qwen, abstract_model
 from trace_jax.parallel import mesh as mesh_lib
 
 

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tests.rl.test_trainer import CONFIG, _batch
 from trace_jax.checkpoint.state import StateCheckpointer, abstract_like
-from trace_jax.models.qwen import Qwen
+from trace_jax.models import Qwen
 from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import create_sharded, make_mesh
 from trace_jax.rl.losses import LossConfig

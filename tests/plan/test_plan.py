@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-from trace_jax.models.qwen import ModelConfig
+from trace_jax.models import ModelConfig
 from trace_jax.parallel.mesh import make_mesh
 from trace_jax.plan.compile import train_step_memory
 from trace_jax.plan.topology import GIB, parse_topology

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from trace_jax.models.qwen import ModelConfig, abstract_model
+from trace_jax.models import ModelConfig, abstract_model
 from trace_jax.optim import make_optimizer
 from trace_jax.rl.batch import TrainBatch
 from trace_jax.rl.losses import LossConfig

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from tests.rl.trees import random_tree
-from trace_jax.models.qwen import ModelConfig, Qwen
+from trace_jax.models import ModelConfig, Qwen
 from trace_jax.rl.advantages import ESTIMATORS, compute_advantages
 from trace_jax.rl.batch import BatchConfig, build_batch, check_objective
 from trace_jax.rl.logprobs import policy_logprobs

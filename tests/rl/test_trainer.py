@@ -9,7 +9,7 @@ from flax import nnx
 
 from tests.helpers import run_with_fake_devices
 from tests.rl.trees import branching_tree, random_tree
-from trace_jax.models.qwen import ModelConfig, Qwen
+from trace_jax.models import ModelConfig, Qwen
 from trace_jax.optim import make_optimizer
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batch import BatchConfig, build_batch

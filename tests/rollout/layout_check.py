@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from trace_jax.models.qwen import ModelConfig, Qwen, abstract_model
+from trace_jax.models import ModelConfig, Qwen, abstract_model
 from trace_jax.parallel import mesh as mesh_lib
 from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.layout import SamplingLayout

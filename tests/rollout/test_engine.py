@@ -12,7 +12,7 @@ from flax import nnx
 
 from tests.helpers import build_hf_checkpoint
 from trace_jax.checkpoint.hf import load_hf
-from trace_jax.models.qwen import Qwen, abstract_model
+from trace_jax.models import Qwen, abstract_model
 from trace_jax.rollout.engine import AppendItem, Engine, EngineConfig, StopReason
 from trace_jax.rollout.sampling import SamplingConfig
 

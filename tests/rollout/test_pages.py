@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trace_jax.models.qwen import ModelConfig, Qwen, abstract_model
+from trace_jax.models import ModelConfig, Qwen, abstract_model
 from trace_jax.rollout.engine import AppendItem, Engine, EngineConfig
 from trace_jax.rollout.pages import TRASH_PAGE, PagePool
 from trace_jax.rollout.sampling import SamplingConfig

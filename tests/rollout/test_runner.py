@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trace_jax.models.qwen import ModelConfig, Qwen
+from trace_jax.models import ModelConfig, Qwen
 from trace_jax.rollout.backend import ContinuationRequest
 from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.mock import (

@@ -371,7 +371,7 @@ class _PrefixValueModel(nnx.Module):
     """The policy's decoder architecture (``trace_jax.models.qwen.Qwen``) with a value head on the last token."""
 
     def __init__(self, config: Any, rngs: nnx.Rngs):
-        from trace_jax.models.qwen import Qwen  # the policy model; imported here so the MLP path needs none of it
+        from trace_jax.models import Qwen  # the policy model; imported here so the MLP path needs none of it
 
         self.backbone = Qwen(config, rngs=rngs)
         self.head = nnx.Linear(config.hidden_size, 1, rngs=rngs)
@@ -404,7 +404,7 @@ class TransformerPredictor:
         replay_size: int = 2048,
         seed: int = 0,
     ):
-        from trace_jax.models.qwen import ModelConfig
+        from trace_jax.models import ModelConfig
 
         self.config = ModelConfig.preset(preset, **(model_overrides or {}))
         self.max_len, self.train_steps, self.batch_size = max_len, train_steps, batch_size

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trace_jax.models.qwen import KVCache, ModelConfig, Qwen, abstract_model, num_params
+from trace_jax.models import KVCache, ModelConfig, Qwen, abstract_model, num_params
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
 from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.mock import ToyEnv

@@ -275,7 +275,7 @@ def measure_trees(
 def measure(config, args: argparse.Namespace) -> dict[str, Any]:
     """The config's warm start (cached), then :func:`measure_trees` on ``--prompts`` questions of ``--split``."""
     from trace_jax.job import build
-    from trace_jax.models.qwen import num_params
+    from trace_jax.models import num_params
     from trace_jax.rollout.tree import RolloutTree
 
     start = time.perf_counter()

@@ -29,7 +29,7 @@ from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.data.tokenizer import train_world_tokenizer
 from trace_jax.envs.react import ReActEnv
 from trace_jax.job.sft import SFTConfig, make_env, run_sft
-from trace_jax.models.qwen import num_params
+from trace_jax.models import num_params
 from trace_jax.rollout.backend import ContinuationRequest
 from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig

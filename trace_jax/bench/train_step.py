@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from trace_jax.models.qwen import ModelConfig, Qwen, num_params
+from trace_jax.models import ModelConfig, Qwen, num_params
 from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import create_sharded, make_mesh
 from trace_jax.rl.batch import TrainBatch

@@ -41,7 +41,7 @@ from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
 from trace_jax.config_utils import from_config
 from trace_jax.job.sft import SFTConfig
-from trace_jax.models.qwen import Qwen
+from trace_jax.models import Qwen
 from trace_jax.optim import make_optimizer
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batch import BatchConfig, build_batch

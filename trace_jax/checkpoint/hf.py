@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from trace_jax.models.qwen import ModelConfig, abstract_model
+from trace_jax.models import ModelConfig, abstract_model
 from trace_jax.parallel import mesh as mesh_lib
 
 # ------------------------------------------------------------------------------------------ transforms

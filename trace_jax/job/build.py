@@ -27,7 +27,7 @@ from trace_jax.job import rundir
 from trace_jax.job.processes import Processes
 from trace_jax.job.sft import SFTConfig, SFTResult, run_sft
 from trace_jax.job.warm_start import CacheEntry, WarmStartCache, WarmStartConfig, key_material
-from trace_jax.models.qwen import ModelConfig
+from trace_jax.models import ModelConfig
 from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.layout import SamplingLayout
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig

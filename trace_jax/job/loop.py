@@ -31,7 +31,7 @@ class Training:
         from trace_jax.config_utils import from_config
         from trace_jax.job import build, sources
         from trace_jax.job.processes import Processes
-        from trace_jax.models.qwen import abstract_model
+        from trace_jax.models import abstract_model
         from trace_jax.optim import make_optimizer
         from trace_jax.parallel.mesh import make_mesh, shard_state
         from trace_jax.rl.batch import BatchConfig

@@ -34,7 +34,7 @@ from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.data.synthetic import SyntheticWorld
 from trace_jax.envs.react import ReActConfig, ReActEnv, render_trajectory
 from trace_jax.envs.retriever import BM25Retriever, Retriever
-from trace_jax.models.qwen import ModelConfig, Qwen
+from trace_jax.models import ModelConfig, Qwen
 from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import batch_sharding, create_sharded, make_mesh
 

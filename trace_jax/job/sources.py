@@ -36,7 +36,7 @@ from trace_jax.data.tokenizer import load_tokenizer
 from trace_jax.envs.react import ReActConfig, ReActEnv
 from trace_jax.envs.retriever import RetrieverConfig, build_retriever
 from trace_jax.job import build
-from trace_jax.models.qwen import ModelConfig
+from trace_jax.models import ModelConfig
 from trace_jax.parallel import multihost
 from trace_jax.registry import Registry
 

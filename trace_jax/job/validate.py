@@ -66,7 +66,7 @@ def _predictors() -> list[str]:
 
 
 def _model_presets() -> list[str]:
-    from trace_jax.models.qwen import PRESETS
+    from trace_jax.models import PRESETS
 
     return sorted(PRESETS)
 

@@ -87,7 +87,7 @@ class Planner:
         _set_fake_devices(chips)
         import jax
 
-        from trace_jax.models.qwen import ModelConfig
+        from trace_jax.models import ModelConfig
 
         self.args = args
         self.devices = jax.devices()
@@ -102,7 +102,7 @@ class Planner:
         return self.memo[key]
 
     def train(self, topology: Topology, budget: int, depth_check: bool = False) -> dict[str, Any]:
-        from trace_jax.models.qwen import num_params
+        from trace_jax.models import num_params
         from trace_jax.parallel.mesh import make_mesh
         from trace_jax.plan import compile as plan_compile
 
@@ -183,7 +183,7 @@ class Planner:
 
 def plan_one(planner: Planner, topology: Topology, depth_check: bool) -> dict[str, Any]:
     """The train step and engine plans of ``planner``'s model on ``topology``."""
-    from trace_jax.models.qwen import num_params
+    from trace_jax.models import num_params
 
     args = planner.args
     memory = int(args.memory_gib * GIB) if args.memory_gib else topology.memory_bytes

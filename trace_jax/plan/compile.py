@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trace_jax.models.qwen import ModelConfig, abstract_model
+from trace_jax.models import ModelConfig, abstract_model
 from trace_jax.optim import make_optimizer, optimizer_shardings
 from trace_jax.parallel import mesh as mesh_lib
 from trace_jax.rl.batch import TrainBatch

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trace_jax.models.qwen import ModelConfig, abstract_model
+from trace_jax.models import ModelConfig, abstract_model
 from trace_jax.parallel.mesh import make_mesh
 from trace_jax.rollout import pages
 from trace_jax.rollout.append import APPEND_FIELDS, append_program, pack_append
