@@ -3,18 +3,17 @@
 Sized to finish on 2 CPU cores in about 15 minutes, warm start included (the warm start trains a fixed
 1,000 steps and is cached, so later runs of the same world/tokenizer/SFT settings skip it). Every field can be
 overridden on the command line (``--config.rl.steps=40``); each section is one part's config dataclass
-(``trace_jax.schema.SECTIONS``), whose docstring explains the fields: ``python -m trace_jax.train
---show-config`` prints them all.
+(``trace_jax.job.schema.SECTIONS``), whose docstring explains the fields: ``python -m trace_jax.train
+--show-config`` prints them all. A value that differs from its dataclass's default says why in a comment.
 """
 
 import ml_collections
 
 from trace_jax.allocation.scheduler import SchedulerConfig
-from trace_jax.config_utils import to_config
 from trace_jax.data.synthetic import WorldConfig
 from trace_jax.envs.react import ReActConfig
 from trace_jax.envs.retriever import RetrieverConfig
-from trace_jax.job.schema import EvalConfig, MeshConfig, RLConfig, TokenizerConfig
+from trace_jax.job.schema import EvalConfig, MeshConfig, RLConfig, TokenizerConfig, section
 from trace_jax.job.sft import SFTConfig
 from trace_jax.job.warm_start import WarmStartConfig
 from trace_jax.optim import OptimizerConfig
@@ -30,36 +29,36 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     del arg
     config = ml_collections.ConfigDict()
     config.seed = 0
-    config.world = to_config(WorldConfig())
-    config.tokenizer = to_config(TokenizerConfig(vocab_size=1024))
-    config.react = to_config(ReActConfig.preset("synthetic"))
-    config.retriever = to_config(RetrieverConfig())  # BM25 over the world's corpus
-    config.sft = to_config(SFTConfig(max_steps=1000, time_budget_s=None))  # fixed steps: reproducible
-    config.warm_start = to_config(WarmStartConfig())
-    config.engine = to_config(EngineConfig(max_slots=32, max_len=512, steps_per_call=32, max_turn_tokens=48))
-    config.runner = to_config(RunnerConfig(refill_after=4))
-    config.allocation = to_config(SchedulerConfig(policy="trace", rollouts_per_prompt=8.0, max_depth=8))
-    # fixed_length: every row is 512 long (tree-packed to the largest bucket), so the trainer compiles once.
-    config.batch = to_config(
-        BatchConfig(length_buckets=(128, 256, 384, 512), row_buckets=(32, 64, 96, 128, 192, 256), fixed_length=True)
-    )
-    config.loss = to_config(LossConfig(policy_loss="ppo", aggregation="token-mean"))
-    config.ppo = to_config(UpdateConfig())  # epochs x mini-batches per rollout batch, behaviour log-probs
-    config.optim = to_config(
-        OptimizerConfig(learning_rate=2e-4, warmup_steps=2, total_steps=30, max_grad_norm=1.0, schedule="constant")
-    )
-    config.rl = to_config(
+    config.world = section(WorldConfig())
+    config.tokenizer = section(TokenizerConfig(vocab_size=1024))
+    config.react = section(ReActConfig.preset("synthetic"))  # the synthetic world's prompt and turn sizes
+    config.retriever = section(RetrieverConfig())  # BM25 over the world's corpus
+    config.sft = section(SFTConfig(max_steps=1000, time_budget_s=None))  # fixed steps: reproducible
+    config.warm_start = section(WarmStartConfig())
+    # Sized for the tiny policy on 2 CPU cores: 32 slots decoding 32 steps per call, turns of <= 48 tokens.
+    config.engine = section(EngineConfig(max_slots=32, max_len=512, steps_per_call=32, max_turn_tokens=48))
+    config.runner = section(RunnerConfig(refill_after=4))  # 4 turns per host round trip: fewer syncs on CPU
+    # max_depth 8 still tells every turn depth apart (react.max_turns is 5 here, 6 in realistic.py).
+    config.allocation = section(SchedulerConfig(policy="trace", rollouts_per_prompt=8.0, max_depth=8))
+    # Length buckets up to engine.max_len; fixed_length: every row is 512 long (tree-packed to the largest
+    # bucket), so the trainer compiles once.
+    config.batch = section(BatchConfig(length_buckets=(128, 256, 384, 512), fixed_length=True))
+    config.loss = section(LossConfig(policy_loss="ppo", aggregation="token-mean"))
+    config.ppo = section(UpdateConfig())  # epochs x mini-batches per rollout batch, behaviour log-probs
+    # The tiny policy's learning rate, held constant (OptimizerConfig's generic defaults: 1e-5, cosine). The
+    # schedule's length and warm-up are derived from rl.steps and rl.warmup_steps (schema.derived).
+    config.optim = section(OptimizerConfig(learning_rate=2e-4, max_grad_norm=1.0, schedule="constant"))
+    config.rl = section(
         RLConfig(
             steps=30,
             prompts_per_step=16,
             advantage="grpo",
-            micro_batches=1,
-            recompute_old_logprobs=False,
+            warmup_steps=0.5,  # 2 of the first step's 4 optimizer steps (2 epochs x 2 mini-batches)
             checkpoint_every=5,
             keep_checkpoints=2,
         )
     )
-    config.eval = to_config(EvalConfig(split="test", num_questions=150, every=10))
-    config.mesh = to_config(MeshConfig(data=1, fsdp=-1, tensor=1))
-    config.distributed = to_config(DistributedConfig())
+    config.eval = section(EvalConfig(split="test", num_questions=150, every=10))
+    config.mesh = section(MeshConfig(data=1, fsdp=-1, tensor=1))
+    config.distributed = section(DistributedConfig())
     return config

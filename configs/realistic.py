@@ -1,8 +1,8 @@
 """The default recipe on a realistic-difficulty world: ``--config=configs/realistic.py[:<policy>]``.
 
 A real RLVR pool is U-shaped for the current policy: most prompts are all-correct or all-wrong (the TRACE
-paper's Qwen3-8B uniform baseline mixes only 26.8% of its groups). This world aims at that shape (issue
-15) with three kinds of train prompts in about these shares: 1..5-hop *chain* questions weighted to the
+paper's Qwen3-8B uniform baseline mixes only 26.8% of its groups). This world aims at that shape
+with three kinds of train prompts in about these shares: 1..5-hop *chain* questions weighted to the
 short end (~43%, the learnable middle), *buried* questions whose first lookup the retriever cannot answer
 (~30%, p ~ 0: ``bury_passages`` look-alikes stating wrong facts out-rank the entity's passage, and the warm
 start never sees their answers: ``config.sft.split = "train:chain,trivial"``) and *trivial* ones that end
@@ -22,8 +22,9 @@ import pathlib
 
 import ml_collections
 
-from trace_jax.config_utils import load_config_file, to_config
+from trace_jax.config_utils import load_config_file
 from trace_jax.data.synthetic import WorldConfig
+from trace_jax.job.schema import section
 
 # ModelConfig overrides of the policy (the tokenizer sets vocab_size); none: the default tiny policy (see above).
 POLICY_OVERRIDES = ()
@@ -49,7 +50,7 @@ def _ablation_config(policy: str) -> ml_collections.ConfigDict:
 
 def get_config(policy: str = "trace") -> ml_collections.ConfigDict:
     config = _ablation_config(policy)
-    config.world = to_config(WORLD)
+    config.world = section(WORLD)
     config.react.max_turns = WORLD.max_hops + 1  # one search per hop, then the answer
     config.sft.model_overrides = [list(item) for item in POLICY_OVERRIDES]
     # Fixed steps (reproducible). 1,200, not the default 1,000: a sharper copy of a trivial question's answer. It

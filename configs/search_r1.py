@@ -21,6 +21,7 @@ from trace_jax.config_utils import load_config_file, to_config
 from trace_jax.data.search_r1 import SearchR1DataConfig
 from trace_jax.envs.react import ReActConfig
 from trace_jax.envs.retriever import RetrieverConfig
+from trace_jax.job.schema import section
 from trace_jax.rl.batch import BatchConfig
 from trace_jax.rollout.engine import EngineConfig
 
@@ -55,8 +56,8 @@ def get_config(variant: str = "qwen3-8b") -> ml_collections.ConfigDict:
         {"hf_dir": "", "tokenizer_dir": "", "dtype": dtype, "param_dtype": "float32"}
     )
     config.data = to_config(SearchR1DataConfig())
-    config.retriever = to_config(RetrieverConfig(kind="http", url="http://127.0.0.1:8000", timeout_s=30.0))
-    config.react = to_config(
+    config.retriever = section(RetrieverConfig(kind="http", url="http://127.0.0.1:8000", timeout_s=30.0))
+    config.react = section(
         ReActConfig(
             template="search_r1",
             topk=3,
@@ -70,7 +71,7 @@ def get_config(variant: str = "qwen3-8b") -> ml_collections.ConfigDict:
     # (envs/stops.py): 34 / 106 / 414 of them for Qwen-pattern byte-level BPEs of 16k / 48k / 151k ids trained
     # here on code and docs; 1024 leaves room for Qwen's own 151k vocabulary (the table is [S, 8] ids, one
     # compare per decode step). A tokenizer needing more stops the run at start with the flag to raise.
-    config.engine = to_config(
+    config.engine = section(
         EngineConfig(
             max_slots=slots,
             max_len=max_len,
@@ -80,17 +81,14 @@ def get_config(variant: str = "qwen3-8b") -> ml_collections.ConfigDict:
             max_stop_len=8,
         )
     )
-    config.runner.max_turn_tokens = turn_tokens
     buckets = tuple(b for b in (128, 256, 384, 512, 1024, 2048, 4096) if b <= max_len)
-    config.batch = to_config(
-        BatchConfig(length_buckets=buckets, row_buckets=(8, 16, 32, 64, 128, 256, 512), fixed_length=True)
-    )
+    config.batch = section(BatchConfig(length_buckets=buckets, fixed_length=True))
     config.allocation.rollouts_per_prompt = rollouts
     config.allocation.max_tokens_per_rollout = turn_tokens * config.react.max_turns
     config.allocation.prior_tokens_per_rollout = float(turn_tokens * 2)
     config.optim.learning_rate = lr
-    config.optim.warmup_steps = 0 if tiny else 10
-    config.optim.total_steps = 2 if tiny else 1000
+    # RL steps; the schedule spans rl.steps × ppo.ppo_epochs × ppo.mini_batches optimizer steps (schema.derived).
+    config.rl.warmup_steps = 0 if tiny else 10
     config.rl.steps = 2 if tiny else 1000
     config.rl.prompts_per_step = prompts
     config.rl.checkpoint_every = 1 if tiny else 50

@@ -23,6 +23,24 @@ TINY_MAIN_JOB = [
 ]
 
 
+def cpu_fingerprint() -> str:
+    """The host CPU as XLA:CPU compiles for it: model name and instruction-set flags (a digest of them)."""
+    import hashlib
+
+    info = pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return f"{model or 'unknown'} / flags {hashlib.sha256(' '.join(sorted(flags)).encode()).hexdigest()[:12]}"
+
+
+def summary_digest(summary: dict[str, Any]) -> str:
+    """A short digest of a run's reproducible summary, quoted in the README beside the figures it backs."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def main_job_command(workdir: Any, cache: Any, flags: list[str]) -> list[str]:
     """``python -m trace_jax.train`` in ``workdir`` with its warm start cached in ``cache`` and ``flags``."""
     import sys

@@ -20,6 +20,9 @@ def test_schedule_warms_up_then_decays():
     assert np.all(np.diff(lrs[4:]) <= 1e-7) and lrs[20] == pytest.approx(0.1)
     constant = make_schedule(learning_rate=0.5, warmup_steps=2, total_steps=10, schedule="constant")
     assert [float(constant(i)) for i in (0, 1, 2, 9)] == pytest.approx([0.0, 0.25, 0.5, 0.5])
+    # The constant schedule does not depend on the run's length.
+    longer = make_schedule(learning_rate=0.5, warmup_steps=2, total_steps=1000, schedule="constant")
+    assert [float(longer(i)) for i in range(20)] == [float(constant(i)) for i in range(20)]
 
 
 def test_config_dict_and_kwargs_agree_and_kwargs_override():

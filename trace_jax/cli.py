@@ -26,6 +26,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from absl import logging as absl_logging
+from tqdm import tqdm
+from tqdm.std import EMA  # the smoothed rate tqdm keeps; restarted after the compiling step
+
 
 class ExitCode(enum.IntEnum):
     """What a process exit status means (distinct per kind of failure, so scripts can tell them apart)."""
@@ -86,12 +90,7 @@ def quiet_third_party(verbosity: int) -> None:
         logger.setLevel(logging.ERROR)
         # A filter as well: some libraries set their own level when imported (bm25s sets DEBUG).
         logger.addFilter(_at_least_warning)
-    try:
-        from absl import logging as absl_logging
-
-        absl_logging.set_verbosity(absl_logging.ERROR)
-    except ImportError:  # absl is a dependency; tolerate its absence in bare tools
-        pass
+    absl_logging.set_verbosity(absl_logging.ERROR)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*os.fork.*")
@@ -151,10 +150,9 @@ class Console:
         erases it when closed (a bar inside another one)."""
         if self.verbosity < 0:
             return _NoBar()
-        from tqdm import tqdm
 
         interactive = hasattr(self.stream, "isatty") and self.stream.isatty()
-        return tqdm(
+        return _PhaseBar(
             total=total,
             initial=initial,
             desc=description,
@@ -164,6 +162,36 @@ class Console:
             dynamic_ncols=interactive,
             mininterval=0.5 if interactive else 10.0,  # a log file gets a line every 10 s, not every step
         )
+
+
+class _PhaseBar(tqdm):
+    """A progress bar that says "compiling" and shows no rate or ETA until its first step is done.
+
+    The first step of every phase (warm start, evaluation, RL) compiles its programs, which can take longer
+    than many later steps; a rate measured over it would promise hours. The first step counts, its time
+    does not: the description then says how long the compiling step took, and elapsed time, rate and ETA
+    count from the end of it.
+    """
+
+    COMPILING = "{desc}: {n_fmt}/{total_fmt} [{elapsed}, compiling]"
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(bar_format=self.COMPILING, **kwargs)
+        self.compiling = True
+
+    def update(self, n: float | None = 1) -> bool | None:
+        if not self.compiling:
+            return super().update(n)
+        self.compiling = False
+        now = self._time()
+        self.set_description_str(f"{self.desc} (first step {now - self.start_t:.0f} s)", refresh=False)
+        self.n += n or 0
+        self.initial = self.last_print_n = self.n  # tqdm's rate is (n - initial) / elapsed until it has a smoothed one
+        self.start_t = self.last_print_t = now
+        self._ema_dn, self._ema_dt = EMA(self.smoothing), EMA(self.smoothing)
+        self.bar_format = None  # tqdm's own format: bar, rate, ETA
+        self.refresh()
+        return True
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

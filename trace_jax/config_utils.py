@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import types
 import typing
 from collections.abc import Mapping
@@ -102,7 +103,6 @@ def from_config(cls: type[T], section: Mapping[str, Any] | ml_collections.Config
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
     """``path/to/config.py[:arg]`` -> ``get_config(arg)``, the way ``config_flags`` reads a config file."""
-    import importlib.util
 
     path, _, arg = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location("trace_jax_run_config", path)

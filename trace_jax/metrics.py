@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.record_writer import RecordWriter
 
 JSONL_NAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -72,8 +75,6 @@ class EventFile:
     """
 
     def __init__(self, directory: Path, purge_step: int | None = None):
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
-        from tensorboardX.record_writer import RecordWriter
 
         directory.mkdir(parents=True, exist_ok=True)
         # Named like TensorBoard's own files; readers take the files in name order, so the nanosecond suffix
@@ -92,8 +93,6 @@ class EventFile:
         self._writer.write(event.SerializeToString())
 
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.proto.summary_pb2 import Summary
 
         values = [Summary.Value(tag=name, simple_value=float(value)) for name, value in scalars.items()]
         self._write(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
@@ -198,7 +197,7 @@ class PhaseTimer:
 
 # ---------------------------------------------------------------------------------------------- plots
 def _pyplot():
-    import matplotlib
+    import matplotlib  # pyplot must not load before its file-only backend is chosen, nor on every import
 
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt

@@ -66,6 +66,7 @@ class OptimizerConfig:
       learning_rate: peak learning rate (reached after warmup).
       warmup_steps: linear warmup from 0 over this many optimizer steps.
       total_steps: length of the run in optimizer steps; the schedule decays over ``total_steps - warmup``.
+        The main job derives both from ``rl.steps`` and ``rl.warmup_steps`` (``trace_jax.job.schema.derived``).
       weight_decay: decoupled AdamW weight decay, applied to params with ndim >= 2 only (not to norms, biases).
       max_grad_norm: clip gradients to this global norm; 0 or None disables clipping.
       b1, b2, eps: Adam moments.

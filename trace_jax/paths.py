@@ -16,8 +16,10 @@ on each kind of path so callers need not branch:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
+import tempfile
 
 from etils import epath
 
@@ -108,9 +110,6 @@ class LocalMirror:
             self.local = self.remote
             return
         if local is None:
-            import hashlib
-            import tempfile
-
             digest = hashlib.sha256(os.fspath(self.remote).encode()).hexdigest()[:16]
             local = os.path.join(tempfile.gettempdir(), "trace_jax_mirror", digest)
         self.local = as_path(local)

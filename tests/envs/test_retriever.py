@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 
+from trace_jax.data import synthetic
+from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.envs import retriever as R
 
 ROWS = [
@@ -191,13 +193,13 @@ def test_importing_the_retrievers_runs_no_jax_op():
     assert int(bm25s_import) > 0  # the premise: importing bm25s itself does initialise a backend
 
 
-def test_serve_synthetic_world_corpus():
-    from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
-
+def test_serve_synthetic_world_corpus(tmp_path):
     world = {"scale": 1, "questions_per_hop": 5, "ood_questions": 5}
     first = SyntheticWorld(WorldConfig(**world)).corpus[0]
+    corpus = tmp_path / "world.jsonl"
+    synthetic.main(["corpus", "--world", json.dumps(world), "--out", str(corpus)])
     server = subprocess.Popen(
-        [sys.executable, "-m", "trace_jax.envs.retriever", "serve", "--synthetic", json.dumps(world), "--port", "0"],
+        [sys.executable, "-m", "trace_jax.envs.retriever", "serve", "--corpus", str(corpus), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -218,8 +220,6 @@ def test_serve_synthetic_world_corpus():
     ("argv", "message"),
     [
         (["--corpus", "missing.jsonl"], r"missing\.jsonl does not exist"),
-        (["--synthetic", "[1]"], "JSON object of WorldConfig fields"),
-        (["--synthetic", '{"scale": 1, "colour": 2}'], "WorldConfig has no field 'colour'"),
         (["--corpus", "x.jsonl", "--workers", "0"], "ServerLimits.workers must be > 0"),
     ],
 )
@@ -227,3 +227,14 @@ def test_serve_mistakes_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         R.main(["serve", *argv])
     assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("world", "message"),
+    [("[1]", "JSON object of WorldConfig fields"), ('{"scale": 1, "colour": 2}', "WorldConfig has no field 'colour'")],
+)
+def test_corpus_command_mistakes_are_one_line_errors(world, message, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        synthetic.main(["corpus", "--world", world, "--out", str(tmp_path / "c.jsonl")])
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "c.jsonl").exists()

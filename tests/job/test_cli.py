@@ -43,6 +43,12 @@ def test_show_config_lists_every_key_with_value_and_doc(capsys):
     assert any(line.startswith("warm_start.cache_dir = ") for line in lines)
     assert any(line.startswith("allocation.policy = 'trace'  # ") for line in lines)
     assert any(line.startswith("seed = 0") for line in lines)
+    assert any(line.startswith("rl.warmup_steps = 0.5  # linear learning-rate warm-up") for line in lines)
+    # Derived values are shown apart, with their formula; the keys the job sets are not listed.
+    assert "optim.total_steps = 28  # optimizer steps of the whole run: rl.steps × ppo.ppo_epochs" in out
+    assert not any(
+        line.startswith(("rl.micro_batches", "batch.row_multiple", "runner.max_turn_tokens")) for line in lines
+    )
 
 
 @pytest.mark.parametrize(
@@ -52,7 +58,19 @@ def test_show_config_lists_every_key_with_value_and_doc(capsys):
         (["--config.sft.time_budget_s=0"], ExitCode.CONFIG, ["config.sft.time_budget_s=0.0", "seconds > 0"]),
         (["--config.allocation.rollouts_per_prompt=0"], ExitCode.CONFIG, ["rollouts_per_prompt=0.0", "> 0"]),
         (["--config.allocation.policy=bogus"], ExitCode.CONFIG, ["allocation.policy='bogus'", "uniform"]),
-        (["--config.allocation.candidates_per_prompt=0.5"], ExitCode.CONFIG, ["candidates_per_prompt=0.5", ">= 1"]),
+        (
+            ["--config.allocation.candidates_per_prompt=0.5"],
+            ExitCode.CONFIG,
+            ["config.allocation: candidates_per_prompt must be >= 1", "0.5"],
+        ),
+        (["--config.engine.max_len=0"], ExitCode.CONFIG, ["config.engine.max_len=0 is not allowed", ">= 2"]),
+        (["--config.rl.warmup_steps=-1"], ExitCode.CONFIG, ["config.rl.warmup_steps=-1.0", "a number >= 0"]),
+        (["--config.ppo.micro_rows=0"], ExitCode.CONFIG, ["config.ppo", "micro_rows must be >= 1"]),
+        (
+            ["--config.rl.micro_batches=2"],
+            ExitCode.CONFIG,
+            ["config key 'rl.micro_batches' is gone: use 'ppo.micro_rows'"],
+        ),
         (["--config.rl.advantage=bogus"], ExitCode.CONFIG, ["rl.advantage='bogus'", "grpo"]),
         (["--config.loss.policy_loss=bogus"], ExitCode.CONFIG, ["config.loss", "policy_loss 'bogus'"]),
         (["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], ExitCode.CONFIG, ["at most one axis may be -1"]),

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import TINY_MAIN_JOB, main_job_command
+from tests.helpers import TINY_MAIN_JOB, cpu_fingerprint, main_job_command, summary_digest
 from trace_jax.checkpoint.state import StateCheckpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -187,6 +187,25 @@ def test_same_config_and_seed_give_the_same_summary_under_cpu_load(finished_run,
     assert summary_b["run"]["warm_start_dir"].startswith(str(tmp_path / "own_cache"))
     assert summary_a["run"]["timings_s"] != summary_b["run"]["timings_s"]  # wall time did differ
     assert without_run_facts(summary_b) == without_run_facts(summary_a)
+
+
+RECORD = pathlib.Path(__file__).parent / "records" / "tiny_run.json"
+
+
+def test_the_tiny_run_prints_its_recorded_summary(finished_run):
+    """The tiny run's summary equals the one recorded for this machine's CPU, so a change to the code that
+    changes what the main job computes fails here. The README quotes the default run's figures beside this
+    record's digest: whoever re-records it re-measures the default run (``tests/job/record_tiny_run.py``).
+    XLA compiles for the host CPU, so another CPU may round differently: the record names its CPU."""
+    workdir, _ = finished_run
+    record = json.loads(RECORD.read_text())
+    assert record["flags"] == TINY, "the record was made with other flags: re-record it"
+    readme = (ROOT / "README.md").read_text()
+    assert summary_digest(record["summary"]) in readme, "the README's default-run figures cite another record"
+    if record["cpu"] != cpu_fingerprint():
+        pytest.skip(f"the record is of CPU {record['cpu']}; this one is {cpu_fingerprint()}")
+    summary = without_run_facts(json.loads((workdir / "summary.json").read_text()))
+    assert summary == record["summary"]
 
 
 # A world slice where a few RL steps reliably raise EM: 1-hop questions only, a warm start cut short (greedy

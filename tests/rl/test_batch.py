@@ -150,6 +150,21 @@ def test_shapes_are_bucketed_and_padded_to_the_row_multiple():
     assert rows[0].tokens.shape[0] == 128  # past the largest row bucket: a multiple of it
 
 
+def test_row_padding_only_appends_rows_that_hold_nothing():
+    rng = np.random.default_rng(0)
+    trees = [branching_tree()] + [random_tree(rng) for _ in range(4)]
+    advantages = compute_advantages("grpo", trees)
+    config = BatchConfig(length_buckets=(16, 32), fixed_length=True, row_buckets=None)
+    bare, info = build_batch(trees, advantages, config)
+    assert bare.tokens.shape[0] == info.num_rows  # no row buckets, row multiple 1: no padding row
+    padded, _ = build_batch(trees, advantages, dataclasses.replace(config, row_buckets=(8, 16), row_multiple=6))
+    assert padded.tokens.shape[0] % 6 == 0 and padded.tokens.shape[0] > info.num_rows, "premise: padding rows"
+    for name, a, b in zip(bare._fields, bare, padded, strict=True):
+        if a is not None:
+            np.testing.assert_array_equal(a, np.asarray(b)[: info.num_rows], err_msg=name)
+    assert (padded.lengths[info.num_rows :] == 0).all() and (padded.weights[info.num_rows :] == 0).all()
+
+
 def test_fixed_length_gives_one_row_length_whatever_the_trees():
     config = BatchConfig(length_buckets=(4, 16, 32), fixed_length=True)
     small, big = [branching_tree()], [branching_tree() for _ in range(3)]

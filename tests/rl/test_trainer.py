@@ -182,6 +182,31 @@ def test_update_over_fixed_micro_batches_equals_one_step_on_the_whole_batch():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_update_gives_the_same_params_whatever_padding_rows_the_batch_has():
+    # The main job builds its batches without row padding (no row buckets, row multiple 1): update runs only the
+    # rows that hold tokens, so a padded batch and an unpadded one of the same trees train identically.
+    graphdef, params, _ = shared_setup()
+    rng = np.random.default_rng(3)
+    trees = [branching_tree()] + [random_tree(rng) for _ in range(3)]
+    advantages = compute_advantages("grpo", trees)
+    padded, _ = build_batch(trees, advantages, dataclasses.replace(BATCH_CONFIG, row_multiple=4))
+    bare, _ = build_batch(trees, advantages, dataclasses.replace(BATCH_CONFIG, row_buckets=None))
+    real = int((bare.lengths > 0).sum())
+    assert bare.tokens.shape[0] == real < padded.tokens.shape[0], "premise: padding rows to drop"
+    update = UpdateConfig(ppo_epochs=2, mini_batches=2, micro_rows=2, behaviour_logprobs="recompute")
+    results = []
+    for batch in (padded, bare):
+        trainer = _trainer(graphdef, update=update)
+        state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+        state, metrics = trainer.update(state, batch)
+        results.append((_host(state.params), metrics))
+    (padded_params, padded_metrics), (bare_params, bare_metrics) = results
+    for a, b in zip(jax.tree.leaves(padded_params), jax.tree.leaves(bare_params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert padded_metrics == bare_metrics
+    assert bare_metrics["steps"] == update.steps_per_batch == 4  # the optimizer steps one RL step makes
+
+
 def test_update_compiles_its_programs_once_whatever_the_batch_size():
     graphdef, params, _ = shared_setup()
     update = UpdateConfig(ppo_epochs=2, mini_batches=2, micro_rows=2, behaviour_logprobs="recompute")

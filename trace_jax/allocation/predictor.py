@@ -38,6 +38,7 @@ from jax.scipy.special import betaln
 from trace_jax.allocation.anchors import AnchorBatch
 from trace_jax.allocation.replay import ReplayBuffer
 from trace_jax.buckets import power_of_two
+from trace_jax.models import ModelConfig, create_model
 from trace_jax.registry import Registry
 
 EPS = 1e-4  # predictions are clipped to [EPS, 1 - EPS]: the solvers never see a certain outcome
@@ -371,9 +372,7 @@ class _PrefixValueModel(nnx.Module):
     """The policy's decoder architecture (``trace_jax.models.qwen.Qwen``) with a value head on the last token."""
 
     def __init__(self, config: Any, rngs: nnx.Rngs):
-        from trace_jax.models import Qwen  # the policy model; imported here so the MLP path needs none of it
-
-        self.backbone = Qwen(config, rngs=rngs)
+        self.backbone = create_model(config, rngs)
         self.head = nnx.Linear(config.hidden_size, 1, rngs=rngs)
 
     def __call__(self, tokens_bt: jax.Array, last_b: jax.Array) -> jax.Array:
@@ -404,8 +403,6 @@ class TransformerPredictor:
         replay_size: int = 2048,
         seed: int = 0,
     ):
-        from trace_jax.models import ModelConfig
-
         self.config = ModelConfig.preset(preset, **(model_overrides or {}))
         self.max_len, self.train_steps, self.batch_size = max_len, train_steps, batch_size
         self.seed = seed

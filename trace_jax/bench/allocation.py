@@ -42,6 +42,7 @@ from trace_jax.allocation.predictor import make_predictor
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
 from trace_jax.allocation.solvers import allocate_prefixes
+from trace_jax.bench.difficulty import predictor_informativeness
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
 
 REPORTED = ("effective_ratio", "nonzero_advantage_tokens", "nonzero_advantage_leaves", "tokens_per_leaf")
@@ -81,7 +82,6 @@ def calibrated_simulator(
     AUC closest to the real one, by the same protocol (``difficulty.predictor_informativeness`` on k rollouts
     per prompt). Returns the config and a record of what was fitted.
     """
-    from trace_jax.bench.difficulty import predictor_informativeness
 
     beta, turns = stats["beta_binomial"], stats["turns"]
     fitted = {

@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trace_jax.models import KVCache, ModelConfig, Qwen, abstract_model, num_params
+from trace_jax.checkpoint.hf import save_hf
+from trace_jax.models import KVCache, ModelConfig, abstract_model, create_model, num_params
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
 from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.mock import ToyEnv
@@ -128,6 +129,7 @@ class Transformers:
     """transformers ``generate`` (torch, CPU), greedy, left padding."""
 
     def __init__(self, hf_dir: str):
+        # The transformers reference only: torch is not a dependency of the package.
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -156,10 +158,9 @@ class Transformers:
 
 
 def throughput_rows(preset: str, batches, lengths, repeats: int, seed: int = 0) -> list[dict[str, Any]]:
-    from trace_jax.checkpoint.hf import save_hf
 
     config = ModelConfig.preset(preset)
-    params = nnx.split(Qwen(config, rngs=nnx.Rngs(seed)), nnx.Param)[1]
+    params = nnx.split(create_model(config, nnx.Rngs(seed)), nnx.Param)[1]
     rows = []
     with tempfile.TemporaryDirectory() as hf_dir:
         save_hf(config, params, hf_dir)
@@ -217,7 +218,7 @@ def throughput_rows(preset: str, batches, lengths, repeats: int, seed: int = 0) 
 def tree_vs_flat(prompts: int, roots_k: int, anchors_per_tree: int, fork_k: int, seed: int = 0) -> dict[str, Any]:
     """Forward tokens of a two-stage tree rollout against regenerating each of its leaves flat."""
     config = ModelConfig.preset("qwen3-tiny")
-    params = nnx.split(Qwen(config, rngs=nnx.Rngs(seed)), nnx.Param)[1]
+    params = nnx.split(create_model(config, nnx.Rngs(seed)), nnx.Param)[1]
     engine_config = EngineConfig(
         max_slots=16, max_len=256, steps_per_call=32, max_turn_tokens=24, length_buckets=(64, 256), row_buckets=(16,)
     )
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit("--repeats must be positive")
-    import torch
+    import torch  # the transformers reference only: not a dependency of the package
 
     torch.set_num_threads(args.torch_threads)
     start = time.perf_counter()

@@ -32,13 +32,26 @@ import collections
 import math
 import pathlib
 import platform
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
+from scipy import optimize, special
 
-from trace_jax.rollout.tree import RolloutTree
+from trace_jax.allocation.anchors import training_anchors
+from trace_jax.allocation.calibration import calibration_metrics, weighted_auc
+from trace_jax.allocation.predictor import make_predictor
+from trace_jax.allocation.solvers import expected_root_value
+from trace_jax.bench.report import emit
+from trace_jax.config_utils import load_config_file
+from trace_jax.job import build
+from trace_jax.job.evaluate import group_of
+from trace_jax.models import num_params
+from trace_jax.rollout.backend import ContinuationRequest
+from trace_jax.rollout.tree import ROOT, RolloutTree
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 EXTREME = 0.05  # p̂ below this or above 1 - this is an "extreme" prompt (all-wrong or all-right groups)
@@ -82,7 +95,6 @@ def pool_summary(successes_n: np.ndarray, samples: int, group_size: int, bins: i
 
 def fit_beta_binomial(successes_n: np.ndarray, samples: int) -> dict[str, float]:
     """Maximum-likelihood Beta(a, b) of per-prompt success probabilities seen through ``samples`` draws each."""
-    from scipy import optimize, special
 
     counts = np.asarray(successes_n, np.float64)
 
@@ -167,10 +179,6 @@ def predictor_informativeness(
     whose sampled group came out mixed above those whose did not (what prompt selection needs), and
     ``mixed_root_auc_dispersion``: the same for the MLP with a dispersion head, ranking by ``E[V_root]``.
     """
-    from trace_jax.allocation.anchors import training_anchors
-    from trace_jax.allocation.calibration import calibration_metrics, weighted_auc
-    from trace_jax.allocation.predictor import make_predictor
-    from trace_jax.allocation.solvers import expected_root_value
 
     order = np.random.default_rng(seed).permutation(len(trees))
     train, held_out = [trees[i] for i in order[::2]], [trees[i] for i in order[1::2]]
@@ -204,8 +212,6 @@ def predictor_informativeness(
 
 
 def by_group(trees: Sequence[RolloutTree], samples: int, group_size: int) -> dict[str, dict[str, Any]]:
-    from trace_jax.job.evaluate import group_of
-
     groups: dict[str, list[int]] = collections.defaultdict(list)
     for tree in trees:
         groups[group_of(tree.task)].append(int(tree.leaf_rewards().sum()))
@@ -229,8 +235,6 @@ def reweighted_pool(by_group_stats: Mapping[str, Mapping[str, Any]], weights: Ma
 
 # ------------------------------------------------------------------------------------------- running
 def _continue_first_turns(runner, trees: Sequence[RolloutTree], prompts: int, samples: int, rng) -> dict[str, Any]:
-    from trace_jax.rollout.backend import ContinuationRequest
-
     mixed = [t for t in trees if t.is_mixed()][:prompts]
     requests, picked = [], []
     for tree in mixed:
@@ -252,8 +256,6 @@ def measure_trees(
 ) -> dict[str, Any]:
     """Samples ``args.samples`` rollouts from each fresh tree's root on ``backend`` (any ``RolloutBackend``:
     the engine's runner, or the simulator) and computes every statistic of the module docstring."""
-    from trace_jax.rollout.backend import ContinuationRequest
-    from trace_jax.rollout.tree import ROOT
 
     start = time.perf_counter()
     backend.continue_anchors([ContinuationRequest(tree, ROOT, args.samples) for tree in trees])
@@ -274,9 +276,6 @@ def measure_trees(
 
 def measure(config, args: argparse.Namespace) -> dict[str, Any]:
     """The config's warm start (cached), then :func:`measure_trees` on ``--prompts`` questions of ``--split``."""
-    from trace_jax.job import build
-    from trace_jax.models import num_params
-    from trace_jax.rollout.tree import RolloutTree
 
     start = time.perf_counter()
     warm = build.build_warm_start(config)
@@ -316,13 +315,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    import sys
-
-    import jax
-
-    from trace_jax.bench.report import emit
-    from trace_jax.config_utils import load_config_file
-
     args = parse_args(argv)
     config = load_config_file(args.config)
     result = measure(config, args)

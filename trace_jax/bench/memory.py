@@ -19,8 +19,9 @@ import tempfile
 import time
 from typing import Any
 
-from trace_jax import heap
+from trace_jax import cli, heap
 from trace_jax.bench.report import emit
+from trace_jax.metrics import PhaseTimer
 
 MIB = 1024 * 1024
 
@@ -66,16 +67,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_argv = [a for a in argv if not a.startswith(("--steps=", "--out="))]
     memory = PhaseMemory()
     _reset_peak()
-    from trace_jax import cli
-    from trace_jax.job import commands, loop
+    # The first phase measures what importing the job and starting JAX cost, so they are imported here.
+    import jax
+
+    from trace_jax.job import commands, loop, validate
 
     cli.quiet_third_party(0)
     config, _ = commands.load_config(train_argv)
-    import jax
-
-    from trace_jax.job import validate
-    from trace_jax.metrics import PhaseTimer
-
     jax.numpy.zeros(1).block_until_ready()
     validate.validate(config)
     memory.end("imports + jax runtime")

@@ -40,7 +40,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from trace_jax.config_utils import from_config
+from trace_jax.bench.decode import throughput_rows
+from trace_jax.config_utils import from_config, load_config_file
 from trace_jax.data.prompts import PromptStream
 from trace_jax.job import build
 from trace_jax.job.commands import DEFAULT_CONFIG
@@ -50,8 +51,6 @@ from trace_jax.rollout.tree import ROOT, RolloutTree
 
 
 def _setup(workdir: pathlib.Path):
-    from trace_jax.config_utils import load_config_file
-
     config = load_config_file(str(DEFAULT_CONFIG))
     world = build.build_world(config, workdir)
     sft = run_sft(from_config(SFTConfig, config.sft), world.world, world.tokenizer, workdir, env=world.env)
@@ -170,9 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     result["kv_bytes"] = kv_bytes(config, world, engine)
     print(json.dumps(result["kv_bytes"]), flush=True)
     if not args.skip_decode:
-        import torch
-
-        from trace_jax.bench.decode import throughput_rows
+        import torch  # the transformers reference only: not a dependency of the package
 
         torch.set_num_threads(1)
         rows = throughput_rows("qwen3-tiny", [16], [64], args.repeats)

@@ -43,7 +43,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
+from absl import logging as absl_logging
+
+from trace_jax.config_utils import load_config_file
+from trace_jax.job import build
+from trace_jax.job.train import train
+from trace_jax.metrics import format_mean_std, format_table, mean_std_curve, plot_mean_std, read_jsonl
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 BEFORE_FILE = "eval_before.json"
@@ -226,7 +233,6 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
     least that much, so EM there compares policies at equal cost. ``equal_seconds`` likewise for RL-step wall
     time (0 when no run logged step times).
     """
-    from trace_jax.metrics import format_mean_std, format_table, mean_std_curve
 
     if not runs:
         raise ValueError("no runs to aggregate")
@@ -311,7 +317,6 @@ def plot(
 ) -> list[str]:
     """PNGs (mean ± std over seeds per policy): EM vs generated tokens, EM vs step, effective ratio vs step and
     vs generated tokens, and EM vs RL wall seconds when step times were logged (``equal_seconds`` > 0)."""
-    from trace_jax.metrics import plot_mean_std
 
     groups = _by_policy(runs)
     grid = np.linspace(0.0, equal_tokens, 25)
@@ -359,7 +364,6 @@ def plot(
 # ------------------------------------------------------------------------------------------- running
 def run_config(policy: str, seed: int, args: argparse.Namespace):
     """``<config-file>:<policy>`` with the experiment's budget; the world and SFT settings stay the file's."""
-    from trace_jax.config_utils import load_config_file
 
     config = load_config_file(f"{args.config_file}:{policy}")
     config.seed = seed
@@ -372,7 +376,6 @@ def run_config(policy: str, seed: int, args: argparse.Namespace):
     config.rl.prompts_per_step = args.prompts
     config.rl.checkpoint_every = args.steps  # checkpoints are for resuming, not for this comparison
     config.rl.keep_checkpoints = 1
-    config.optim.total_steps = args.steps
     config.eval.num_questions = args.eval_questions
     config.eval.every = args.eval_every
     return config
@@ -382,7 +385,6 @@ def warm_start(args: argparse.Namespace, workdir: pathlib.Path) -> pathlib.Path:
     """The one SFT warm start every run starts from: the config's warm-start cache entry (trained there on a
     miss, so the runs and ``trace_jax.bench.difficulty`` share it). Returns ``WORKDIR/shared``, where the
     warm start's held-out evaluation is kept for every run."""
-    from trace_jax.job import build
 
     warm = build.build_warm_start(run_config(args.policies[0], args.seeds[0], args))
     print(
@@ -397,7 +399,6 @@ def warm_start(args: argparse.Namespace, workdir: pathlib.Path) -> pathlib.Path:
 
 def run_one(policy: str, seed: int, args: argparse.Namespace, shared: pathlib.Path, workdir: pathlib.Path) -> RunCurve:
     """One training run through ``trace_jax.job.train.train`` (resumed if its workdir holds a checkpoint)."""
-    from trace_jax.job.train import train
 
     rundir = workdir / f"{policy}_s{seed}"
     rundir.mkdir(parents=True, exist_ok=True)
@@ -424,7 +425,6 @@ def run_one(policy: str, seed: int, args: argparse.Namespace, shared: pathlib.Pa
 
 def load_run(policy: str, seed: int, rundir: pathlib.Path, seconds: float | None = None) -> RunCurve:
     """A finished run's curve from its directory (``metrics.jsonl``, ``eval_before.json``, ``summary.json``)."""
-    from trace_jax.metrics import read_jsonl
 
     if not (rundir / "summary.json").is_file():
         raise FileNotFoundError(
@@ -484,15 +484,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from absl import logging as absl_logging
-
     args = parse_args(argv)
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint at INFO
     workdir = pathlib.Path(args.workdir)
     start = time.perf_counter()
     if args.compile_cache != "none":  # every run re-jits the same engine and train step: compile them once
-        import jax
-
         jax.config.update("jax_compilation_cache_dir", str(args.compile_cache or workdir / "jax_cache"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if args.report_only:
@@ -518,7 +514,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for r in runs
     ]
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    import jax
 
     result["setup"] = {**settings, "command": "python -m trace_jax.bench.train_curve " + " ".join(sys.argv[1:])}
     result["machine"] = {"platform": platform.platform(), "jax_devices": [str(d) for d in jax.devices()]}

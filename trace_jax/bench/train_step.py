@@ -31,7 +31,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from trace_jax.models import ModelConfig, Qwen, num_params
+from trace_jax.bench import tree_packing
+from trace_jax.models import ModelConfig, create_model, num_params
 from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import create_sharded, make_mesh
 from trace_jax.rl.batch import TrainBatch
@@ -93,7 +94,7 @@ def _timed(fn) -> float:
 def run(rows: int, seq_len: int, steps: int, chunk: int, remat: str, dtype: str, matmul_n: int) -> dict[str, Any]:
     config = dataclasses.replace(BENCH_MODEL, remat=remat, dtype=dtype, param_dtype=dtype)
     mesh = make_mesh(devices=jax.devices()[:1])
-    model = create_sharded(lambda: Qwen(config, rngs=nnx.Rngs(0)), mesh)
+    model = create_sharded(lambda: create_model(config, nnx.Rngs(0)), mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     optimizer = make_optimizer(learning_rate=1e-5, schedule="constant")
     # One optimizer step per train_step call (one epoch, one mini-batch): the FLOPs below are one step's.
@@ -148,8 +149,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     trees.add_argument("--trees", choices=TREE_SETS)
     chosen, rest = trees.parse_known_args(sys.argv[1:] if argv is None else argv)
     if chosen.trees:
-        from trace_jax.bench import tree_packing
-
         return tree_packing.main(rest)
     parser = argparse.ArgumentParser(prog="python -m trace_jax.bench.train_step", description=__doc__.split("\n")[0])
     parser.add_argument("--trees", choices=TREE_SETS, help="packed vs per-path training on these trees instead")

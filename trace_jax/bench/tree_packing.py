@@ -40,8 +40,9 @@ from flax import nnx
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
 from trace_jax.config_utils import from_config
+from trace_jax.job import schema
 from trace_jax.job.sft import SFTConfig
-from trace_jax.models import Qwen
+from trace_jax.models import create_model
 from trace_jax.optim import make_optimizer
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batch import BatchConfig, build_batch
@@ -107,8 +108,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model_config = dataclasses.replace(
             model_config, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16
         )
-    graphdef, params = nnx.split(Qwen(model_config, rngs=nnx.Rngs(args.seed)), nnx.Param)
-    optimizer = make_optimizer(config.optim)
+    graphdef, params = nnx.split(create_model(model_config, nnx.Rngs(args.seed)), nnx.Param)
+    optimizer = make_optimizer(schema.optimizer_config(config))
     trainer = RLTrainer(graphdef, optimizer, loss, update=UpdateConfig(ppo_epochs=1, mini_batches=1))
 
     layouts: dict[str, dict[str, Any]] = {}
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             layout=layout,
             pack_length=args.pack_length,
             row_multiple=trainer.row_multiple,
+            row_buckets=(32, 64, 96, 128, 192, 256),  # a few padded row counts: a handful of programs
             **fixed,
         )
         batch, info = build_batch(trees, advantages, batch_config, loss)

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -315,7 +316,6 @@ _CONFIG_FILE = "model_config.json"
 
 def save_orbax(config: ModelConfig, params: nnx.State, ckpt_dir: str | os.PathLike) -> None:
     """Writes params as an orbax checkpoint plus ``model_config.json`` beside it."""
-    import orbax.checkpoint as ocp
 
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
     os.makedirs(ckpt_dir, exist_ok=True)
@@ -327,7 +327,6 @@ def save_orbax(config: ModelConfig, params: nnx.State, ckpt_dir: str | os.PathLi
 
 def load_orbax(ckpt_dir: str | os.PathLike, mesh: Mesh | None = None) -> tuple[ModelConfig, nnx.State]:
     """Reads what ``save_orbax`` wrote, restoring straight into the mesh shardings when one is given."""
-    import orbax.checkpoint as ocp
 
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
     config_path = os.path.join(ckpt_dir, _CONFIG_FILE)

@@ -21,17 +21,27 @@ kinds only (a warm start that must not learn buried questions' answers: ``config
 Everything is a pure function of :class:`WorldConfig` (seeded ``numpy`` generator, no set iteration),
 so the same seed gives a byte-identical world. Questions are Search-R1-style rows (``question``,
 ``golden_answers``, ``data_source``) with extra fields ``id``, ``hops``, ``chain`` and ``gold_turns``.
+
+Write a world's corpus as jsonl (``{"id", "title", "text"}`` rows, e.g. for ``python -m trace_jax.envs.retriever
+serve --corpus``)::
+
+    python -m trace_jax.data.synthetic corpus --out world.jsonl                                  # the defaults
+    python -m trace_jax.data.synthetic corpus --world '{"scale": 10}' --out world.jsonl          # WorldConfig fields
+    python -m trace_jax.data.synthetic corpus --world runs/x/config.json --out world.jsonl       # a run's world
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+
+from trace_jax.config_utils import from_config
 
 DATA_SOURCE = "synthetic"
 SPLITS = ("train", "test", "ood")
@@ -429,3 +439,39 @@ def _make_questions(
         name: [_row(name, i, *c) for i, c in enumerate(chains)]
         for name, chains in (("train", train), ("test", test), ("ood", ood))
     }
+
+
+# ------------------------------------------------------------------------------------------ command line
+def world_from_spec(spec: str) -> SyntheticWorld:
+    """The world ``spec`` names: "" (the defaults), a JSON object of ``WorldConfig`` fields, or a JSON file
+    holding such an object or a run's ``config.json`` (its ``world`` section)."""
+    if spec and pathlib.Path(spec).is_file():
+        spec = pathlib.Path(spec).read_text()
+    try:
+        fields = json.loads(spec) if spec.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--world takes a JSON object of WorldConfig fields or a JSON file: {e}") from None
+    if not isinstance(fields, dict):
+        raise ValueError("--world takes a JSON object of WorldConfig fields or a JSON file")
+    return SyntheticWorld(from_config(WorldConfig, fields.get("world", fields)))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trace_jax.data.synthetic")
+    commands = parser.add_subparsers(dest="command", required=True)
+    corpus = commands.add_parser("corpus", help="write a synthetic world's passages as jsonl")
+    corpus.add_argument("--world", default="", help="WorldConfig fields as JSON, or a JSON file (a run's config.json)")
+    corpus.add_argument("--out", required=True, help="the jsonl file to write")
+    args = parser.parse_args(argv)
+    try:
+        world = world_from_spec(args.world)
+    except (OSError, ValueError, TypeError) as e:
+        corpus.error(str(e))
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(row) + "\n" for row in world.corpus))
+    print(f"wrote {len(world.corpus)} passages to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -129,7 +129,7 @@ def _clean_row(row: Any, fallback_id: str) -> dict[str, Any]:
 def _raw_rows(path: pathlib.Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed row or the exception that parsing raised) for jsonl; (row number, row) for parquet."""
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # only parquet question files need it
 
         for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
             yield i, row

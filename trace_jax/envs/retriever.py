@@ -13,8 +13,7 @@ Every retriever answers ``search(queries, topk) -> [[Passage, ...], ...]`` and r
 Serve a corpus (``retrieval_server.py`` says what the server guarantees)::
 
     python -m trace_jax.envs.retriever serve --corpus corpus.jsonl --port 8000
-    python -m trace_jax.envs.retriever serve --synthetic '{"scale": 10}'     # a synthetic world's corpus
-    python -m trace_jax.envs.retriever serve --synthetic runs/x/config.json  # the world of a run
+    python -m trace_jax.data.synthetic corpus --world runs/x/config.json --out world.jsonl  # a run's world
 
 This module imports no JAX and runs no JAX op (``bm25s`` is imported when a BM25 index is built).
 """
@@ -23,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
-import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -120,24 +117,6 @@ def build_retriever(config: RetrieverConfig, rows: Rows | None = None) -> Retrie
 
 
 # ------------------------------------------------------------------------------------------------- CLI
-def _world_rows(spec: str) -> list[dict[str, str]]:
-    """The corpus of the synthetic world given by ``spec``: "" (defaults), a JSON object of WorldConfig
-    fields, or a JSON file holding such an object or a run's config.json (its "world" section)."""
-    from trace_jax.config_utils import from_config  # only the synthetic source needs them
-    from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
-
-    if spec and pathlib.Path(spec).is_file():
-        spec = pathlib.Path(spec).read_text()
-    try:
-        fields = json.loads(spec) if spec.strip() else {}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--synthetic takes a JSON object of WorldConfig fields or a JSON file: {e}") from None
-    if not isinstance(fields, dict):
-        raise ValueError("--synthetic takes a JSON object of WorldConfig fields or a JSON file")
-    fields = fields.get("world", fields)
-    return SyntheticWorld(from_config(WorldConfig, fields)).corpus
-
-
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(ServerLimits):
         parser.add_argument(
@@ -155,9 +134,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     source = serve.add_mutually_exclusive_group(required=True)
     source.add_argument("--corpus", help="jsonl corpus (title/text or Search-R1 contents rows) or a saved index")
     source.add_argument("--index", help="directory written by BM25Retriever.save")
-    source.add_argument(
-        "--synthetic", nargs="?", const="", help="the synthetic world's corpus: WorldConfig JSON or a run's config"
-    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     _add_limit_flags(serve)
@@ -166,10 +142,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
-        if args.synthetic is not None:
-            retriever = BM25Retriever.from_rows(_world_rows(args.synthetic))
-        else:
-            retriever = BM25Retriever.from_path(args.corpus or args.index)
+        retriever = BM25Retriever.from_path(args.corpus or args.index)
         server = make_server(retriever, args.host, args.port, limits)
     except (OSError, ValueError) as e:  # a missing or malformed corpus, a bad limit, a port in use
         serve.error(str(e))

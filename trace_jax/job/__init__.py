@@ -1,1 +1,10 @@
-"""The main job: build a run from its config, warm-start, train with TRACE, evaluate, write the run."""
+"""The main job: a run built from its config, warm-started, trained with TRACE, evaluated, written to its workdir.
+
+``commands`` parses the command lines of ``python -m trace_jax.train``, ``trace_jax.evaluate`` and ``trace_jax.hf``;
+``train`` orchestrates a run (``train.train(config, workdir)``); ``loop`` holds the run's state between RL steps
+and the step itself; ``build`` builds its parts (world, tokenizer, environment, engine, runners, scheduler) from the
+config; ``sources`` says where the policy, tokenizer, questions and retriever come from (the synthetic world or a
+Hugging Face checkpoint with Search-R1 data); ``sft`` and ``warm_start`` train and cache the synthetic recipe's warm
+start; ``evaluate`` scores a policy; ``schema`` and ``validate`` define and check the config; ``rundir`` guards the
+workdir; ``processes`` and ``sharded_rollouts`` split sampling across JAX processes.
+"""

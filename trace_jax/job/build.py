@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import pathlib
 import shutil
 from collections.abc import Callable
@@ -168,4 +167,4 @@ def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
     path = workdir / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{workdir} has no {CONFIG_FILE}: it is not a trace_jax run directory")
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
+    return ml_collections.ConfigDict(rundir.read_saved_config(path))

@@ -8,15 +8,17 @@ JAX are imported inside the commands, so ``--help`` and a mistyped flag answer a
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
 from trace_jax import cli
+from trace_jax.config_utils import load_config_file, unknown_overrides
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "default.py"
 DEFAULT_WORKDIR = "./runs/default"
@@ -24,6 +26,17 @@ USAGE = f"""usage: python -m trace_jax.train [--config=FILE[:ARG]] [--workdir=DI
                                 [--show-config] [--verbosity=N]
 
 Trains the TRACE agent end to end: warm start (cached), evaluation, RL, evaluation.
+
+The default config on a 2-core CPU: 5-9 minutes (the warm start, about 2 of them, is cached for later runs) and
+a peak resident memory of about 1.5 GB. Each phase's first step compiles its programs: its progress bar says
+"compiling" and shows a rate and ETA once that step is done.
+
+What the summary prints:
+  effective ratio    share of a step's prompts whose rollout tree holds both a success and a failure, so its
+                     group advantages are not all zero (only those prompts give RL a gradient)
+  EM / F1            exact match / token F1 of the final answer against the gold answers (greedy decoding),
+                     per number of hops, on held-out questions; "sft" before RL, "rl" after it
+  generated tokens   tokens the policy sampled over all RL steps (the sampling budget actually spent)
 
 options:
   --config=FILE[:ARG]   a config file (default: configs/default.py); ablations: configs/ablation.py:uniform
@@ -57,9 +70,6 @@ def verbosity_of(argv: list[str]) -> int:
 
 def _fresh_flag_values(argv: list[str]) -> Any:
     """A fresh absl flag set for one command line (the global one keeps state between parses)."""
-    from absl import flags
-    from ml_collections import config_flags
-
     values = flags.FlagValues()
     # config_flags reads the --config.x overrides from the argv given here (sys.argv when None).
     config_flags.DEFINE_config_file(
@@ -77,8 +87,6 @@ def load_config(argv: list[str]) -> tuple[ml_collections.ConfigDict, Any]:
     Raises ``MissingFileError`` for a config file that does not exist and ``ConfigError`` for a config file
     that fails, an unknown key, a value of the wrong type or a stray argument; nothing else is touched.
     """
-    from trace_jax.config_utils import load_config_file, unknown_overrides
-
     spec = flag_value(argv, "config") or str(DEFAULT_CONFIG)
     path = pathlib.Path(spec.partition(":")[0])
     if not path.is_file():
@@ -87,7 +95,15 @@ def load_config(argv: list[str]) -> tuple[ml_collections.ConfigDict, Any]:
         base = load_config_file(spec)
     except (ValueError, TypeError, KeyError) as e:
         raise cli.ConfigError(f"--config={spec}: {' '.join(str(e).split())}") from None
-    problems = unknown_overrides([a for a in argv if a.startswith("--config.")], base)
+    from trace_jax.job.schema import retired_problems  # the config dataclasses import JAX
+
+    overrides = [a for a in argv if a.startswith("--config.")]
+    # Retired keys, in the file or on the command line: each error names the key that replaces it.
+    keys = [a.split("=", 1)[0].removeprefix("--config.") for a in overrides]
+    problems = retired_problems(base) + retired_problems(keys)
+    if problems:
+        raise cli.ConfigError("; ".join(problems))
+    problems = unknown_overrides(overrides, base)
     if problems:
         raise cli.ConfigError("; ".join(problems) + " (--show-config lists every key)")
     argv = [("--show_config" if arg == "--show-config" else arg) for arg in argv]
@@ -133,33 +149,11 @@ def train_main(argv: list[str] | None = None) -> int:
 
 # --------------------------------------------------------------------------------------- evaluate
 def _evaluate(args: Any) -> None:
-    from trace_jax import paths  # the job's modules import JAX
-    from trace_jax.job import build, sources
-    from trace_jax.job.evaluate import evaluate
-    from trace_jax.metrics import format_table
+    from trace_jax.job.evaluate import evaluate_run  # JAX and the whole job: after the flags are known good
 
-    workdir = paths.as_path(args.workdir)  # gs://bucket/run stays a URL
-    if not (workdir / build.CONFIG_FILE).is_file():
-        raise cli.MissingFileError(f"{workdir} has no {build.CONFIG_FILE}: pass the --workdir of a trace_jax.train run")
-    config = build.load_run_config(workdir)
-    splits = sources.source_of(config).splits
-    if args.split not in splits:
-        raise cli.ConfigError(f"--split={args.split!r} is not allowed: one of {', '.join(splits)}")
     if args.samples < 1 or args.limit < 0:
         raise cli.ConfigError("--samples must be >= 1 and --limit >= 0")
-    start, params, source = sources.latest_policy(config, workdir)
-    runner = build.build_runner(config, start.model_config, params, start.world, greedy=args.samples == 1)
-    tasks = start.world.world.questions(args.split)
-    tasks = tasks[: args.limit] if args.limit else tasks
-    console = cli.Console(args.verbosity)
-    with console.progress(len(tasks), f"evaluating {args.split}", unit="question") as bar:
-        chunk = max(config.engine.max_slots, -(-len(tasks) // 4))
-        result = evaluate(runner, start.world.env, tasks, args.samples, progress=bar, chunk_size=chunk)
-    print(f"policy: {source}; split {args.split}; {len(tasks)} questions x {args.samples} samples")
-    print(format_table(result.rows))
-    out = workdir / f"eval_{args.split}.json"
-    out.write_text(json.dumps({"policy": source, "split": args.split, "rows": result.rows}, indent=2) + "\n")
-    print(f"wrote {out}")
+    evaluate_run(args.workdir, args.split, args.samples, args.limit, cli.Console(args.verbosity))
 
 
 def evaluate_main(argv: Sequence[str] | None = None) -> int:
@@ -171,11 +165,7 @@ def evaluate_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--split", default="test", help="split: train, test or ood (synthetic); train, dev or test")
     parser.add_argument("--samples", type=int, default=1, help="samples per question (1: greedy decoding)")
     parser.add_argument("--limit", type=int, default=0, help="evaluate only the first N questions (0: all)")
-    parser.add_argument("--verbosity", type=int, default=0, help="1 or more: library logs and tracebacks")
-    args = parser.parse_args(argv)
-    cli.quiet_third_party(args.verbosity)
-    console = cli.Console(args.verbosity)
-    return cli.run_main(lambda: _evaluate(args), console)
+    return _run(parser, argv, _evaluate)
 
 
 # ------------------------------------------------------------------------------------------ hf
@@ -187,24 +177,16 @@ def _hf(args: Any) -> None:
 
 
 def _port(args: Any) -> None:
-    from trace_jax import paths  # JAX and orbax
-    from trace_jax.checkpoint import hf
-    from trace_jax.job import build, sources
+    from trace_jax.checkpoint import hf  # JAX and orbax: after the flags are known good
+    from trace_jax.job import sources  # the run's recipe knows where its tokenizer files are
 
     if args.command == "import":
         config, params = hf.load_hf(args.hf_dir)
         hf.save_orbax(config, params, args.out)
         print(f"import: {args.hf_dir} -> {args.out}")
     elif args.workdir:
-        workdir = paths.as_path(args.workdir)
-        if not (workdir / build.CONFIG_FILE).is_file():
-            raise cli.MissingFileError(
-                f"{workdir} has no {build.CONFIG_FILE}: pass the --workdir of a trace_jax.train run"
-            )
-        config = build.load_run_config(workdir)
-        start, params, source = sources.latest_policy(config, workdir)
-        sources.export_policy(start.model_config, params, start.tokenizer_dir, args.out, args.max_shard_bytes)
-        print(f"export: {source} -> {args.out}")
+        policy = sources.export_run(args.workdir, args.out, args.max_shard_bytes)
+        print(f"export: {policy} -> {args.out}")
     else:
         config, params = hf.load_orbax(args.ckpt)
         hf.save_hf(config, params, args.out, args.max_shard_bytes)
@@ -226,8 +208,12 @@ def hf_main(argv: Sequence[str] | None = None) -> int:
     source.add_argument("--workdir", help="a trace_jax.train run: its newest policy, with its tokenizer files")
     to_hf.add_argument("--out", required=True)
     to_hf.add_argument("--max-shard-bytes", type=int, default=0, help="split the safetensors above this size")
+    return _run(parser, argv, _hf)
+
+
+def _run(parser: argparse.ArgumentParser, argv: Sequence[str] | None, body: Any) -> int:
+    """Parses an argparse command line (plus ``--verbosity``), then runs ``body(args)`` under ``cli.run_main``."""
     parser.add_argument("--verbosity", type=int, default=0, help="1 or more: library logs and tracebacks")
     args = parser.parse_args(argv)
     cli.quiet_third_party(args.verbosity)
-    console = cli.Console(args.verbosity)
-    return cli.run_main(lambda: _hf(args), console)
+    return cli.run_main(lambda: body(args), cli.Console(args.verbosity))

@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from trace_jax import paths
+from trace_jax.cli import ConfigError, Console, MissingFileError
 from trace_jax.envs import rewards
 from trace_jax.envs.base import AgentEnv
+from trace_jax.job import build, sources
+from trace_jax.metrics import format_table
 from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
@@ -104,3 +109,28 @@ def evaluate(
             row[f"pass@{k}"] = float(np.mean([pass_at_k(len(em), int((em > 0.5).sum()), k) for em, _ in scored]))
         rows.append(row)
     return EvalResult(rows, trees)
+
+
+def evaluate_run(workdir: str, split: str, samples: int, limit: int, console: Console) -> list[dict[str, Any]]:
+    """Scores the newest policy of the run in ``workdir`` on ``split`` (the first ``limit`` questions; 0: all),
+    prints the table and writes ``<workdir>/eval_<split>.json``; returns its rows."""
+    run = paths.as_path(workdir)  # gs://bucket/run stays a URL
+    if not (run / build.CONFIG_FILE).is_file():
+        raise MissingFileError(f"{run} has no {build.CONFIG_FILE}: pass the --workdir of a trace_jax.train run")
+    config = build.load_run_config(run)
+    splits = sources.source_of(config).splits
+    if split not in splits:
+        raise ConfigError(f"--split={split!r} is not allowed: one of {', '.join(splits)}")
+    start, params, policy = sources.latest_policy(config, run)
+    runner = build.build_runner(config, start.model_config, params, start.world, greedy=samples == 1)
+    tasks = start.world.world.questions(split)
+    tasks = tasks[:limit] if limit else tasks
+    with console.progress(len(tasks), f"evaluating {split}", unit="question") as bar:
+        chunk = max(config.engine.max_slots, -(-len(tasks) // 4))
+        result = evaluate(runner, start.world.env, tasks, samples, progress=bar, chunk_size=chunk)
+    print(f"policy: {policy}; split {split}; {len(tasks)} questions x {samples} samples")
+    print(format_table(result.rows))
+    out = run / f"eval_{split}.json"
+    out.write_text(json.dumps({"policy": policy, "split": split, "rows": result.rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return result.rows

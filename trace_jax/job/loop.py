@@ -10,11 +10,26 @@ import pathlib
 import time
 from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 
+from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.cli import Console
-from trace_jax.job import rundir
+from trace_jax.config_utils import from_config
+from trace_jax.job import build, rundir, schema, sources
+from trace_jax.job.evaluate import evaluate
+from trace_jax.job.processes import Processes
+from trace_jax.models import abstract_model
+from trace_jax.optim import make_optimizer
+from trace_jax.parallel.mesh import make_mesh, shard_state
+from trace_jax.rl.advantages import compute_advantages
+from trace_jax.rl.batch import BatchConfig, build_batch
+from trace_jax.rl.losses import LossConfig
+from trace_jax.rl.trainer import RLTrainer, UpdateConfig
+from trace_jax.rollout import figures
+from trace_jax.rollout.engine import EngineConfig
+from trace_jax.rollout.tree import RolloutTree
 
 
 def eval_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -25,20 +40,6 @@ class Training:
     """Everything one run holds between steps, and the step itself."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, console: Console, timer: Any):
-        import jax
-
-        from trace_jax.checkpoint.state import StateCheckpointer
-        from trace_jax.config_utils import from_config
-        from trace_jax.job import build, sources
-        from trace_jax.job.processes import Processes
-        from trace_jax.models import abstract_model
-        from trace_jax.optim import make_optimizer
-        from trace_jax.parallel.mesh import make_mesh, shard_state
-        from trace_jax.rl.batch import BatchConfig
-        from trace_jax.rl.losses import LossConfig
-        from trace_jax.rl.trainer import RLTrainer, UpdateConfig
-        from trace_jax.rollout.engine import EngineConfig
-
         self.config, self.workdir, self.console, self.timer = config, workdir, console, timer
         self.mesh = make_mesh(**config.mesh)
         self.processes = Processes()  # one or several JAX processes: who samples what, who writes
@@ -55,12 +56,10 @@ class Training:
             loss_config = from_config(LossConfig, config.loss)
             self.trainer = RLTrainer(
                 abstract_model(self.model_config)[0],
-                make_optimizer(config.optim),
+                make_optimizer(schema.optimizer_config(config)),  # the schedule in optimizer steps, from rl.*
                 loss_config,
                 mesh=self.mesh,
-                micro_batches=config.rl.micro_batches,
                 reference_params=params if loss_config.kl_coef else None,  # the trainer keeps its own copy
-                recompute_old_logprobs=config.rl.recompute_old_logprobs,
                 update=from_config(UpdateConfig, config.ppo),
                 sampling=from_config(EngineConfig, config.engine).sampling,  # the policy trained is the one sampled
                 # None: the trainer's own default chunk.
@@ -68,11 +67,9 @@ class Training:
             )
             self.state = self.trainer.init_state(params, jax.random.key(config.seed))
             del params
+            # Only the rows that hold tokens: ``update`` cuts them into fixed micro-batches itself.
             self.batch_config = from_config(
-                BatchConfig,
-                config.batch,
-                row_multiple=self.trainer.row_multiple,
-                pad_id=self.world.tokenizer.pad_token_id,
+                BatchConfig, config.batch, row_buckets=None, row_multiple=1, pad_id=self.world.tokenizer.pad_token_id
             )
             # One engine (its own sampling copy of the weights) serves both the rollouts and the evaluation; with
             # several processes each has its own, on its own devices.
@@ -141,9 +138,6 @@ class Training:
     # ------------------------------------------------------------------------------------------- step
     def rl_step(self) -> dict[str, float]:
         """One RL update; returns its metrics (rollout, allocation, loss, timings)."""
-        from trace_jax.rl.advantages import compute_advantages
-        from trace_jax.rl.batch import build_batch
-        from trace_jax.rollout import figures
 
         start = time.perf_counter()
         trees = self._roots(self.prompts.next_batch())
@@ -177,7 +171,6 @@ class Training:
 
     def _roots(self, tasks: list[Any]) -> list[Any]:
         """One unsampled tree per task, numbered by its position (the sharded backend's owner key)."""
-        from trace_jax.rollout.tree import RolloutTree
 
         return [RolloutTree(self.world.env.prompt_ids(task), task, i) for i, task in enumerate(tasks)]
 
@@ -200,7 +193,6 @@ class Training:
 
     def evaluate(self, description: str, leave: bool = True) -> list[dict[str, Any]]:
         """Greedy EM/F1 rows (per hop group, then ``all``) on ``config.eval``'s questions, with a progress bar."""
-        from trace_jax.job.evaluate import evaluate
 
         config = self.config
         tasks = self.world.world.questions(config.eval.split)

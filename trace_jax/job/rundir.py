@@ -24,7 +24,7 @@ CHECKPOINTS = "checkpoints"
 LOG_FILE = "train.log"
 # Keys a run may change between invocations of one workdir: its length, where the shared warm-start cache
 # lives, and how the processes find each other.
-EXTENSIBLE = ("rl.steps", "optim.total_steps", "warm_start.cache_dir", "distributed.")
+EXTENSIBLE = ("rl.steps", "warm_start.cache_dir", "distributed.")
 
 
 def check_usable(workdir: pathlib.Path) -> None:
@@ -80,13 +80,21 @@ def changed_keys(saved: dict[str, Any], config: ml_collections.ConfigDict) -> li
     return changes
 
 
+def read_saved_config(path: pathlib.Path) -> dict[str, Any]:
+    """A run's ``config.json``, retired keys mapped to the keys that replace them (``schema.upgrade``): a run
+    saved with retired keys resumes and evaluates like any other."""
+    from trace_jax.job.schema import upgrade  # the config dataclasses import JAX
+
+    return upgrade(json.loads(path.read_text()))
+
+
 def check_same_run(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
     """Raises :class:`WorkdirError` when ``workdir`` holds a run whose settings differ from ``config``."""
     path = workdir / CONFIG_FILE
     if not path.is_file():
         return
     try:
-        saved = json.loads(path.read_text())
+        saved = read_saved_config(path)
     except json.JSONDecodeError:
         return  # torn by a kill while it was written: it is rewritten from this config
     changes = changed_keys(saved, config)

@@ -1,22 +1,29 @@
 """The main job's config, section by section: which dataclass each section builds, and each key's doc.
 
-Every section of ``configs/default.py`` is ``to_config(SomeConfig(...))`` of the dataclass named in
+Every section of ``configs/default.py`` is ``section(SomeConfig(...))`` of the dataclass named in
 :data:`SECTIONS`, so a key's type, default and documentation live in one place: the dataclass and its
 docstring. The four sections only the main job reads (``tokenizer``, ``rl``, ``eval``, ``mesh``) are defined
 here. :func:`describe` renders a config as ``key = value  # doc`` lines (``python -m trace_jax.train
 --show-config``).
+
+One fact, one key. A dataclass field the job sets itself (from another key, or from the run: the tokenizer's
+pad id) is not a config key: :data:`RETIRED` names each such key with what to set instead, ``section`` leaves
+them out, a config that sets one is refused (:func:`retired_problems`), and a saved run's ``config.json`` that
+holds one is read through :func:`upgrade`. The values the job derives are :func:`derived`'s.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import ml_collections
 
 from trace_jax.allocation.scheduler import SchedulerConfig
+from trace_jax.config_utils import from_config, to_config
 from trace_jax.data.synthetic import WorldConfig
 from trace_jax.envs.react import ReActConfig
 from trace_jax.envs.retriever import RetrieverConfig
@@ -45,12 +52,13 @@ class TokenizerConfig:
 class RLConfig:
     """The RL loop.
 
-    steps: number of RL updates; a finished run is extended by rerunning it with a larger value.
+    steps: number of RL updates; a finished run is extended by rerunning it with a larger value. The learning-rate
+      schedule spans the whole run: rl.steps × ppo.ppo_epochs × ppo.mini_batches optimizer steps.
     prompts_per_step: training questions per step (each grows one rollout tree).
     advantage: advantage estimator, a key of ``trace_jax.rl.advantages.ESTIMATORS``.
-    micro_batches: RLTrainer.train_step's gradient-accumulation split (benchmarks, planner); the main job's
-      update accumulates over micro-batches of ppo.micro_rows rows.
-    recompute_old_logprobs: recompute the sampling policy's logprobs with the training forward pass.
+    warmup_steps: linear learning-rate warm-up over this many RL steps, i.e. over the first rl.warmup_steps ×
+      ppo.ppo_epochs × ppo.mini_batches optimizer steps (rounded); fractions count (0.5: the first half of step
+      1's optimizer steps).
     checkpoint_every: save the whole state every this many steps (and at the last step).
     keep_checkpoints: how many recent checkpoints to keep.
     logprob_chunk: compute the LM head this many positions at a time in the train step (peak logits memory
@@ -60,8 +68,7 @@ class RLConfig:
     steps: int = 30
     prompts_per_step: int = 16
     advantage: str = "grpo"
-    micro_batches: int = 1
-    recompute_old_logprobs: bool = False
+    warmup_steps: float = 0.5
     checkpoint_every: int = 5
     keep_checkpoints: int = 2
     logprob_chunk: int | None = None
@@ -114,6 +121,118 @@ SECTIONS: dict[str, type] = {
 }
 TOP_LEVEL_DOCS = {"seed": "seed of the RL run: sampling, prompt order and the train state's rng"}
 
+
+# ------------------------------------------------------------------------------------- derived values
+def steps_per_rl_step(config: Mapping[str, Any]) -> int:
+    """Optimizer steps one RL step makes: ppo.ppo_epochs × ppo.mini_batches (``UpdateConfig.steps_per_batch``)."""
+    return from_config(UpdateConfig, config.get("ppo")).steps_per_batch
+
+
+def derived(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The values the job computes from other keys, by the name of the field they set (in optimizer steps)."""
+    per_step = steps_per_rl_step(config)
+    return {
+        # At least 1: a run of 0 RL steps (evaluation only) still builds its optimizer.
+        "optim.total_steps": max(config.rl.steps * per_step, 1),
+        "optim.warmup_steps": int(config.rl.warmup_steps * per_step + 0.5),  # rounded half up
+    }
+
+
+DERIVED_DOCS = {
+    "optim.total_steps": "optimizer steps of the whole run: rl.steps × ppo.ppo_epochs × ppo.mini_batches",
+    "optim.warmup_steps": "optimizer steps of warm-up: rl.warmup_steps × ppo.ppo_epochs × ppo.mini_batches",
+}
+
+
+def optimizer_config(config: ml_collections.ConfigDict) -> OptimizerConfig:
+    """``config.optim`` with the schedule's lengths in optimizer steps from :func:`derived`."""
+    fields = {key.partition(".")[2]: value for key, value in derived(config).items() if key.startswith("optim.")}
+    return from_config(OptimizerConfig, config.optim, **fields)
+
+
+# ------------------------------------------------------------------------------------- retired keys
+@dataclasses.dataclass(frozen=True)
+class Retired:
+    """A key the main job's config does not have. ``instead``: what to set instead (named in the error);
+    ``carry(saved, value)``: writes what the value meant into the new keys of a saved run's config (a dict);
+    None: the value changed nothing, it is dropped."""
+
+    instead: str
+    carry: Callable[[dict[str, Any], Any], None] | None = None
+
+
+def _put(saved: dict[str, Any], dotted: str, value: Any) -> None:
+    section, _, key = dotted.partition(".")
+    saved.setdefault(section, {})[key] = value
+
+
+_PADDING = "the update runs only the rows that hold tokens, so padding rows change nothing: remove it"
+
+# Old key -> what replaces it. Every key here is refused in a config and mapped when a saved run is read.
+RETIRED: dict[str, Retired] = {
+    "rl.recompute_old_logprobs": Retired(
+        "use 'ppo.behaviour_logprobs': 'recompute' where it was True, 'sampler' (the default) where it was False",
+        lambda saved, value: _put(saved, "ppo.behaviour_logprobs", "recompute") if value else None,
+    ),
+    "rl.micro_batches": Retired(
+        "use 'ppo.micro_rows', the update's rows per forward/backward call (a row count, not a number of micro-batches)"
+    ),
+    "optim.total_steps": Retired(
+        "it is derived from 'rl.steps' (rl.steps × ppo.ppo_epochs × ppo.mini_batches optimizer steps): set 'rl.steps'"
+    ),
+    "optim.warmup_steps": Retired(
+        "use 'rl.warmup_steps', counted in RL steps, not optimizer steps (optimizer steps = rl.warmup_steps × "
+        "ppo.ppo_epochs × ppo.mini_batches)",
+        lambda saved, value: _put(saved, "rl.warmup_steps", value / steps_per_rl_step(saved)),
+    ),
+    "runner.max_turn_tokens": Retired(
+        "use 'engine.max_turn_tokens' (the per-turn token limit)",
+        lambda saved, value: _put(saved, "engine.max_turn_tokens", value) if value is not None else None,
+    ),
+    "batch.row_buckets": Retired(_PADDING),
+    "batch.row_multiple": Retired(_PADDING),
+    "batch.pad_id": Retired("the job pads with the tokenizer's pad id: remove it"),
+    "runner.eos_ids": Retired("the job ends turns at the tokenizer's EOS id: remove it"),
+    "runner.greedy": Retired("the job samples rollouts and decodes evaluations greedily: remove it"),
+}
+
+
+def retired_message(key: str) -> str:
+    return f"config key {key!r} is gone: {RETIRED[key].instead}"
+
+
+def retired_problems(keys: Any) -> list[str]:
+    """One message per retired key among ``keys`` (dotted names, or a config whose keys are checked)."""
+    if isinstance(keys, Mapping | ml_collections.ConfigDict):
+        keys = [name for name, _ in _leaves(keys, "")]
+    return [retired_message(key) for key in keys if key in RETIRED]
+
+
+def section(instance: Any) -> ml_collections.ConfigDict:
+    """``to_config(instance)`` of a :data:`SECTIONS` dataclass, without the fields that are :data:`RETIRED`
+    keys (the job sets them): how ``configs/*.py`` build their sections."""
+    name = next(name for name, cls in SECTIONS.items() if type(instance) is cls)
+    config = to_config(instance)
+    for key in RETIRED:
+        owner, _, field = key.partition(".")
+        if owner == name and field in config:
+            del config[field]
+    return config
+
+
+def upgrade(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved run's config (``config.json``, a dict) without :data:`RETIRED` keys: each one it holds is
+    removed, and what it set is carried into the key that replaces it (overriding that key's saved value)."""
+    saved = copy.deepcopy(dict(saved))
+    for key, retired in RETIRED.items():
+        owner, _, field = key.partition(".")
+        if isinstance(saved.get(owner), dict) and field in saved[owner]:
+            value = saved[owner].pop(field)
+            if retired.carry is not None:
+                retired.carry(saved, value)
+    return saved
+
+
 _DOC_LINE = re.compile(r"^\s*([A-Za-z_]\w*(?:\s*(?:,|/)\s*[A-Za-z_]\w*)*)\s*:\s+(.*)$")
 
 
@@ -142,14 +261,15 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def _leaves(section: Any, prefix: str) -> Iterator[tuple[str, Any]]:
     for key, value in section.items():
-        if isinstance(value, ml_collections.ConfigDict):
+        if isinstance(value, Mapping | ml_collections.ConfigDict):
             yield from _leaves(value, f"{prefix}{key}.")
         else:
             yield prefix + key, value
 
 
 def describe(config: ml_collections.ConfigDict) -> str:
-    """Every key of ``config`` as ``key = value  # doc``, one per line, sections in config order."""
+    """Every key of ``config`` as ``key = value  # doc``, one per line, sections in config order; then the
+    values the job derives from them (:func:`derived`)."""
     lines = []
     for name, value in config.items():
         if not isinstance(value, ml_collections.ConfigDict):
@@ -161,4 +281,7 @@ def describe(config: ml_collections.ConfigDict) -> str:
         for key, leaf in _leaves(value, ""):
             doc = docs.get(key.split(".")[0], "")
             lines.append(f"{name}.{key} = {leaf!r}" + (f"  # {doc}" if doc else ""))
+    if {"rl", "ppo", "optim"} <= set(config.keys()):
+        lines.append("\n[derived]  computed from the keys above; not keys themselves")
+        lines += [f"{key} = {value!r}  # {DERIVED_DOCS[key]}" for key, value in derived(config).items()]
     return "\n".join(lines).lstrip("\n")

@@ -34,7 +34,7 @@ from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.data.synthetic import SyntheticWorld
 from trace_jax.envs.react import ReActConfig, ReActEnv, render_trajectory
 from trace_jax.envs.retriever import BM25Retriever, Retriever
-from trace_jax.models import ModelConfig, Qwen
+from trace_jax.models import ModelConfig, create_model
 from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import batch_sharding, create_sharded, make_mesh
 
@@ -247,7 +247,7 @@ def run_sft(
     fingerprint = _fingerprint(config, model_config, world, data)
 
     mesh = mesh if mesh is not None else make_mesh()
-    model = create_sharded(lambda: Qwen(model_config, rngs=nnx.Rngs(config.seed)), mesh)
+    model = create_sharded(lambda: create_model(model_config, nnx.Rngs(config.seed)), mesh)
     if config.embed_init_std is not None:
         embed = model.embed.value
         fresh = config.embed_init_std * jax.random.normal(jax.random.key(config.seed), embed.shape, embed.dtype)

@@ -236,3 +236,15 @@ def export_policy(
     for name in copied:
         shutil.copyfile(pathlib.Path(tokenizer_dir) / name, out / name)
     return out
+
+
+def export_run(workdir: str | pathlib.Path, out: str | pathlib.Path, max_shard_bytes: int = 0) -> str:
+    """Exports the newest policy of the run in ``workdir`` (with its tokenizer files) to the HF directory
+    ``out``; returns which policy it is ("rl step N" or the starting policy)."""
+    run = paths.as_path(workdir)
+    if not (run / build.CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{run} has no {build.CONFIG_FILE}: pass the --workdir of a trace_jax.train run")
+    config = build.load_run_config(run)
+    start, params, policy = latest_policy(config, run)
+    export_policy(start.model_config, params, start.tokenizer_dir, out, max_shard_bytes)
+    return policy

@@ -27,15 +27,26 @@ import os
 import sys
 from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 from etils import epath
 
-from trace_jax import paths
+from trace_jax import heap, paths
 from trace_jax.cli import Console, Interrupted
-from trace_jax.job import rundir
+from trace_jax.config_utils import from_config
+from trace_jax.job import build, rundir, validate
 from trace_jax.job.loop import Training, eval_metrics
-from trace_jax.metrics import JSONL_NAME, TENSORBOARD_DIR
+from trace_jax.metrics import (
+    JSONL_NAME,
+    TENSORBOARD_DIR,
+    MetricWriter,
+    PhaseTimer,
+    format_table,
+    plot_metrics,
+    read_jsonl,
+)
+from trace_jax.parallel import distributed
 
 PLOTS = {
     "reward.png": ["rollout/mean_reward", "eval/em"],
@@ -91,9 +102,6 @@ def train(
     returned. Raises :class:`trace_jax.cli.UserError` subclasses for an unusable workdir or config, and
     :class:`trace_jax.cli.Interrupted` on Ctrl-C / SIGTERM (saying which checkpoint a rerun resumes from).
     """
-    from trace_jax.config_utils import from_config
-    from trace_jax.job import validate
-    from trace_jax.parallel import distributed
 
     console = console if console is not None else Console()
     workdir = paths.as_path(workdir)  # gs://bucket/run stays a URL (pathlib.Path would make it gs:/bucket/run)
@@ -131,13 +139,6 @@ def train(
 def _train(
     config: ml_collections.ConfigDict, workdir: epath.Path, console: Console, logs: paths.LocalMirror
 ) -> dict[str, Any]:
-    import jax
-
-    from trace_jax import heap
-    from trace_jax.job import build, validate
-    from trace_jax.metrics import MetricWriter, PhaseTimer
-    from trace_jax.parallel import distributed
-
     validate.check_mesh(config, jax.device_count())
     console.log(f"start: {' '.join(sys.argv[1:]) or '(defaults)'}")
     distributed.run_on_main(build.save_run_config, config, workdir)
@@ -185,7 +186,6 @@ def _train(
 
 def _finish(run: Training, workdir: epath.Path, logs: paths.LocalMirror, exports: dict[str, str]) -> dict[str, Any]:
     """Process 0's part of the end of a run: plots, the summary and the warm start's scores."""
-    from trace_jax.metrics import plot_metrics, read_jsonl
 
     records = read_jsonl(logs.local / JSONL_NAME)
     for name, keys in PLOTS.items():
@@ -199,7 +199,6 @@ def _finish(run: Training, workdir: epath.Path, logs: paths.LocalMirror, exports
 
 def summary_table(summary: dict[str, Any]) -> str:
     """Held-out EM per group before (SFT) and after RL, as a Markdown table."""
-    from trace_jax.metrics import format_table
 
     after = {row["group"]: row for row in summary["eval_after"]}
     rows = [
@@ -217,7 +216,8 @@ def summary_table(summary: dict[str, Any]) -> str:
 
 
 def summary_line(summary: dict[str, Any]) -> str:
-    """One line: steps, RL time and the other phases' times, mean effective ratio."""
+    """One line: steps, RL time and the other phases' times, mean effective ratio, generated tokens (the terms
+    are defined in ``python -m trace_jax.train --help``)."""
     timings = summary.get("run", {}).get("timings_s", {})
     ratio = summary["mean_effective_ratio"]
     phases = ", ".join(
@@ -228,5 +228,5 @@ def summary_line(summary: dict[str, Any]) -> str:
     return (
         f"TRACE RL ({summary['policy']}): {summary['steps']} steps, RL {timings.get('rl', 0.0):.0f} s "
         f"({phases}; total {timings.get('total', 0.0):.0f} s); mean effective ratio "
-        f"{'n/a' if ratio is None else f'{ratio:.3f}'}"
+        f"{'n/a' if ratio is None else f'{ratio:.3f}'}, {summary['generated_tokens']:,.0f} generated tokens"
     )

@@ -1,9 +1,13 @@
 """Checks a main-job config before any work starts; a problem is one line naming the key and what is allowed.
 
-Two layers: every section must build its dataclass (``schema.SECTIONS``; unknown fields and the
-dataclasses' own ``__post_init__`` checks), then :data:`RULES`, one per key whose bad values would only fail
-later (or silently do nothing): negative step counts, zero budgets, unknown registry names. The mesh is
-checked against the devices separately (:func:`check_mesh`), once the devices are known.
+Each check lives in one place. :data:`RULES` hold the main job's checks, one per key whose bad values would
+only fail later (or silently do nothing): negative step counts, zero budgets, unknown registry names. The
+parts that are also built outside the main job (engine, sampling, batch, loss, ppo, allocation, world,
+ReAct, retriever) check their own dataclass in its ``__post_init__``; every section must build its dataclass
+(``schema.SECTIONS``: unknown fields, those self-checks), and no rule repeats a self-check. A section with a
+key that breaks a rule is not built (its self-checks could trip on the same value). Retired keys are refused
+first, each naming the key that replaces it (``schema.RETIRED``). The mesh is checked against
+the devices separately (:func:`check_mesh`), once the devices are known.
 
     validate(config)                  # raises ConfigError("rl.steps=-1: allowed: an integer >= 0 ...")
     check_mesh(config, jax.device_count())
@@ -18,9 +22,16 @@ from typing import Any
 
 import ml_collections
 
+from trace_jax.allocation.policies import POLICIES
+from trace_jax.allocation.predictor import PREDICTORS
 from trace_jax.cli import ConfigError
 from trace_jax.config_utils import from_config
-from trace_jax.job.schema import SECTIONS
+from trace_jax.envs.react import TAGS
+from trace_jax.job.schema import SECTIONS, retired_problems
+from trace_jax.models import PRESETS
+from trace_jax.rl.advantages import ESTIMATORS
+from trace_jax.rl.batch import BatchConfig, check_objective
+from trace_jax.rl.losses import LossConfig
 
 
 def _is_int(value: Any) -> bool:
@@ -48,31 +59,26 @@ def one_of(choices: Callable[[], Iterable[str]]) -> Callable[[Any], bool]:
 
 
 def _training_policies() -> list[str]:
-    from trace_jax.allocation.policies import POLICIES
 
     return sorted(p for p in POLICIES if p != "oracle")  # oracle needs ground truth: simulator-only
 
 
 def _estimators() -> list[str]:
-    from trace_jax.rl.advantages import ESTIMATORS
 
     return sorted(ESTIMATORS)
 
 
 def _predictors() -> list[str]:
-    from trace_jax.allocation.predictor import PREDICTORS
 
     return sorted(PREDICTORS)
 
 
 def _model_presets() -> list[str]:
-    from trace_jax.models import PRESETS
 
     return sorted(PRESETS)
 
 
 def _min_vocab() -> int:
-    from trace_jax.envs.react import TAGS
 
     return 256 + 2 + len(TAGS)  # the byte alphabet, pad and EOS, the atomic ReAct tags
 
@@ -93,7 +99,11 @@ class Rule:
 RULES: list[Rule] = [
     Rule("rl.steps", at_least(0), "an integer >= 0 (the number of RL updates)"),
     Rule("rl.prompts_per_step", at_least(1), "an integer >= 1"),
-    Rule("rl.micro_batches", at_least(1), "an integer >= 1"),
+    Rule(
+        "rl.warmup_steps",
+        lambda v: _is_number(v) and v >= 0,
+        "a number >= 0 (RL steps of learning-rate warm-up; fractions count)",
+    ),
     Rule("rl.checkpoint_every", at_least(1), "an integer >= 1"),
     Rule("rl.keep_checkpoints", at_least(1), "an integer >= 1"),
     Rule("rl.logprob_chunk", lambda v: v is None or at_least(1)(v), "None, or an integer >= 1"),
@@ -107,14 +117,7 @@ RULES: list[Rule] = [
     Rule("allocation.rollouts_per_prompt", positive_or_none, "a number > 0, or None for no rollout limit"),
     Rule("allocation.tokens_per_prompt", positive_or_none, "a number > 0, or None for no token limit"),
     Rule("allocation.max_depth", at_least(1), "an integer >= 1"),
-    Rule(
-        "allocation.candidates_per_prompt",
-        lambda v: _is_number(v) and v >= 1,
-        "a number >= 1 (prompts drawn per prompt trained; 1: no prompt selection)",
-    ),
     Rule("allocation.predictor_warmup_prompts", at_least(0), "an integer >= 0 (0: no predictor warm-up)"),
-    Rule("allocation.predictor_warmup_rollouts", at_least(2), "an integer >= 2 (rollouts per warm-up prompt)"),
-    Rule("allocation.predictor_warmup_updates", at_least(1), "an integer >= 1"),
     Rule("sft.max_steps", at_least(0), "an integer >= 0 (0: no warm start)"),
     Rule("sft.time_budget_s", positive_or_none, "None (train exactly sft.max_steps) or a number of seconds > 0"),
     Rule("sft.batch_size", at_least(1), "an integer >= 1"),
@@ -123,8 +126,6 @@ RULES: list[Rule] = [
     Rule("sft.model", one_of(_model_presets), lambda: f"a model preset: {', '.join(_model_presets())}"),
     Rule("tokenizer.vocab_size", lambda v: _is_int(v) and v >= _min_vocab(), lambda: f"an integer >= {_min_vocab()}"),
     Rule("optim.learning_rate", positive, "a number > 0"),
-    Rule("optim.total_steps", at_least(1), "an integer >= 1"),
-    Rule("optim.warmup_steps", at_least(0), "an integer >= 0"),
     Rule("engine.max_slots", at_least(1), "an integer >= 1"),
     Rule("engine.max_len", at_least(2), "an integer >= 2"),
     Rule("engine.steps_per_call", at_least(1), "an integer >= 1"),
@@ -155,8 +156,6 @@ def _get(config: ml_collections.ConfigDict, dotted: str) -> tuple[bool, Any]:
 
 def _objective_problems(config: ml_collections.ConfigDict) -> list[str]:
     """An estimator × loss × batch layout whose packed gradient is not the per-path one (rl.batch.check_objective)."""
-    from trace_jax.rl.batch import BatchConfig, check_objective
-    from trace_jax.rl.losses import LossConfig
 
     try:
         check_objective(
@@ -169,19 +168,23 @@ def _objective_problems(config: ml_collections.ConfigDict) -> list[str]:
 
 def problems(config: ml_collections.ConfigDict) -> list[str]:
     """Every problem of ``config``, one line each (empty when it is fine)."""
-    found = []
-    for name, cls in SECTIONS.items():
-        if name not in config:
-            found.append(f"config has no section {name!r} (the main job needs {', '.join(SECTIONS)})")
-            continue
-        try:
-            from_config(cls, config[name])
-        except (TypeError, ValueError) as e:
-            found.append(f"config.{name}: {' '.join(str(e).split())}")
+    found = retired_problems(config)
+    if found:  # the sections would not build with these keys in them; the rest waits for the fix
+        return found
+    broken = set()
     for rule in RULES:
         present, value = _get(config, rule.key)
         if present and not rule.ok(value):
             found.append(rule.message(value))
+            broken.add(rule.key.partition(".")[0])
+    for name, cls in SECTIONS.items():
+        if name not in config:
+            found.append(f"config has no section {name!r} (the main job needs {', '.join(SECTIONS)})")
+        elif name not in broken:
+            try:
+                from_config(cls, config[name])
+            except (TypeError, ValueError) as e:
+                found.append(f"config.{name}: {' '.join(str(e).split())}")
     if not found and {"loss", "batch", "rl"} <= set(config.keys()):
         found.extend(_objective_problems(config))
     mesh = [config.mesh.get(axis) for axis in ("data", "fsdp", "tensor")] if "mesh" in config else []

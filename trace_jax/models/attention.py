@@ -154,7 +154,7 @@ def splash_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_
     """
     if not in_order or kv_end_bs is not None:
         return reference_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, in_order)
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash  # TPU-only kernel
 
     b, t, h, e = q_bthe.shape
     kv = k_bske.shape[2]

@@ -30,7 +30,7 @@ REMATS = ("none", "save_dots", "full")
 
 def _set_fake_devices(count: int) -> None:
     if "jax" in sys.modules:
-        import jax
+        import jax  # already imported: only look at its devices
 
         if len(jax.devices()) < count:
             raise RuntimeError(f"jax was imported with {len(jax.devices())} devices; the plan needs {count}")
@@ -85,7 +85,7 @@ class Planner:
 
     def __init__(self, args: argparse.Namespace, chips: int):
         _set_fake_devices(chips)
-        import jax
+        import jax  # JAX only after _set_fake_devices: the fake device count is read when JAX starts
 
         from trace_jax.models import ModelConfig
 
@@ -102,6 +102,7 @@ class Planner:
         return self.memo[key]
 
     def train(self, topology: Topology, budget: int, depth_check: bool = False) -> dict[str, Any]:
+        # These import JAX: only after _set_fake_devices (the fake device count is read when JAX starts).
         from trace_jax.models import num_params
         from trace_jax.parallel.mesh import make_mesh
         from trace_jax.plan import compile as plan_compile
@@ -151,6 +152,7 @@ class Planner:
         return out
 
     def engine(self, topology: Topology, budget: int) -> dict[str, Any]:
+        # These import JAX: only after _set_fake_devices (the fake device count is read when JAX starts).
         from trace_jax.parallel.mesh import make_mesh
         from trace_jax.plan import compile as plan_compile
 
@@ -183,7 +185,7 @@ class Planner:
 
 def plan_one(planner: Planner, topology: Topology, depth_check: bool) -> dict[str, Any]:
     """The train step and engine plans of ``planner``'s model on ``topology``."""
-    from trace_jax.models import num_params
+    from trace_jax.models import num_params  # JAX: only after _set_fake_devices (see Planner)
 
     args = planner.args
     memory = int(args.memory_gib * GIB) if args.memory_gib else topology.memory_bytes

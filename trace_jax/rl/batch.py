@@ -113,16 +113,21 @@ class BatchConfig:
       length_buckets: allowed row lengths T (ascending); a path longer than the largest is an error.
       row_buckets: allowed row counts before ``row_multiple`` padding; None: no row bucketing.
       row_multiple: the row count is padded to a multiple of this (data × fsdp shards × micro-batches ×
-        mini-batches: ``RLTrainer.row_multiple``).
+        mini-batches: ``RLTrainer.row_multiple``). Both row paddings are for ``RLTrainer.train_step``'s fixed
+        shapes; ``RLTrainer.update`` runs only the rows that hold tokens, so the main job sets neither.
       pack_length: tokens per packed row ("tree"); None: the largest length bucket with ``fixed_length``,
         else the length bucket of the longest path, so a packed
         row costs what a path row costs. Larger packs more trees per row (attention cost grows as T²).
       fixed_length: every row is the row capacity long (``pack_length`` or the largest length bucket;
-        for "paths" the largest bucket) whatever the batch holds: one row length T for the whole run.
+        for "paths" the largest bucket) whatever the batch holds: one row length T for the whole run. A
+        training loop wants it (its update compiles once), with length buckets ending at the engine's
+        ``max_len``, as every config sets; the default is False because a batch built once (tests,
+        benchmarks) is then as long as its longest row needs, not the default buckets' 4096.
       segment_weight: "leaves": the per-path objective; "one": each turn weighs 1 whatever its leaf count
         (a tree-native objective, token-mean only).
       skip_zero_advantage: leave out trees whose every advantage is 0 (no policy-gradient signal).
-      pad_id: token id used for padding (never trained, never attended to by real tokens).
+      pad_id: token id used for padding (never trained, never attended to by real tokens); the main job
+        uses its tokenizer's.
     """
 
     layout: str = "tree"
@@ -130,7 +135,7 @@ class BatchConfig:
     row_buckets: tuple[int, ...] | None = (8, 16, 32, 64, 128, 256, 512, 1024)
     row_multiple: int = 1
     pack_length: int | None = None
-    fixed_length: bool = False
+    fixed_length: bool = False  # not the configs' True: see the docstring
     segment_weight: str = "leaves"
     skip_zero_advantage: bool = False
     pad_id: int = 0

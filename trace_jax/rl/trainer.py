@@ -1,16 +1,16 @@
 """The RL update: PPO epochs × mini-batches over one rollout batch, each mini-batch one mesh-sharded
 optimizer step whose gradient accumulates over fixed-shape micro-batches.
 
-Usage (the wiring ``train.py`` does)::
+Usage (the wiring ``trace_jax.job.loop`` does)::
 
     graphdef, params = nnx.split(model, nnx.Param)         # model built with parallel.mesh.create_sharded
-    trainer = RLTrainer(graphdef, make_optimizer(cfg.optim), from_config(LossConfig, cfg.loss), mesh=mesh,
-                        micro_batches=2, update=from_config(UpdateConfig, cfg.update), sampling=engine.sampling,
+    trainer = RLTrainer(graphdef, make_optimizer(schema.optimizer_config(cfg)), from_config(LossConfig, cfg.loss),
+                        mesh=mesh, update=from_config(UpdateConfig, cfg.ppo), sampling=engine.sampling,
                         reference_params=params if loss.kl_coef else None)   # the trainer keeps a copy
     check_objective(cfg.rl.advantage, trainer.loss_config, batch_config)   # at config time
     state = trainer.init_state(params, jax.random.key(seed))  # takes ownership: params are donated later
     batch, info = build_batch(trees, compute_advantages("grpo", trees),
-                              BatchConfig(row_multiple=trainer.row_multiple), trainer.loss_config)
+                              BatchConfig(fixed_length=True), trainer.loss_config)   # no padding rows needed
     state, metrics = trainer.update(state, batch)          # metrics: dict of floats (ratio stats included)
 
 Inside a step the policy's log-probs are recomputed under the current params from the exact token ids of
@@ -74,7 +74,8 @@ class UpdateConfig:
       ppo_epochs: passes over the rollout batch; each pass after the first trains on data the policy has
         already moved away from, which is where the clip acts.
       mini_batches: optimizer steps per epoch; the rows are reshuffled every epoch and split into this many
-        mini-batches (each normalised on its own). ppo_epochs × mini_batches steps per rollout batch.
+        mini-batches (each normalised on its own). ppo_epochs × mini_batches steps per rollout batch
+        (``steps_per_batch``).
       behaviour_logprobs: the "old" log-probs of the ratio. "sampler": the sampler's ``sample_logprobs``,
         the log-probs of the distribution the tokens were actually drawn from (tempered, top-k / top-p
         truncated); "recompute": the trainer recomputes them in float32 before the first step under the
@@ -104,6 +105,12 @@ class UpdateConfig:
             raise ValueError(
                 f"unknown behaviour_logprobs {self.behaviour_logprobs!r}; choose one of {BEHAVIOUR_LOGPROBS}"
             )
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps ``RLTrainer.update`` makes on one rollout batch: ppo_epochs × mini_batches (a batch
+        with fewer rows holding tokens than ``mini_batches`` makes one step per such row and epoch instead)."""
+        return self.ppo_epochs * self.mini_batches
 
 
 class TrainState(NamedTuple):
@@ -138,8 +145,6 @@ class RLTrainer:
       sampling: the transform rollouts were sampled with (temperature for the trained policy; temperature,
         top-k, top-p for recomputed behaviour log-probs); default ``SamplingConfig()`` (T = 1, no truncation).
       logprob_chunk: positions per LM-head chunk (peak logits memory [rows, chunk, V]).
-      recompute_old_logprobs: legacy switch: True means ``UpdateConfig.behaviour_logprobs="recompute"``
-        (in the main job's config: ``ppo.behaviour_logprobs``).
     """
 
     def __init__(
@@ -154,15 +159,12 @@ class RLTrainer:
         update: UpdateConfig | None = None,
         sampling: SamplingConfig | None = None,
         logprob_chunk: int = DEFAULT_CHUNK,
-        recompute_old_logprobs: bool = False,
     ):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         if logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1, got {logprob_chunk}")
         update = update or UpdateConfig()
-        if recompute_old_logprobs:
-            update = dataclasses.replace(update, behaviour_logprobs="recompute")
         self.graphdef = graphdef
         self.optimizer = optimizer
         self.loss_config = loss_config

@@ -15,7 +15,8 @@ class EngineConfig:
     max_slots: decode slots (``max_concurrent_decodes``), the batch of every decode step.
     max_len: cache positions per slot (prompt + all turns + observations).
     steps_per_call: most decode steps one ``generate`` call runs (the width of its output buffers).
-    max_turn_tokens: default per-turn token limit (a slot's turn ends after this many sampled tokens).
+    max_turn_tokens: per-turn token limit (a slot's turn ends after this many sampled tokens), unless a runner
+      passes its own (``RunnerConfig.max_turn_tokens``; the main job's runners do not).
     min_bucket: smallest length bucket. length_buckets: the cache windows ``generate`` reads are padded up
       to one of these (``()``: ``min_bucket * 4**i``, then ``max_len``).
     row_buckets: rows of a fork call (``()``: ``max_slots // 4`` and ``max_slots``).

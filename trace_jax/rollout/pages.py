@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trace_jax.models import attention as attention_lib
+
 TRASH_PAGE = 0
 
 
@@ -212,7 +214,6 @@ class PagedKVCache(NamedTuple):
     ):
         """``attend_cached`` for this cache: write, then the Pallas kernel on TPU for single-token decoding,
         else the gather-based reference path."""
-        from trace_jax.models import attention as attention_lib
 
         cache = self.write_layer(layer, positions_bt, k_btke, v_btke)
         if q_bthe.shape[1] == 1 and _pallas_paged_attention_applies(implementation):
@@ -227,7 +228,7 @@ class PagedKVCache(NamedTuple):
     def _pallas_decode(self, layer: jax.Array, q_bthe: jax.Array, positions_bt: jax.Array) -> jax.Array:
         """TPU only, untested here (no TPU on the development machines): one query per slot against its pages.
         Heads must be whole inside the call (wrap in ``shard_map`` when they are split over ``tensor``)."""
-        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention  # TPU-only kernel
 
         b, _, h, e = q_bthe.shape
         pages_per_slot = self.table_bp.shape[1]

@@ -80,11 +80,13 @@ class RunnerConfig:
     """Knobs of the turn loop.
 
     seed: first sampling seed (continuation i of the runner's life uses ``seed + i``).
-    max_turn_tokens: per-turn token limit (``None``: the engine's ``max_turn_tokens``).
+    max_turn_tokens: per-turn token limit (``None``: the engine's ``max_turn_tokens``, which is the main job's
+      one limit).
     refill_after: a ``generate`` call returns to the host once this many turns have ended, so their slots
       are refilled / extended at once (1 = most eager; larger = fewer host round trips).
-    eos_ids: token ids that end a turn (and, by the environment's rules, usually the rollout).
-    greedy: argmax decoding (evaluation) on an engine that otherwise samples.
+    eos_ids: token ids that end a turn (and, by the environment's rules, usually the rollout); the main job
+      passes its tokenizer's EOS.
+    greedy: argmax decoding (evaluation) on an engine that otherwise samples; the main job sets it per runner.
     overlap_env: judge finished turns while the device decodes the others (see the module docstring).
     warmup: compile the engine's whole program set before the first rollout (``Engine.warmup``).
     reuse_prefixes: hold every appended history's KV pages under its tree node, so a later continuation from

@@ -1,0 +1,31 @@
+"""Records the tiny run's summary for ``test_the_tiny_run_prints_its_recorded_summary``::
+
+    python -m tests.job.record_tiny_run
+
+Re-record only when a change to the code is meant to change what the main job computes, and then re-measure the
+default run's figures in the README (``python -m trace_jax.train``) and quote the new digest beside them.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+from tests.helpers import cpu_fingerprint, summary_digest
+from tests.job.test_train import RECORD, ROOT, TINY, command, without_run_facts
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run(command(f"{tmp}/run", f"{tmp}/cache"), cwd=ROOT, capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(done.stderr[-3000:])
+        summary = without_run_facts(json.loads(pathlib.Path(tmp, "run", "summary.json").read_text()))
+    RECORD.parent.mkdir(exist_ok=True)
+    RECORD.write_text(json.dumps({"cpu": cpu_fingerprint(), "flags": TINY, "summary": summary}, indent=2) + "\n")
+    print(f"wrote {RECORD}; digest {summary_digest(summary)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Model families: which nnx Module class implements a policy architecture.
+
+``MODEL_FAMILIES`` maps a family name to the Module class built as ``cls(config, rngs=rngs)``; every part of
+the framework that builds a policy (the SFT warm start, the transformer success predictor, the benchmarks)
+calls ``create_model`` or ``abstract_model``, so a new family needs no change to them:
+
+    @MODEL_FAMILIES.register("my_family")
+    class MyDecoder(nnx.Module):
+        def __init__(self, config, *, rngs): ...
+
+The family of a config is ``model_family(config)``, i.e. ``config.family``. ``ModelConfig`` derives it from
+its flags ("qwen3" with q/k norm, "qwen2" without); it is a property, not a field, so ``model_config.json``
+files and the warm-start fingerprint (both ``dataclasses.asdict`` of the config) do not carry it. A config
+of a new family is a frozen dataclass subclass of ``ModelConfig`` that overrides ``family`` (and adds the
+fields the family needs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from trace_jax.models.qwen import ModelConfig, Qwen
+from trace_jax.registry import Registry
+
+MODEL_FAMILIES: Registry[type[nnx.Module]] = Registry("model family", {"qwen2": Qwen, "qwen3": Qwen})
+
+
+def model_family(config: ModelConfig | Any) -> str:
+    """The ``MODEL_FAMILIES`` key of ``config``: its ``family``."""
+    return config.family
+
+
+def create_model(config: ModelConfig | Any, rngs: nnx.Rngs) -> nnx.Module:
+    """A freshly initialised policy of ``config``'s family, e.g. ``Qwen(config, rngs=rngs)``."""
+    return MODEL_FAMILIES[model_family(config)](config, rngs=rngs)
+
+
+def abstract_model(config: ModelConfig | Any) -> tuple[nnx.GraphDef, nnx.State]:
+    """``(graphdef, abstract params)`` of ``create_model(config, nnx.Rngs(0))``: shapes, dtypes and logical
+    axes, no memory. ``nnx.merge(graphdef, params)`` turns any matching params into a model."""
+    return nnx.split(nnx.eval_shape(lambda: create_model(config, nnx.Rngs(0))), nnx.Param)
