@@ -8,7 +8,10 @@ Variants (``:<name>``): qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, q
 ``tiny`` (a 2-layer test checkpoint on CPU: short contexts, few questions, 2 steps). The variant sets the
 sizes and the mesh; the checkpoint itself always comes from ``--config.model.hf_dir`` (config.json,
 safetensors and the tokenizer files; ``model.tokenizer_dir`` points elsewhere for the tokenizer).
-``data.dir`` holds Search-R1 ``train`` / ``dev`` (``.parquet`` or ``.jsonl``); the retriever is a
+``data.dir`` holds Search-R1 ``train`` / ``test`` (``.parquet`` or ``.jsonl``; also ``dev``, evaluated with
+``--config.eval.split=dev``; a split the directory lacks stops the run at start, exit code 2). A row's
+``prompt`` chat messages are rendered with the checkpoint's chat template, as Search-R1 trains on them; rows
+with only a ``question`` get the ``react.template`` instruction. The retriever is a
 Search-R1 HTTP server at ``retriever.url`` (``python -m trace_jax.envs.retriever serve --corpus ...``), or
 ``--config.retriever.kind=bm25 --config.retriever.corpus=<corpus.jsonl>`` in process. No SFT warm start.
 """
@@ -92,6 +95,7 @@ def get_config(variant: str = "qwen3-8b") -> ml_collections.ConfigDict:
     config.rl.steps = 2 if tiny else 1000
     config.rl.prompts_per_step = prompts
     config.rl.checkpoint_every = 1 if tiny else 50
-    config.eval = ml_collections.ConfigDict({"split": "dev", "num_questions": 6 if tiny else 1000, "every": 0})
+    # Search-R1 ships train / test; the run checks at start that data.dir has this split.
+    config.eval = ml_collections.ConfigDict({"split": "test", "num_questions": 6 if tiny else 1000, "every": 0})
     config.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": tensor})
     return config

@@ -1,5 +1,7 @@
 """Offline stand-ins for the real recipe's inputs: a tokenizer trained here, a tiny Qwen3 checkpoint saved by
-transformers with that tokenizer beside it, Search-R1-format question files and a corpus.
+transformers with that tokenizer beside it, Search-R1-format question files (``train.parquet`` with the chat
+``prompt`` each row is trained on, ``test.jsonl`` with questions only, as Search-R1 ships ``train`` / ``test``)
+and a corpus.
 
 The tokenizer is a byte-level BPE like Qwen's: the ReAct tags are *not* atomic tokens (``</search>`` is
 several ids, and merges with its neighbours), and it has Qwen's special tokens and a ChatML chat template.
@@ -29,6 +31,20 @@ QWEN_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 SYLLABLES = ("ka", "lo", "mir", "tes", "vo", "ran", "del", "shu", "bri", "nox", "pa", "ell")
+# The chat messages of the train rows: a system line and an instruction worded unlike envs.react.TEMPLATES.
+SYSTEM_PROMPT = "You are a careful researcher."
+USER_PROMPT = (
+    "Find the answer. Think in <think> </think>, look things up with <search> query </search>, read what "
+    "comes back in <information> </information>, then reply <answer> answer </answer>.\nQuestion: {question}"
+)
+
+
+def prompt_messages(question: str) -> list[dict[str, str]]:
+    """A train row's ``prompt`` column: the chat messages Search-R1's parquet holds."""
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": USER_PROMPT.format(question=question)},
+    ]
 
 
 def _people(n: int, rng: random.Random) -> list[tuple[str, str]]:
@@ -41,9 +57,10 @@ def _people(n: int, rng: random.Random) -> list[tuple[str, str]]:
 
 
 def world(num_people: int = 110, seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
-    """(train rows, dev rows, corpus rows): one- and two-hop questions about people, their birthplaces and
-    the cities' countries; questions in Search-R1's row formats (train: parquet-style ``reward_model``
-    golds; dev: ``golden_answers``), corpus in Search-R1's ``contents`` format."""
+    """(train rows, test rows, corpus rows): one- and two-hop questions about people, their birthplaces and
+    the cities' countries; questions in Search-R1's row formats (train: parquet-style ``prompt`` messages and
+    ``reward_model`` golds; test: ``question`` and ``golden_answers``), corpus in Search-R1's ``contents``
+    format."""
     rng = random.Random(seed)
     people = _people(num_people, rng)
     country = {city: COUNTRIES[i % len(COUNTRIES)] for i, city in enumerate(CITIES)}
@@ -55,23 +72,24 @@ def world(num_people: int = 110, seed: int = 0) -> tuple[list[dict], list[dict],
     for i, (name, city) in enumerate(people):
         questions.append((f"q{i}a", f"Where was {name} born?", [city], "nq"))
         questions.append((f"q{i}b", f"In which country was {name} born?", [country[city]], "hotpotqa"))
-    dev_ids = {f"q{i}{x}" for i in range(0, 12) for x in "ab"}
+    test_ids = {f"q{i}{x}" for i in range(0, 12) for x in "ab"}
     train = [
         {
             "id": qid,
             "question": q,
+            "prompt": prompt_messages(q),
             "data_source": src,
             "reward_model": {"ground_truth": {"target": golds}, "style": "rule"},
         }
         for qid, q, golds, src in questions
-        if qid not in dev_ids
+        if qid not in test_ids
     ]
-    dev = [
+    test = [
         {"id": qid, "question": q, "golden_answers": golds, "data_source": src}
         for qid, q, golds, src in questions
-        if qid in dev_ids
+        if qid in test_ids
     ]
-    return train, dev, corpus
+    return train, test, corpus
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = 384) -> PreTrainedTokenizerFast:
@@ -136,17 +154,17 @@ def plant_search_turn(model, tokenizer, turn: str = PLANTED_TURN, strength: floa
 
 def write_all(root: str | pathlib.Path, seed: int = 0) -> dict[str, pathlib.Path]:
     """Writes ``hf/`` (a tiny random Qwen3 that searches, :func:`plant_search_turn`, and the tokenizer),
-    ``data/train.parquet`` + ``data/dev.jsonl`` and
+    ``data/train.parquet`` + ``data/test.jsonl`` and
     ``corpus.jsonl`` under ``root``; returns their paths by name (``hf``, ``data``, ``corpus``)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     root = pathlib.Path(root)
-    train, dev, corpus = world(seed=seed)
+    train, test, corpus = world(seed=seed)
     data = root / "data"
     data.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(train), data / "train.parquet")
-    (data / "dev.jsonl").write_text("".join(json.dumps(row) + "\n" for row in dev))
+    (data / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in test))
     corpus_path = root / "corpus.jsonl"
     corpus_path.write_text("".join(json.dumps(row) + "\n" for row in corpus))
     tokenizer = train_tokenizer(_tokenizer_texts(train, corpus))
@@ -172,6 +190,7 @@ def write_checkpoint(
         num_key_value_heads=1,
         head_dim=16,
         tie_word_embeddings=False,
+        bos_token_id=tokenizer.pad_token_id,  # Qwen's config.json: bos and pad <|endoftext|>, eos <|im_end|>
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )

@@ -1,4 +1,5 @@
-"""Search-R1 splits for training: per-process shards, a resumable position, every row for evaluation."""
+"""Search-R1 splits for training: per-process shards, a resumable position, every row for evaluation, the rows'
+chat prompts."""
 
 import json
 
@@ -14,21 +15,60 @@ def data(tmp_path_factory):
     import pyarrow.parquet as pq
 
     root = tmp_path_factory.mktemp("search_r1")
-    train, dev, _ = fixtures.world(num_people=30)
+    train, test, _ = fixtures.world(num_people=30)
     (root / "files").mkdir()
     pq.write_table(pa.Table.from_pylist(train), root / "files" / "train.parquet")
-    (root / "files" / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dev))
-    return SearchR1Data(SearchR1DataConfig(dir=str(root / "files")), root / "tfds"), train, dev
+    (root / "files" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
+    return SearchR1Data(SearchR1DataConfig(dir=str(root / "files")), root / "tfds"), train, test
 
 
 def test_questions_are_every_row_with_golds_and_source(data):
-    reader, _, dev = data
-    rows = reader.questions("dev")
-    assert sorted(r["question"] for r in rows) == sorted(r["question"] for r in dev)
+    reader, _, test = data
+    rows = reader.questions("test")
+    assert sorted(r["question"] for r in rows) == sorted(r["question"] for r in test)
     assert {r["data_source"] for r in rows} == {"nq", "hotpotqa"}
     assert all(r["golden_answers"] for r in reader.questions("train"))  # parquet reward_model golds were read
-    with pytest.raises(ValueError, match="split 'test' is not in"):
-        reader.questions("test")
+    with pytest.raises(ValueError, match="split 'dev' is not in"):
+        reader.questions("dev")
+
+
+def test_rows_keep_their_chat_prompt_and_rows_without_one_have_none(data):
+    """Catches a reader that drops the parquet's ``prompt`` column (the policy would read a paraphrase)."""
+    reader, train, _ = data
+    by_id = {r["id"]: r for r in train}
+    rows = reader.questions("train")
+    assert rows and all(r["prompt"] == by_id[r["id"]]["prompt"] for r in rows)
+    assert rows[0]["prompt"][0]["role"] == "system"  # premise: more than the question, in order
+    assert not any("prompt" in r for r in reader.questions("test"))  # rendered from question by the env
+
+
+def test_a_row_without_question_takes_it_from_extra_info_else_from_its_prompt(tmp_path):
+    """Catches rows without ``question`` counted as malformed (verl-style parquets have only ``prompt``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    messages = fixtures.prompt_messages("Where was Kalo born?")
+    rows = [
+        {"id": "a", "prompt": messages, "extra_info": {"question": "Where was Kalo born?"}},
+        {"id": "b", "prompt": messages, "extra_info": {"index": 1}},
+    ]
+    rows = [dict(r, data_source="nq", reward_model={"ground_truth": {"target": ["Brink"]}}) for r in rows]
+    (tmp_path / "files").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "files" / "train.parquet")
+    reader = SearchR1Data(SearchR1DataConfig(dir=str(tmp_path / "files")), tmp_path / "tfds")
+    got = {r["id"]: r for r in reader.questions("train")}
+    assert set(got) == {"a", "b"}  # premise: neither row was skipped
+    assert got["a"]["question"] == "Where was Kalo born?"
+    assert got["b"]["question"] == messages[-1]["content"]  # the last user message
+    assert got["a"]["prompt"] == got["b"]["prompt"] == messages
+
+
+def test_a_file_with_neither_question_nor_prompt_is_a_clear_error_naming_the_columns(tmp_path):
+    (tmp_path / "files").mkdir()
+    row = {"query": "Where?", "golden_answers": ["Here"], "data_source": "nq"}
+    (tmp_path / "files" / "train.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"neither a 'question' nor a 'prompt' column .*'query'"):
+        SearchR1Data(SearchR1DataConfig(dir=str(tmp_path / "files")), tmp_path / "tfds")
 
 
 def test_processes_read_disjoint_shards_that_cover_the_split(data):

@@ -148,7 +148,7 @@ def runs(tmp_path_factory):
 def test_both_processes_finish_and_only_process_0_writes_the_logs(runs):
     two = runs["two"]
     (out0, _err0), (out1, _err1) = runs["outputs"]
-    assert "EM rl" in out0 and "EM rl" in out1  # both finished and print process 0's summary
+    assert "EM after RL" in out0 and "EM after RL" in out1  # both finished and print process 0's summary
     steps = [r["step"] for r in runs["records"]]
     assert steps == [0, 1, 2]  # one metrics.jsonl, each step once (a second writer would repeat them)
     assert len(list((two / "tensorboard").glob("events.out.tfevents.*"))) == 1

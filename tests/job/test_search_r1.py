@@ -3,7 +3,8 @@ training and back out to Hugging Face; token-in/token-out across turns; a stalle
 
 The checkpoint is a tiny random Qwen3 saved by transformers, with a byte-level BPE trained here (Qwen's
 pre-tokenizer, special tokens and a ChatML template; ``</search>`` is several ids). Its embedding and head
-carry one planted chain (``tests/search_r1_fixtures.py``) so that its rollouts call the search tool.
+carry one planted chain (``tests/search_r1_fixtures.py``) so that its rollouts call the search tool. The
+data directory is Search-R1's ``train`` (parquet, with each row's chat ``prompt``) / ``test`` (jsonl).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from flax import nnx
 
 from tests import search_r1_fixtures as fixtures
 from tests.helpers import torch_logits
+from trace_jax import cli
 from trace_jax.checkpoint.hf import load_hf
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.config_utils import load_config_file
@@ -81,8 +83,11 @@ def tiny_config(files, **retriever) -> ml_collections.ConfigDict:
 
 
 def test_train_over_a_stalling_http_server_checkpoints_evaluates_and_exports_what_transformers_loads(files, tmp_path):
-    """One whole run covers the recipe end to end and a retrieval server that stalls on some calls."""
+    """One whole run covers the recipe end to end (on Search-R1's train / test splits, with no split flag) and
+    a retrieval server that stalls on some calls."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert sorted(p.name for p in files["data"].iterdir()) == ["test.jsonl", "train.parquet"]  # premise: no dev
 
     timeout_s = 1.0
     counting = StallingRetriever(BM25Retriever.from_jsonl(files["corpus"]), stall_every=3, stall_s=1.3 * timeout_s)
@@ -116,6 +121,7 @@ def test_train_over_a_stalling_http_server_checkpoints_evaluates_and_exports_wha
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     failures = sum(r.get("rollout/retrieval_failures", 0) for r in records)
     assert counting.stalls >= 1 and 1 <= failures <= counting.stalls, (counting.stalls, failures)
+    assert not any("eval.split" in arg for arg in command)
     assert [row["group"] for row in summary["eval_after"]] == ["hotpotqa", "nq", "all"]  # EM/F1 per source
     assert StateCheckpointer(workdir / build.CHECKPOINTS).latest_step() == 2
 
@@ -131,7 +137,7 @@ def test_train_over_a_stalling_http_server_checkpoints_evaluates_and_exports_wha
 
     tokenizer = AutoTokenizer.from_pretrained(export)
     assert tokenizer.chat_template and tokenizer.get_vocab() == world.tokenizer.get_vocab()
-    ids = np.asarray([world.env.prompt_ids(world.world.questions("dev")[0])])
+    ids = np.asarray([world.env.prompt_ids(world.world.questions("test")[0])])
     model = nnx.merge(abstract_model(start.model_config)[0], params)
     ours = np.asarray(model(jnp.asarray(ids))[0])  # ModelOutput: logits first
     theirs = torch_logits(AutoModelForCausalLM.from_pretrained(export).eval(), ids)
@@ -141,6 +147,17 @@ def test_train_over_a_stalling_http_server_checkpoints_evaluates_and_exports_wha
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
     np.testing.assert_array_equal(torch_logits(again, ids), theirs)
     assert AutoTokenizer.from_pretrained(tmp_path / "again").get_vocab() == world.tokenizer.get_vocab()
+
+    # Both exports keep the input checkpoint's token ids and generation config (catches a config.json written
+    # from the architecture alone, which loses bos/eos).
+    source_config = json.loads((files["hf"] / "config.json").read_text())
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    assert source_config["bos_token_id"] != source_config["eos_token_id"]  # premise: two distinct ids to keep
+    for out in (export, tmp_path / "again"):
+        exported = json.loads((out / "config.json").read_text())
+        assert {k: exported.get(k) for k in keys} == {k: source_config[k] for k in keys}
+        generation = (files["hf"] / sources.GENERATION_CONFIG).read_text()
+        assert (out / sources.GENERATION_CONFIG).read_text() == generation
 
 
 def test_a_stop_table_over_the_engine_maximum_fails_at_start_with_the_flag_to_raise(files, tmp_path):
@@ -153,6 +170,16 @@ def test_a_stop_table_over_the_engine_maximum_fails_at_start_with_the_flag_to_ra
         sources.source_of(config).start(config, tmp_path)
 
 
+def test_an_eval_split_the_data_lacks_stops_the_start_with_a_config_error_naming_the_splits(files, tmp_path):
+    config = tiny_config(files, kind="bm25", corpus=str(files["corpus"]))
+    assert config.eval.split == "test"  # premise: the recipe's default is a split Search-R1 ships
+    config.eval.split = "dev"
+    with pytest.raises(cli.ConfigError, match=r"eval.split='dev' .*\['test', 'train'\]") as raised:
+        sources.source_of(config).start(config, tmp_path)
+    assert raised.value.exit_code == cli.ExitCode.CONFIG  # exit code 2, before anything is loaded
+    assert not (tmp_path / "tfds").exists()
+
+
 @pytest.fixture(scope="module")
 def greedy_run(files, tmp_path_factory):
     """A greedy runner of the tiny checkpoint in the search_r1 world (BM25 over the corpus in process)."""
@@ -163,11 +190,24 @@ def greedy_run(files, tmp_path_factory):
     return start.world, runner
 
 
-def test_trainer_sees_the_sampled_ids_then_the_observation_ids_with_loss_mask_zero_exactly_on_them(greedy_run):
+def test_the_first_rollout_reads_the_rows_chat_prompt_then_the_sampled_ids_and_observations_masked(files, greedy_run):
+    """The run's first training prompt is its parquet row's ``prompt`` messages in the checkpoint's chat
+    template (catches rendering ``question`` with the project's own template instead); the trainer sees the
+    sampled ids, then the observation ids with loss mask zero exactly on them."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
     world, runner = greedy_run
     env, tokenizer = world.env, world.tokenizer
-    task = world.world.questions("dev")[0]
+    config = tiny_config(files, kind="bm25", corpus=str(files["corpus"]))
+    task = sources.source_of(config).prompt_stream(config, world).next_batch()[0]
+    (row,) = [r for r in pq.read_table(files["data"] / "train.parquet").to_pylist() if r["id"] == task["id"]]
+    hf_tokenizer = AutoTokenizer.from_pretrained(files["hf"])
+    prompt = hf_tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)
+    by_template = env.prompt_ids({"question": row["question"], "golden_answers": ["x"]}).tolist()
+    assert prompt != by_template and fixtures.SYSTEM_PROMPT in hf_tokenizer.decode(prompt)  # premise: they differ
     (tree,) = evaluate(runner, env, [task]).trees
+    assert tree[0].token_ids.tolist() == prompt
     (leaf,) = tree.leaves()
     turns = [tree[i] for i in tree.path(leaf) if i != 0]
     assert len(turns) == 2 and turns[0].info["action"] == "search"  # premise: a multi-turn trajectory
@@ -185,7 +225,6 @@ def test_trainer_sees_the_sampled_ids_then_the_observation_ids_with_loss_mask_ze
     batch, info = build_batch([tree], compute_advantages("grpo", [tree]), BatchConfig(length_buckets=(512,)))
     assert info.num_rows == 1  # one tree with one leaf: its one path, in the default (tree-packed) layout
     row = 0
-    prompt = env.prompt_ids(task).tolist()
     want = prompt + turns[0].token_ids.tolist() + observation + turns[1].token_ids.tolist()
     n = int(batch.lengths[row])
     assert batch.tokens[row, :n].tolist() == want
@@ -210,7 +249,7 @@ def test_the_engine_turn_ends_at_a_stop_tag_its_id_table_misses_and_the_next_tur
         tiny_config(files, kind="bm25", corpus=str(files["corpus"])), model_config, params, world, greedy=True,
         engine=runner.engine,
     )  # fmt: skip
-    task = world.world.questions("dev")[0]
+    task = world.world.questions("test")[0]
     try:
         (tree,) = evaluate(spaced, env, [task]).trees
     finally:
@@ -236,7 +275,7 @@ def test_a_stalled_retrieval_server_costs_bounded_time_per_search_is_counted_and
     stalled.listen(64)
     client = HttpRetriever(f"http://127.0.0.1:{stalled.getsockname()[1]}", timeout_s=0.5, max_attempts=3)
     bm25, env.retriever, failures_before = env.retriever, client, env.retrieval_failures
-    tasks = world.world.questions("dev")[:4]
+    tasks = world.world.questions("test")[:4]
     try:
         start = time.monotonic()
         result = evaluate(runner, env, tasks)

@@ -100,7 +100,7 @@ def test_main_job_writes_logs_plots_checkpoints_and_a_summary(finished_run):
     assert summary["warm_start"]["steps"] == 200 and summary["warm_start"]["stopped_by"] == "steps"
     assert {"warm_start", "setup", "evaluation", "rl", "total"} <= set(summary["run"]["timings_s"])
     assert {row["group"] for row in summary["eval_after"]} >= {"1-hop", "all"}
-    assert "| group" in done.stdout and "EM rl" in done.stdout and "steps, RL " in done.stdout
+    assert "| group" in done.stdout and "EM after RL" in done.stdout and "steps, RL " in done.stdout
     assert "warm start (SFT)" in done.stderr and "evaluation before RL" in done.stderr  # progress bars
     assert "Traceback" not in done.stderr and "Building index" not in done.stderr  # no third-party chatter
     assert json.loads((workdir / "config.json").read_text())["rl"]["steps"] == 3

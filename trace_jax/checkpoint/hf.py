@@ -273,10 +273,18 @@ def load_hf(
     return config, nnx.from_flat_state(flat)
 
 
-def save_hf(config: ModelConfig, params: nnx.State, out_dir: str | os.PathLike, max_shard_bytes: int = 0) -> None:
+def save_hf(
+    config: ModelConfig,
+    params: nnx.State,
+    out_dir: str | os.PathLike,
+    max_shard_bytes: int = 0,
+    token_ids: Mapping[str, Any] | None = None,
+) -> None:
     """Writes ``config.json`` and safetensors that ``transformers.AutoModelForCausalLM`` loads.
 
     With ``max_shard_bytes > 0`` the weights are split into several files with an index, as HF does.
+    ``token_ids``: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` entries for config.json (the model
+    config holds only the architecture; generation stops at ``eos_token_id``).
     """
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -306,8 +314,13 @@ def save_hf(config: ModelConfig, params: nnx.State, out_dir: str | os.PathLike, 
         total = sum(v.nbytes for v in tensors.values())
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    hf_config = config.to_hf()
+    for key, value in (token_ids or {}).items():
+        if not key.endswith("_token_id"):
+            raise ValueError(f"save_hf token_ids takes *_token_id entries, got {key!r}")
+        hf_config[key] = value
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config.to_hf(), f, indent=2)
+        json.dump(hf_config, f, indent=2)
 
 
 # ------------------------------------------------------------------------------- orbax and the CLI

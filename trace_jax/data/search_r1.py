@@ -4,7 +4,7 @@
 ``cache_dir``) from the user's ``<dir>/<split>.jsonl|parquet`` files and serves
 
 * ``questions(split)``: every row of a split in the prepared order (evaluation; rows carry ``data_source``, so
-  EM/F1 come out per source);
+  EM/F1 come out per source, and ``prompt``, the row's chat messages, when the file had them);
 * ``stream(split, batch_size, seed)``: a :class:`PromptBatches` over this process's shard of the split.
 
 Sharding: process ``i`` of ``n`` (``jax.process_index()`` / ``jax.process_count()``) reads rows
@@ -27,8 +27,8 @@ class SearchR1DataConfig:
     """Where the questions are.
 
     dir: a directory holding ``train`` / ``dev`` / ``test`` ``.jsonl`` or ``.parquet`` files in the
-      Search-R1 format (``question``, ``golden_answers`` or ``reward_model.ground_truth.target``,
-      ``data_source``).
+      Search-R1 format (``prompt`` chat messages and/or ``question``, ``golden_answers`` or
+      ``reward_model.ground_truth.target``, ``data_source``).
     subset: the builder config: "all", "multihop" (HotpotQA, 2Wiki, MuSiQue, Bamboogle) or "singlehop"
       (NQ, TriviaQA, PopQA).
     train_split: the split RL samples prompts from (evaluation scores ``config.eval.split``).
@@ -45,7 +45,8 @@ class PromptBatches:
     """Batches of task rows from a grain iterator; the iterator's position is the whole state.
 
     ``next_batch()`` returns ``batch_size`` decoded rows (dicts with ``question``, ``golden_answers``,
-    ``data_source``, ``id``). ``state_dict()`` is JSON-able; ``load_state_dict`` continues at the same row.
+    ``data_source``, ``id``, and ``prompt`` when the row has chat messages). ``state_dict()`` is JSON-able;
+    ``load_state_dict`` continues at the same row.
     """
 
     def __init__(self, dataset: grain.MapDataset, batch_size: int):

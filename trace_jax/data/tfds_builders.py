@@ -5,11 +5,15 @@ Two builders:
 * :class:`SyntheticMultihop`: the synthetic world's ``train`` / ``test`` / ``ood`` questions (with gold
   turns); the world comes from ``WorldConfig`` fields of the builder config.
 * :class:`SearchR1Local`: Search-R1-format question files a user placed in a *manual directory*:
-  ``<manual_dir>/<split>.jsonl`` or ``<split>.parquet`` (split in train / dev / test) with ``question``,
-  ``golden_answers`` (a string or a list; Search-R1's ``reward_model.ground_truth.target`` is read too)
-  and ``data_source``. Configs ``multihop`` (hotpotqa, 2wikimultihopqa, musique, bamboogle), ``singlehop``
-  (nq, triviaqa, popqa) and ``all`` pick rows by ``data_source``. Malformed rows are skipped, counted and
-  the first few logged with their line; a missing file or a split with no valid row raises.
+  ``<manual_dir>/<split>.jsonl`` or ``<split>.parquet`` (split in train / dev / test) with
+  ``golden_answers`` (a string or a list; Search-R1's ``reward_model.ground_truth.target`` is read too),
+  ``data_source``, and ``prompt`` (the chat messages the policy reads, as Search-R1's parquet holds them)
+  and/or ``question``. A row without ``question`` takes it from ``extra_info.question``, else from the
+  content of its last user message (for scoring logs); a row without ``prompt`` is rendered from
+  ``question`` by the environment's template. Configs ``multihop`` (hotpotqa, 2wikimultihopqa, musique,
+  bamboogle), ``singlehop`` (nq, triviaqa, popqa) and ``all`` pick rows by ``data_source``. Malformed rows
+  are skipped, counted and the first few logged with their line; a missing file, a file with neither a
+  ``question`` nor a ``prompt`` column, or a split with no valid row raises.
 
 Only ``file_format='array_record'`` works without TensorFlow: ``download_and_prepare`` and
 ``as_data_source`` then run on numpy alone. :func:`make_iterator` reads a split through grain with a
@@ -43,6 +47,11 @@ _QA_FEATURES = {
     "question": tfds.features.Text(),
     "golden_answers": tfds.features.Sequence(tfds.features.Text()),
     "data_source": tfds.features.Text(),
+}
+# A Search-R1 row's chat messages, kept as parallel role / content lists ([] when the row has none).
+_PROMPT_FEATURES = {
+    "prompt_roles": tfds.features.Sequence(tfds.features.Text()),
+    "prompt_contents": tfds.features.Sequence(tfds.features.Text()),
 }
 
 
@@ -108,21 +117,52 @@ def _answers(row: Mapping[str, Any]) -> list[str]:
     return list(answers)
 
 
+def _messages(row: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The row's ``prompt`` chat messages ([] when it has none), or ValueError when they are malformed."""
+    prompt = row.get("prompt")
+    if prompt is None:
+        return []
+    if isinstance(prompt, np.ndarray):
+        prompt = prompt.tolist()
+    if not isinstance(prompt, list | tuple) or not prompt:
+        raise ValueError("prompt must be a non-empty list of {role, content} messages")
+    messages = []
+    for message in prompt:
+        if not isinstance(message, Mapping) or not all(isinstance(message.get(k), str) for k in ("role", "content")):
+            raise ValueError("every prompt message must have a string role and content")
+        messages.append({"role": message["role"], "content": message["content"]})
+    return messages
+
+
+def _question(row: Mapping[str, Any], messages: list[dict[str, str]]) -> str:
+    """``question``, else ``extra_info.question``, else the last user message's content."""
+    question = row.get("question")
+    if question is None:
+        question = (row.get("extra_info") or {}).get("question")
+    if question is None:
+        question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), None)
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("question must be a non-empty string (or the prompt must hold a user message)")
+    return question.strip()
+
+
 def _clean_row(row: Any, fallback_id: str) -> dict[str, Any]:
-    """A valid ``{id, question, golden_answers, data_source}`` row, or ValueError saying what is wrong."""
+    """A valid ``{id, question, golden_answers, data_source, prompt_roles, prompt_contents}`` row, or ValueError
+    saying what is wrong."""
     if not isinstance(row, Mapping):
         raise ValueError(f"a row must be an object, got {type(row).__name__}")
-    question = row.get("question")
-    if not isinstance(question, str) or not question.strip():
-        raise ValueError("question must be a non-empty string")
+    messages = _messages(row)
+    question = _question(row, messages)
     source = row.get("data_source")
     if not isinstance(source, str) or not source:
         raise ValueError("data_source must be a non-empty string")
     return {
         "id": str(row.get("id", fallback_id)),
-        "question": question.strip(),
+        "question": question,
         "golden_answers": _answers(row),
         "data_source": source,
+        "prompt_roles": [m["role"] for m in messages],
+        "prompt_contents": [m["content"] for m in messages],
     }
 
 
@@ -150,7 +190,10 @@ def read_search_r1_file(path: str | pathlib.Path, sources: tuple[str, ...] = ())
     if not path.is_file():
         raise FileNotFoundError(f"question file {path} does not exist")
     report = ReadReport(rows=[])
+    columns: set[str] = set()
     for line, raw in _raw_rows(path):
+        if isinstance(raw, Mapping):
+            columns.update(raw)
         try:
             if isinstance(raw, Exception):
                 raise ValueError(f"not JSON ({raw.msg})")
@@ -164,12 +207,17 @@ def read_search_r1_file(path: str | pathlib.Path, sources: tuple[str, ...] = ())
             report.filtered += 1
             continue
         report.rows.append(row)
+    if columns and not columns & {"question", "prompt"}:
+        raise ValueError(
+            f"{path} has neither a 'question' nor a 'prompt' column (columns: {sorted(columns)}); "
+            "Search-R1 rows need one of them, plus golden_answers and data_source"
+        )
     if report.malformed:
         log.warning("%s: skipped %d malformed rows, e.g. %s", path, report.malformed, "; ".join(report.examples))
     if not report.rows:
         raise ValueError(
             f"{path} has no valid row (malformed: {report.malformed}, other data_source: {report.filtered}); "
-            f"rows need question, golden_answers and data_source. First problems: {report.examples}"
+            f"rows need question or prompt, golden_answers and data_source. First problems: {report.examples}"
         )
     return report
 
@@ -177,11 +225,15 @@ def read_search_r1_file(path: str | pathlib.Path, sources: tuple[str, ...] = ())
 class SearchR1Local(tfds.core.GeneratorBasedBuilder):
     """Search-R1-format QA files from a manual directory (see the module docstring)."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "Initial release."}
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES: ClassVar[dict[str, str]] = {
+        "1.0.0": "Initial release.",
+        "1.1.0": "The rows' prompt chat messages.",
+    }
     MANUAL_DOWNLOAD_INSTRUCTIONS = (
         "Put Search-R1-format files named <split>.jsonl or <split>.parquet (split: train, dev, test) with "
-        "question, golden_answers and data_source in the manual directory (download_config.manual_dir)."
+        "prompt and/or question, golden_answers and data_source in the manual directory "
+        "(download_config.manual_dir)."
     )
     BUILDER_CONFIGS: ClassVar[list[tfds.core.BuilderConfig]] = [
         SearchR1Config(name="multihop", sources=MULTIHOP_SOURCES, description="HotpotQA, 2Wiki, MuSiQue, Bamboogle"),
@@ -190,15 +242,12 @@ class SearchR1Local(tfds.core.GeneratorBasedBuilder):
     ]
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return self.dataset_info_from_configs(features=tfds.features.FeaturesDict(dict(_QA_FEATURES)))
+        features = dict(_QA_FEATURES, **_PROMPT_FEATURES)
+        return self.dataset_info_from_configs(features=tfds.features.FeaturesDict(features))
 
     def _split_generators(self, dl_manager):
         manual = pathlib.Path(dl_manager.manual_dir)
-        files = {}
-        for split in SEARCH_R1_SPLITS:
-            found = [manual / f"{split}{ext}" for ext in (".jsonl", ".parquet") if (manual / f"{split}{ext}").is_file()]
-            if found:
-                files[split] = found[0]
+        files = search_r1_files(manual)
         if not files:
             raise FileNotFoundError(
                 f"no question file in {manual}; expected one of "
@@ -210,6 +259,19 @@ class SearchR1Local(tfds.core.GeneratorBasedBuilder):
     def _generate_examples(self, rows):
         for i, row in enumerate(rows):
             yield f"{i}-{row['id']}", row
+
+
+def search_r1_files(directory: str | pathlib.Path) -> dict[str, pathlib.Path]:
+    """The question file of each split ``directory`` holds, by split (``.jsonl`` before ``.parquet``)."""
+    directory = pathlib.Path(directory)
+    files = {}
+    for split in SEARCH_R1_SPLITS:
+        found = [
+            directory / f"{split}{ext}" for ext in (".jsonl", ".parquet") if (directory / f"{split}{ext}").is_file()
+        ]
+        if found:
+            files[split] = found[0]
+    return files
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -240,8 +302,17 @@ def _decode(value: Any) -> Any:
 
 
 def decode_row(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A TFDS record as plain Python (bytes -> str, arrays -> lists): the task dict the env expects."""
-    return {key: _decode(value) for key, value in row.items()}
+    """A TFDS record as plain Python (bytes -> str, arrays -> lists): the task dict the env expects.
+
+    A Search-R1 record's ``prompt_roles`` / ``prompt_contents`` become ``prompt``: its chat messages
+    (``[{"role", "content"}, ...]``), present only when the row had them.
+    """
+    task = {key: _decode(value) for key, value in row.items() if key not in _PROMPT_FEATURES}
+    if "prompt_roles" in row:
+        roles, contents = _decode(row["prompt_roles"]), _decode(row["prompt_contents"])
+        if roles:
+            task["prompt"] = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
+    return task
 
 
 def make_iterator(

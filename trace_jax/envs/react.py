@@ -69,7 +69,8 @@ class ReActConfig:
     metric: answer metric name in ``rewards.METRICS`` ("em" or "f1").
     format_error_reward: reward of a malformed turn (0.0; set e.g. -0.1 for a penalty).
     chat_template: wrap the instruction as one user message in the tokenizer's chat template (with the
-      generation prompt), as instruction-tuned checkpoints (Qwen3, Qwen2.5-Instruct) expect.
+      generation prompt), as instruction-tuned checkpoints (Qwen3, Qwen2.5-Instruct) expect. A task's own
+      ``prompt`` messages are always rendered by the chat template, and ``template`` is not used for them.
     stop_variants: stop on every id spelling of the stop tags that ``envs.stops.stop_id_sequences`` finds
       (tokenizers without atomic tags, e.g. Qwen's); False: only each tag's own encoding (the synthetic
       world's tokenizer keeps tags atomic). The engine's ``max_stop_sequences`` must hold them.
@@ -168,7 +169,8 @@ class ReActEnv:
       tokenizer: a HF tokenizer (``encode(text, add_special_tokens=False)``, ``decode``, ``eos_token_id``).
       retriever: anything with ``search(queries, topk) -> [[Passage]]`` (BM25Retriever, HttpRetriever).
       config: :class:`ReActConfig`.
-    Tasks are mappings with ``question`` and ``golden_answers`` (a string or a list of strings).
+    Tasks are mappings with ``golden_answers`` (a string or a list of strings) and ``question``; a task
+    with ``prompt`` chat messages (Search-R1's parquet rows) is rendered from them instead.
     Attributes:
       retrieval_failures: searches answered with the failure observation (the run went on).
     """
@@ -198,6 +200,10 @@ class ReActEnv:
 
     # ------------------------------------------------------------------------------------- AgentEnv
     def prompt_text(self, task: Mapping[str, Any]) -> str:
+        """The prompt as text: a task's own ``prompt`` chat messages in the tokenizer's chat template (as
+        Search-R1 renders its parquet rows), else ``question`` in ``config.template``."""
+        if task.get("prompt"):
+            return self._chat(task["prompt"], tokenize=False)
         text = self.config.template_text.format(question=str(_task_field(task, "question")).strip())
         if self.config.chat_template:
             messages = [{"role": "user", "content": text}]
@@ -205,7 +211,24 @@ class ReActEnv:
         return text
 
     def prompt_ids(self, task: Mapping[str, Any]) -> np.ndarray:
+        """The prompt's ids: ``apply_chat_template(task["prompt"], add_generation_prompt=True)`` for a task
+        with chat messages, else the ids of :meth:`prompt_text`."""
+        if task.get("prompt"):
+            return np.asarray(self._chat(task["prompt"], tokenize=True), np.int32)
         return np.asarray(self.encode(self.prompt_text(task)), np.int32)
+
+    def _chat(self, messages: Sequence[Mapping[str, str]], tokenize: bool) -> Any:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "a task has prompt chat messages but the tokenizer has no chat template to render them: "
+                "use the checkpoint's own tokenizer (model.tokenizer_dir)"
+            )
+        messages = [dict(m) for m in messages]
+        if not tokenize:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(
+            self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        )
 
     def step(self, task: Mapping[str, Any], depth: int, turn_ids: np.ndarray, truncated: bool = False) -> TurnResult:
         text = self.tokenizer.decode(np.asarray(turn_ids).tolist(), skip_special_tokens=False)

@@ -5,8 +5,10 @@
 * ``search_r1``: a Hugging Face Qwen2/Qwen3 checkpoint (``config.model.hf_dir``) loaded by ``load_hf``
   straight onto the run's mesh, its own tokenizer and chat template, Search-R1 question files read
   through TFDS + grain (``trace_jax.data.search_r1``), the retriever the ``retriever`` section names
-  (BM25 over a corpus file or a Search-R1 HTTP server), no SFT. At the end of training the policy is
-  exported as a HF directory with the tokenizer files beside it (``<workdir>/hf_export``).
+  (BM25 over a corpus file or a Search-R1 HTTP server), no SFT. A row's own ``prompt`` chat messages are
+  what the policy reads (``ReActEnv.prompt_ids``). At the end of training the policy is exported as a HF
+  directory with the tokenizer files beside it (``<workdir>/hf_export``), keeping the input checkpoint's
+  token ids and generation config.
 
 Each kind is a :class:`RecipeSource` in ``SOURCES``. Export a run's newest policy by hand::
 
@@ -16,6 +18,7 @@ Each kind is a :class:`RecipeSource` in ``SOURCES``. Export a run's newest polic
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import shutil
 import tempfile
@@ -26,12 +29,13 @@ import jax
 import ml_collections
 from flax import nnx
 
-from trace_jax import paths
+from trace_jax import cli, paths
 from trace_jax.checkpoint.hf import load_hf, save_hf
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.config_utils import from_config
 from trace_jax.data.prompts import PromptStream
 from trace_jax.data.search_r1 import SearchR1Data, SearchR1DataConfig
+from trace_jax.data.tfds_builders import search_r1_files
 from trace_jax.data.tokenizer import load_tokenizer
 from trace_jax.envs.react import ReActConfig, ReActEnv
 from trace_jax.envs.retriever import RetrieverConfig, build_retriever
@@ -54,6 +58,9 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
+GENERATION_CONFIG = "generation_config.json"
+# The keys of a checkpoint's config.json that are not architecture but are kept in its export.
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 @dataclasses.dataclass
@@ -65,6 +72,8 @@ class Start:
     facts: reproducible facts for the summary's ``warm_start`` entry (always has ``reproducible``).
     directory: where the starting policy lives (the warm-start cache entry, the HF checkpoint).
     tokenizer_dir: the HF tokenizer directory of the policy (exported beside it).
+    token_ids: the policy's ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` (those it has), written into
+      an export's config.json.
     """
 
     world: build.World
@@ -75,6 +84,7 @@ class Start:
     facts: dict[str, Any] = dataclasses.field(default_factory=lambda: {"reproducible": True})
     directory: str = ""
     tokenizer_dir: str = ""
+    token_ids: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class RecipeSource(Protocol):
@@ -124,6 +134,7 @@ class SyntheticSource:
             warm.describe(),
             str(warm.entry.directory),
             str(warm.entry.directory / "tokenizer"),  # where build.build_world keeps it
+            _tokenizer_token_ids(warm.world.tokenizer),
         )
 
     def prompt_stream(self, config, world):
@@ -131,6 +142,31 @@ class SyntheticSource:
 
     def finish(self, config, workdir, policy):
         return {}
+
+
+def _tokenizer_token_ids(tokenizer: Any) -> dict[str, int]:
+    ids = {key: getattr(tokenizer, key, None) for key in TOKEN_ID_KEYS}
+    return {key: int(value) for key, value in ids.items() if value is not None}
+
+
+def _checkpoint_token_ids(hf_dir: str) -> dict[str, Any]:
+    """The token ids a HF checkpoint's config.json names (an id or a list of ids each)."""
+    hf_config = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
+    return {key: hf_config[key] for key in TOKEN_ID_KEYS if hf_config.get(key) is not None}
+
+
+def _check_splits(config: ml_collections.ConfigDict) -> None:
+    """Fails before anything is loaded when ``data.train_split`` or ``eval.split`` is not a file in ``data.dir``
+    (a ``cli.ConfigError``: one line naming the splits found)."""
+    data_dir = config.data.get("dir", "")
+    if not data_dir or not pathlib.Path(data_dir).is_dir():
+        return  # SearchR1Data says what is wrong with the directory itself
+    found = sorted(search_r1_files(data_dir))
+    for key, split in (("data.train_split", config.data.train_split), ("eval.split", config.eval.split)):
+        if found and split not in found:
+            raise cli.ConfigError(
+                f"{key}={split!r} but data.dir={data_dir} holds the splits {found}: pass --config.{key}=<one of them>"
+            )
 
 
 def _tokenizer_dir(config: ml_collections.ConfigDict) -> str:
@@ -163,6 +199,7 @@ class SearchR1Source:
 
     def start(self, config, workdir, mesh=None, progress=None, notify=None):
         hf_dir = _hf_dir(config)
+        _check_splits(config)
         tokenizer = load_tokenizer(_tokenizer_dir(config))
         retriever = build_retriever(from_config(RetrieverConfig, config.retriever))
         env = ReActEnv(tokenizer, retriever, from_config(ReActConfig, config.react))
@@ -178,7 +215,9 @@ class SearchR1Source:
         facts = {"hf_dir": hf_dir, "steps": 0, "reproducible": True}
         world = build.World(data, tokenizer, env)
         source = f"hf checkpoint {hf_dir}"
-        return Start(world, model_config, params, source, f"policy: {hf_dir}", facts, hf_dir, _tokenizer_dir(config))
+        message = f"policy: {hf_dir}"
+        token_ids = _checkpoint_token_ids(hf_dir)
+        return Start(world, model_config, params, source, message, facts, hf_dir, _tokenizer_dir(config), token_ids)
 
     def prompt_stream(self, config, world):
         # Every process reads the whole step's batch: all of them run the scheduler over every tree, and each
@@ -189,7 +228,7 @@ class SearchR1Source:
         out = paths.as_path(workdir) / EXPORT_DIR
         params = jax.tree.map(multihost.to_host, policy.params)  # collective: the weights span every host
         if jax.process_index() == 0:
-            export_policy(policy.model_config, params, policy.tokenizer_dir, out)
+            export_policy(policy, params, out)
         return {EXPORT_DIR: str(out)}
 
 
@@ -213,28 +252,28 @@ def latest_policy(
     return start, restored.state["params"], f"rl step {restored.step}"
 
 
-def export_policy(
-    model_config: ModelConfig,
-    params: nnx.State,
-    tokenizer_dir: str | pathlib.Path,
-    out: str | pathlib.Path,
-    max_shard_bytes: int = 0,
-) -> pathlib.Path:
-    """Writes ``params`` as a HF checkpoint directory (``save_hf``) and copies the tokenizer files of
-    ``tokenizer_dir`` beside it, so ``AutoModelForCausalLM`` and ``AutoTokenizer`` both load ``out``.
-    ``out`` may be a bucket URL: the directory is written locally, then copied up."""
+def export_policy(start: Start, params: nnx.State, out: str | pathlib.Path, max_shard_bytes: int = 0) -> pathlib.Path:
+    """Writes ``params`` of the run that began at ``start`` as a HF checkpoint directory (``save_hf``, with
+    the start's token ids in config.json) and copies the tokenizer files of ``start.tokenizer_dir`` beside it,
+    so ``AutoModelForCausalLM`` and ``AutoTokenizer`` both load ``out``; ``generation_config.json`` comes from
+    the start checkpoint's directory when it has one. ``out`` may be a bucket URL: the directory is written
+    locally, then copied up."""
     if paths.is_url(out):
         with tempfile.TemporaryDirectory() as local:
-            export_policy(model_config, params, tokenizer_dir, local, max_shard_bytes)
+            export_policy(start, params, local, max_shard_bytes)
             paths.copy_tree(local, out)
         return paths.as_path(out)
     out = pathlib.Path(out)
-    save_hf(model_config, params, out, max_shard_bytes)
-    copied = [name for name in TOKENIZER_FILES if (pathlib.Path(tokenizer_dir) / name).is_file()]
+    save_hf(start.model_config, params, out, max_shard_bytes, token_ids=start.token_ids)
+    tokenizer_dir = pathlib.Path(start.tokenizer_dir)
+    copied = [name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
     if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
         raise FileNotFoundError(f"{tokenizer_dir} holds no tokenizer.json / tokenizer.model to export beside the model")
     for name in copied:
-        shutil.copyfile(pathlib.Path(tokenizer_dir) / name, out / name)
+        shutil.copyfile(tokenizer_dir / name, out / name)
+    generation = pathlib.Path(start.directory) / GENERATION_CONFIG if start.directory else None
+    if generation is not None and generation.is_file():  # the checkpoint's own, when the tokenizer lives elsewhere
+        shutil.copyfile(generation, out / GENERATION_CONFIG)
     return out
 
 
@@ -246,5 +285,5 @@ def export_run(workdir: str | pathlib.Path, out: str | pathlib.Path, max_shard_b
         raise FileNotFoundError(f"{run} has no {build.CONFIG_FILE}: pass the --workdir of a trace_jax.train run")
     config = build.load_run_config(run)
     start, params, policy = latest_policy(config, run)
-    export_policy(start.model_config, params, start.tokenizer_dir, out, max_shard_bytes)
+    export_policy(start, params, out, max_shard_bytes)
     return policy

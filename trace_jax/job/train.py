@@ -198,17 +198,18 @@ def _finish(run: Training, workdir: epath.Path, logs: paths.LocalMirror, exports
 
 
 def summary_table(summary: dict[str, Any]) -> str:
-    """Held-out EM per group before (SFT) and after RL, as a Markdown table."""
+    """Held-out EM / F1 per group of the starting policy (an SFT warm start or a loaded checkpoint: "before RL")
+    and of the trained one ("after RL"), as a Markdown table."""
 
     after = {row["group"]: row for row in summary["eval_after"]}
     rows = [
         {
             "group": row["group"],
             "n": row["n"],
-            "EM sft": row["em"],
-            "EM rl": after[row["group"]]["em"],
-            "F1 sft": row["f1"],
-            "F1 rl": after[row["group"]]["f1"],
+            "EM before RL": row["em"],
+            "EM after RL": after[row["group"]]["em"],
+            "F1 before RL": row["f1"],
+            "F1 after RL": after[row["group"]]["f1"],
         }
         for row in summary["eval_before"]
     ]
