@@ -70,9 +70,9 @@ class SearchR1Data:
 
     def __init__(self, config: SearchR1DataConfig, cache_dir: str | pathlib.Path):
         if not config.dir:
-            raise ValueError("data.dir is empty: set --config.data.dir to the directory of Search-R1 train/dev files")
+            raise ValueError("data.dir is empty: set --config.data.dir to the directory of Search-R1 train/test files")
         if not pathlib.Path(config.dir).is_dir():
-            raise FileNotFoundError(f"data.dir={config.dir!r} is not a directory of Search-R1 train/dev files")
+            raise FileNotFoundError(f"data.dir={config.dir!r} is not a directory of Search-R1 train/test files")
         self.config = config
         data_dir = config.cache_dir or str(cache_dir)
         self.builder = prepare(SearchR1Local, data_dir, manual_dir=config.dir, config=config.subset)
