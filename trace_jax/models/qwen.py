@@ -12,7 +12,9 @@ k kv heads, g queries per kv head, e head dim, f mlp, v vocab, l layers.
 
 Layers are scanned: ``Qwen.layers`` is one ``DecoderLayer`` whose parameters carry a leading ``layers`` axis
 (logical name "layers", never sharded), and ``hidden`` runs them with ``jax.lax.scan`` over ``nnx.split``
-state, so compile time does not grow with depth. ``ModelConfig.remat`` picks what each layer keeps for the
+state (``scan_layers``), so compile time does not grow with depth. A family with other layers subclasses
+``Qwen`` and overrides ``init_layers`` / ``run_layers`` (``trace_jax.models.moe``: a ``DecoderLayer`` takes its
+feed-forward block as an argument, so attention, norms and RoPE stay these). ``ModelConfig.remat`` picks what each layer keeps for the
 backward pass (``REMAT_POLICIES``). Attention is ``trace_jax.models.attention.attention`` (float32
 accumulation; reference / cuDNN / splash by backend).
 
@@ -498,25 +500,18 @@ class Qwen(nnx.Module):
         self.layers = stacked_layers(config, rngs)
 
     def hidden(
-        self,
-        tokens_bt: jax.Array,
-        cache: KVCache | None = None,
-        num_new_b: jax.Array | None = None,
-        *,
-        positions_bt: jax.Array | None = None,
-        kv_visible_end_bt: jax.Array | None = None,
+        self, tokens_bt: jax.Array, cache: KVCache | None = None, num_new_b: jax.Array | None = None, **packed
     ) -> tuple[jax.Array, KVCache | None]:
         """Final hidden states [B, T, D] and the updated cache (see ``__call__`` for the contract).
 
-        Packed rows (no cache only): ``positions_bt`` (int32 [B, T], default 0..T-1) are the RoPE positions,
+        Packed rows (no cache only; keywords ``positions_bt``, ``kv_visible_end_bt`` as in ``forward_hidden``):
+        ``positions_bt`` (int32 [B, T], default 0..T-1) are the RoPE positions,
         e.g. depths along each token's root-to-leaf path; ``kv_visible_end_bt`` (int32 [B, T], default T)
         bounds who sees each key: key i is visible to query j iff ``i <= j < kv_visible_end_bt[b, i]``. With
         tree nodes laid out in depth-first pre-order, ``kv_visible_end`` of a token is the end of its node's
         subtree, so every token sees exactly its ancestors on its own path (several trees per row included).
         """
-        hidden_btd, cache, _ = self.forward_hidden(
-            tokens_bt, cache, num_new_b, positions_bt=positions_bt, kv_visible_end_bt=kv_visible_end_bt
-        )
+        hidden_btd, cache, _ = self.forward_hidden(tokens_bt, cache, num_new_b, **packed)
         return hidden_btd, cache
 
     def forward_hidden(
