@@ -14,9 +14,9 @@ Layers are scanned: ``Qwen.layers`` is one ``DecoderLayer`` whose parameters car
 (logical name "layers", never sharded), and ``hidden`` runs them with ``jax.lax.scan`` over ``nnx.split``
 state (``scan_layers``), so compile time does not grow with depth. A family with other layers subclasses
 ``Qwen`` and overrides ``init_layers`` / ``run_layers`` (``trace_jax.models.moe``: a ``DecoderLayer`` takes its
-feed-forward block as an argument, so attention, norms and RoPE stay these). ``ModelConfig.remat`` picks what each layer keeps for the
-backward pass (``REMAT_POLICIES``). Attention is ``trace_jax.models.attention.attention`` (float32
-accumulation; reference / cuDNN / splash by backend).
+feed-forward block as an argument, so attention, norms and RoPE stay these). ``ModelConfig.remat`` picks what
+each layer keeps for the backward pass (``REMAT_POLICIES``). Attention is ``trace_jax.models.attention.attention``
+(float32 accumulation; reference / cuDNN / splash by backend).
 
 Dtypes: ``param_dtype`` is the stored weights' dtype (and, through ``optax``, the optimizer state's),
 ``dtype`` the compute dtype. The usual large-model choice is ``param_dtype="float32", dtype="bfloat16"``:
