@@ -58,12 +58,13 @@ def main_job_command(workdir: Any, cache: Any, flags: list[str]) -> list[str]:
 def build_hf_checkpoint(
     path: str | pathlib.Path, family: str = "qwen3", seed: int = 0, max_shard_size: str | None = None, **overrides: Any
 ):
-    """Builds a random tiny ``Qwen2``/``Qwen3`` transformers model, ``save_pretrained``s it to ``path``.
+    """Builds a random tiny ``Qwen2``/``Qwen3``/``Qwen3-MoE`` transformers model, ``save_pretrained``s it to ``path``.
 
-    Returns the torch model (eval mode) so a test can compare against it. ``overrides`` are HF config fields.
+    Returns the torch model (eval mode) so a test can compare against it. ``overrides`` are HF config fields
+    (family "qwen3_moe" adds 4 experts, top-2, expert width 32 unless overridden).
     """
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     fields = dict(
         vocab_size=128,
@@ -76,14 +77,18 @@ def build_hf_checkpoint(
         tie_word_embeddings=True,
         rope_theta=1e6,
     )
+    if family == "qwen3_moe":
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
     fields.update(overrides)
-    config_class = {"qwen3": Qwen3Config, "qwen2": Qwen2Config}[family]
+    config_class = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}[family]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config_class(**fields)).eval()
     with torch.no_grad():  # random, non-trivial norms and biases so every tensor matters
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 param.add_(0.1 * torch.randn_like(param))
+            if name.endswith("mlp.gate.weight"):  # a router far from uniform: top-k choices are clear-cut
+                param.normal_()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **kwargs)
     return model

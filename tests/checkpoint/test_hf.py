@@ -39,11 +39,12 @@ def test_import_export_reload_gives_identical_tensors(tmp_path, family, tied, sh
 
 def test_key_map_reads_both_ways():
     for hf_template, ours_template, _ in KEY_MAP:
-        fields = {"layer": "3", "qkv": "k", "qk": "q", "mlp": "down"}
+        fields = {"layer": "3", "expert": "5", "qkv": "k", "qk": "q", "mlp": "down"}
         hf_key, our_key = hf_template.format(**fields), ours_template.format(**fields)
         layer = 3 if "{layer}" in hf_template else None
+        expert = 5 if "{expert}" in hf_template else None
         assert hf.hf_to_ours(hf_key)[::2] == (our_key, layer)
-        assert hf.ours_to_hf(our_key, layer)[0] == hf_key
+        assert hf.ours_to_hf(our_key, layer, expert)[0] == hf_key
     # Per-layer HF tensors are rows of one stacked parameter of ours.
     assert hf.hf_to_ours("model.layers.11.mlp.up_proj.weight")[::2] == ("layers.mlp.up_proj", 11)
     assert hf.is_stacked("layers.mlp.up_proj") and not hf.is_stacked("embed")
@@ -98,9 +99,9 @@ def test_config_that_does_not_match_the_weights(qwen3_dir, tmp_path):
 def test_unsupported_architecture_says_so(qwen3_dir, tmp_path):
     path = _copy(qwen3_dir, tmp_path / "c")
     config = json.loads((path / "config.json").read_text())
-    config["model_type"] = "qwen3_moe"
+    config["model_type"] = "qwen2_moe"
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"qwen3_moe.*mixture-of-experts models are not supported yet"):
+    with pytest.raises(ValueError, match=r"unsupported architecture model_type='qwen2_moe'; supported: .*qwen3_moe"):
         load_hf(path)
 
 

@@ -54,7 +54,7 @@ def test_random_init_is_born_sharded(eight_device_run):
 
 def test_logical_rules_skip_axes_that_do_not_divide():
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
-    assert mesh.shape == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert mesh.shape == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
     assert mesh_lib.logical_to_spec(("embed", "mlp"), mesh) == PartitionSpec(None, None)
 
 

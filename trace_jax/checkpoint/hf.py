@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2/Qwen3 checkpoints <-> our parameters, in both directions, without torch.
+"""Hugging Face Qwen2/Qwen3/Qwen3-MoE checkpoints <-> our parameters, in both directions, without torch.
 
 The whole mapping is ``KEY_MAP``: one row per tensor kind, ``(HF key template, our key template,
 transform)``. Loading reads it left to right, exporting right to left. HF's per-layer tensors
@@ -16,6 +16,7 @@ Command line (``trace_jax.job.commands.hf_main``)::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -30,7 +31,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from trace_jax.models import ModelConfig, abstract_model
+from trace_jax.models import ModelConfig, abstract_model, config_from_dict, config_to_dict
 from trace_jax.parallel import mesh as mesh_lib
 
 # ------------------------------------------------------------------------------------------ transforms
@@ -74,7 +75,10 @@ class Transpose:
 
 
 _LAYER = "model.layers.{layer}."
-# Per-layer HF tensors map to one stacked parameter of ours: HF layer i is row i of its leading "layers" axis.
+# Per-layer HF tensors map to one stacked parameter of ours: HF layer i is a row of its leading "layers" axis
+# (which row: ``ModelConfig.layer_stacks``). A mixture of experts' layers form the ``moe_layers`` stack (its
+# other layers ``dense_layers``); their attention and norms use the ``layers.`` rows, their experts are the
+# rows below, where HF's expert j of layer i is entry [row, j] of our [layers, experts, ...] parameter.
 KEY_MAP: tuple[tuple[str, str, Reshape | Transpose], ...] = (
     ("model.embed_tokens.weight", "embed", Reshape()),
     (_LAYER + "self_attn.{qkv}_proj.weight", "layers.attn.{qkv}_proj", Transpose(1)),
@@ -84,10 +88,14 @@ KEY_MAP: tuple[tuple[str, str, Reshape | Transpose], ...] = (
     (_LAYER + "input_layernorm.weight", "layers.input_norm.scale", Reshape()),
     (_LAYER + "post_attention_layernorm.weight", "layers.post_attn_norm.scale", Reshape()),
     (_LAYER + "mlp.{mlp}_proj.weight", "layers.mlp.{mlp}_proj", Transpose(1)),
+    (_LAYER + "mlp.gate.weight", "moe_layers.mlp.router", Transpose(1)),
+    (_LAYER + "mlp.experts.{expert}.{mlp}_proj.weight", "moe_layers.mlp.{mlp}_proj", Transpose(1)),
     ("model.norm.weight", "final_norm.scale", Reshape()),
     ("lm_head.weight", "lm_head", Transpose(1)),
 )
-_PLACEHOLDERS = {"layer": r"\d+", "qkv": "q|k|v", "qk": "q|k", "mlp": "gate|up|down"}
+_PLACEHOLDERS = {"layer": r"\d+", "expert": r"\d+", "qkv": "q|k|v", "qk": "q|k", "mlp": "gate|up|down"}
+# Our layer stacks whose attention / norm / dense-MLP parameters read the ``layers.`` rows of KEY_MAP.
+_STACKS = ("layers", "dense_layers", "moe_layers")
 
 
 def _template_regex(template: str) -> re.Pattern:
@@ -100,32 +108,68 @@ def _template_regex(template: str) -> re.Pattern:
 _ROWS = [(_template_regex(hf), hf, _template_regex(ours), ours, t) for hf, ours, t in KEY_MAP]
 
 
-def hf_to_ours(hf_key: str) -> tuple[str, Reshape | Transpose, int | None] | None:
-    """``(our key, transform, layer)`` for an HF tensor name (``layer``: the row of our stacked parameter, None
-    for unstacked ones), or None when no row matches."""
+def hf_to_ours(hf_key: str) -> tuple[str, Reshape | Transpose, int | None, int | None] | None:
+    """``(our key, transform, layer, expert)`` for an HF tensor name (``layer``: the HF layer, None for tensors
+    outside the layers; ``expert``: the expert of a per-expert tensor, else None), or None when no row matches.
+    Layer tensors outside the experts name the ``layers.`` key (a mixture of experts' stacks share it)."""
     for hf_re, hf, _, ours, transform in _ROWS:
         if match := hf_re.match(hf_key):
             fields = match.groupdict()
             layer = int(fields.pop("layer")) if "{layer}" in hf else None
-            return ours.format(**fields), transform, layer
+            expert = int(fields.pop("expert")) if "{expert}" in hf else None
+            return ours.format(**fields), transform, layer, expert
     return None
 
 
-def ours_to_hf(our_key: str, layer: int | None = None) -> tuple[str, Reshape | Transpose]:
-    """The HF tensor name and transform for one of our parameter keys (the table read backwards); stacked
-    parameters need the ``layer`` whose HF name is wanted."""
-    for _, hf, ours_re, _, transform in _ROWS:
-        if match := ours_re.match(our_key):
-            stacked = "{layer}" in hf
-            if stacked != (layer is not None):
-                raise ValueError(f"{our_key!r} is {'' if stacked else 'not '}stacked over layers; layer={layer}")
-            return hf.format(layer=layer, **match.groupdict()), transform
+def _row(our_key: str) -> tuple[str, dict[str, str], Reshape | Transpose]:
+    """The KEY_MAP row of one of our keys: ``(HF template, its fields, transform)``; a layer stack's key
+    without a row of its own (``moe_layers.attn.q_proj``) takes the ``layers.`` row."""
+    stack, _, rest = our_key.partition(".")
+    for candidate in (our_key, f"layers.{rest}" if stack in _STACKS else None):
+        for _, hf, ours_re, _, transform in _ROWS:
+            if candidate and (match := ours_re.match(candidate)):
+                return hf, match.groupdict(), transform
     raise KeyError(f"parameter {our_key!r} has no row in KEY_MAP")
+
+
+def ours_to_hf(our_key: str, layer: int | None = None, expert: int | None = None) -> tuple[str, Reshape | Transpose]:
+    """The HF tensor name and transform for one of our parameter keys (the table read backwards); stacked
+    parameters need the HF ``layer`` (and per-expert ones the ``expert``) whose HF name is wanted."""
+    hf, fields, transform = _row(our_key)
+    stacked = "{layer}" in hf
+    if stacked != (layer is not None):
+        raise ValueError(f"{our_key!r} is {'' if stacked else 'not '}stacked over layers; layer={layer}")
+    if ("{expert}" in hf) != (expert is not None):
+        raise ValueError(f"{our_key!r} needs an expert index exactly when it holds experts; expert={expert}")
+    return hf.format(layer=layer, expert=expert, **fields), transform
 
 
 def is_stacked(our_key: str) -> bool:
     """Whether our parameter has a leading layers axis (one HF tensor per layer)."""
-    return any(ours_re.match(our_key) and "{layer}" in hf for _, hf, ours_re, _, _ in _ROWS)
+    return _stacked_axes(our_key) > 0
+
+
+def _stacked_axes(our_key: str) -> int:
+    """How many leading axes of our parameter index HF tensors: 0, 1 (layers) or 2 (layers, experts)."""
+    hf = _row(our_key)[0]
+    return ("{layer}" in hf) + ("{expert}" in hf)
+
+
+def _slots(config: ModelConfig, our_key: str, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], str, Any]]:
+    """Every HF tensor of one of our parameters: ``(index into our leading stacked axes, HF key, transform)``;
+    the rows of a layer stack are the HF layers ``config.layer_stacks()`` lists for it."""
+    axes = _stacked_axes(our_key)
+    if axes == 0:
+        return [((), *ours_to_hf(our_key))]
+    hf_layers = config.layer_stacks()[our_key.partition(".")[0]]
+    if len(hf_layers) != shape[0]:
+        raise ValueError(f"{our_key!r} stacks {shape[0]} layers, the config's {len(hf_layers)}")
+    slots = []
+    for row, layer in enumerate(hf_layers):
+        for expert in range(shape[1]) if axes == 2 else [None]:
+            index = (row,) if expert is None else (row, expert)
+            slots.append((index, *ours_to_hf(our_key, layer, expert)))
+    return slots
 
 
 # ------------------------------------------------------------------------------ safetensors, no torch
@@ -200,9 +244,9 @@ def _flat(state: nnx.State) -> Iterator[tuple[str, nnx.Variable]]:
 def load_hf(
     hf_dir: str | os.PathLike, mesh: Mesh | None = None, **config_overrides: Any
 ) -> tuple[ModelConfig, nnx.State]:
-    """Reads a Qwen2/Qwen3 HF checkpoint directory (config.json + safetensors, one file or sharded).
+    """Reads a Qwen2/Qwen3/Qwen3-MoE HF checkpoint directory (config.json + safetensors, one file or sharded).
 
-    Returns ``(config, params)`` where ``params`` is the ``nnx.Param`` state of ``Qwen(config)``
+    Returns ``(config, params)`` where ``params`` is the ``nnx.Param`` state of ``create_model(config)``
     (``nnx.merge(graphdef, params)`` rebuilds the model). With a mesh, each array is placed shard by shard
     straight from the memory-mapped file. ``config_overrides`` (e.g. ``dtype="bfloat16"``) replace fields;
     parameters are cast to ``config.param_dtype``.
@@ -214,13 +258,12 @@ def load_hf(
         tensors.pop("lm_head.weight", None)  # tied: transformers ignores a stored head too
     target = abstract_model(config)[1]
     expected = dict(_flat(target))
-    # Every HF tensor the config implies: (our key, layer or None) -> (HF key, transform, HF shape).
-    wanted: dict[str, tuple[str, int | None, Reshape | Transpose, tuple[int, ...]]] = {}
+    # Every HF tensor the config implies: HF key -> (our key, index into its stacked axes, transform, HF shape).
+    wanted: dict[str, tuple[str, tuple[int, ...], Reshape | Transpose, tuple[int, ...]]] = {}
     for key, variable in expected.items():
         shape = tuple(variable.value.shape)
-        for layer in range(shape[0]) if is_stacked(key) else [None]:
-            hf_key, transform = ours_to_hf(key, layer)
-            wanted[hf_key] = (key, layer, transform, transform.hf_shape(shape[1:] if layer is not None else shape))
+        for index, hf_key, transform in _slots(config, key, shape):
+            wanted[hf_key] = (key, index, transform, transform.hf_shape(shape[len(index) :]))
     unexpected = sorted(k for k in tensors if k not in wanted)
     missing = [k for k in wanted if k not in tensors]
     problems = []
@@ -233,33 +276,30 @@ def load_hf(
             problems.append(f"tensor {hf_key} has shape {tuple(tensors[hf_key].shape)}, config.json implies {want}")
     if problems:
         raise ValueError(f"checkpoint {hf_dir} does not match its config.json:\n  " + "\n  ".join(problems))
-    by_our_key: dict[str, dict[int | None, str]] = {}
-    for hf_key, (key, layer, _, _) in wanted.items():
-        by_our_key.setdefault(key, {})[layer] = hf_key
+    by_our_key: dict[str, dict[tuple[int, ...], str]] = {}
+    for hf_key, (key, index, _, _) in wanted.items():
+        by_our_key.setdefault(key, {})[index] = hf_key
 
     shardings = dict(_flat(mesh_lib.state_shardings(target, mesh))) if mesh is not None else {}
     dtype = config.weight_dtype
 
-    def layer_values(key: str, shape: tuple[int, ...], layers: range | list[None], index: tuple) -> list[np.ndarray]:
-        # One HF tensor at a time is materialised on the host and cut to ``index`` (a shard), then stacked.
-        parts = []
-        for layer in layers:
-            hf_key = by_our_key[key][layer]
-            host = wanted[hf_key][2].to_ours(tensors[hf_key], shape)
-            parts.append(np.asarray(host[index], dtype))
-        return parts
-
     def place(key: str, variable: nnx.Variable) -> jax.Array:
         full = tuple(variable.value.shape)
-        stacked = is_stacked(key)
-        inner = full[1:] if stacked else full
+        lead = len(next(iter(by_our_key[key])))  # stacked axes (layers, experts) indexing HF tensors
+        inner = full[lead:]
 
         def read(index: tuple) -> np.ndarray:
+            # One HF tensor at a time is materialised on the host and cut to ``index`` (a shard), then stacked.
             index = tuple(index) + (slice(None),) * (len(full) - len(index))
-            if not stacked:
-                return layer_values(key, inner, [None], index)[0]
-            layers = range(full[0])[index[0]]
-            return np.stack(layer_values(key, inner, layers, index[1:]))
+            ranges = [range(full[i])[index[i]] for i in range(lead)]
+            parts = []
+            for slot in itertools.product(*ranges):
+                hf_key = by_our_key[key][slot]
+                host = wanted[hf_key][2].to_ours(tensors[hf_key], inner)
+                parts.append(np.asarray(host[index[lead:]], dtype))
+            if not lead:
+                return parts[0]
+            return np.stack(parts).reshape(*(len(r) for r in ranges), *parts[0].shape)
 
         if key not in shardings:
             return jax.numpy.asarray(read(()))
@@ -291,9 +331,8 @@ def save_hf(
     tensors = {}
     for key, variable in _flat(params):
         value = np.asarray(jax.device_get(variable.value))
-        for layer, part in enumerate(value) if is_stacked(key) else [(None, value)]:
-            hf_key, transform = ours_to_hf(key, layer)
-            tensors[hf_key] = transform.to_hf(part)
+        for index, hf_key, transform in _slots(config, key, value.shape):
+            tensors[hf_key] = transform.to_hf(value[index])
     shards: list[dict[str, np.ndarray]] = [{}]
     for name, value in tensors.items():
         if (
@@ -335,7 +374,7 @@ def save_orbax(config: ModelConfig, params: nnx.State, ckpt_dir: str | os.PathLi
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(os.path.join(ckpt_dir, "params"), nnx.to_pure_dict(params), force=True)
     with open(os.path.join(ckpt_dir, _CONFIG_FILE), "w") as f:
-        json.dump(dataclasses.asdict(config), f, indent=2)
+        json.dump(config_to_dict(config), f, indent=2)
 
 
 def load_orbax(ckpt_dir: str | os.PathLike, mesh: Mesh | None = None) -> tuple[ModelConfig, nnx.State]:
@@ -346,7 +385,7 @@ def load_orbax(ckpt_dir: str | os.PathLike, mesh: Mesh | None = None) -> tuple[M
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{ckpt_dir} is not a trace_jax model checkpoint ({_CONFIG_FILE} missing)")
     with open(config_path) as f:
-        config = ModelConfig(**json.load(f))
+        config = config_from_dict(json.load(f))
     target = abstract_model(config)[1]
     if mesh is not None:
         shardings = mesh_lib.state_shardings(target, mesh)

@@ -93,11 +93,14 @@ class MeshConfig:
     """The device mesh: its axes' sizes; their product must equal the number of devices.
 
     data, fsdp, tensor: the size of each mesh axis; one of them may be -1 (it takes the remaining devices).
+    expert: the expert-parallel axis: a mixture-of-experts model's experts are split over it (and the batch
+        with data and fsdp); 1 (the default) changes nothing, and dense models have no expert weights.
     """
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    expert: int = 1
 
 
 SECTIONS: dict[str, type] = {

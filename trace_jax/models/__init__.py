@@ -7,10 +7,20 @@
 
 ``family`` holds ``MODEL_FAMILIES``, the registry from a family name (``config.family``) to the Module class
 that implements it, through which ``create_model`` and ``abstract_model`` dispatch; ``qwen`` holds the
-Qwen2/Qwen3 dense decoder (families "qwen2" and "qwen3"); ``attention`` the attention kernels it calls.
+Qwen2/Qwen3 dense decoder (families "qwen2" and "qwen3"); ``moe`` the Qwen3-MoE decoder built from it (family
+"qwen3_moe": ``MoeConfig``, ``QwenMoe``, the load-balancing ``router_aux_loss``); ``attention`` the attention
+kernels they call.
 """
 
-from trace_jax.models.family import MODEL_FAMILIES, abstract_model, create_model, model_family
+from trace_jax.models.family import (
+    MODEL_FAMILIES,
+    abstract_model,
+    config_from_dict,
+    config_to_dict,
+    create_model,
+    model_family,
+)
+from trace_jax.models.moe import MoeConfig, QwenMoe, RouterStats, router_aux_loss
 from trace_jax.models.qwen import PRESETS, KVCache, ModelConfig, ModelOutput, Qwen, num_params
 
 __all__ = [
@@ -19,9 +29,15 @@ __all__ = [
     "KVCache",
     "ModelConfig",
     "ModelOutput",
+    "MoeConfig",
     "Qwen",
+    "QwenMoe",
+    "RouterStats",
     "abstract_model",
+    "config_from_dict",
+    "config_to_dict",
     "create_model",
     "model_family",
     "num_params",
+    "router_aux_loss",
 ]

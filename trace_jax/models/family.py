@@ -17,14 +17,32 @@ fields the family needs).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from flax import nnx
 
+from trace_jax.models.moe import QwenMoe
 from trace_jax.models.qwen import ModelConfig, Qwen
 from trace_jax.registry import Registry
 
-MODEL_FAMILIES: Registry[type[nnx.Module]] = Registry("model family", {"qwen2": Qwen, "qwen3": Qwen})
+MODEL_FAMILIES: Registry[type[nnx.Module]] = Registry(
+    "model family", {"qwen2": Qwen, "qwen3": Qwen, "qwen3_moe": QwenMoe}
+)
+
+
+def config_to_dict(config: ModelConfig | Any) -> dict[str, Any]:
+    """The config as JSON-able fields plus its ``family``, which ``config_from_dict`` reads to pick the class."""
+    return {"family": model_family(config), **dataclasses.asdict(config)}
+
+
+def config_from_dict(fields: dict[str, Any]) -> ModelConfig:
+    """Rebuilds what ``config_to_dict`` wrote: the family's ``config_class`` (a Module class attribute; default
+    ``ModelConfig``) from the fields. Fields without a ``family`` (older files) are a dense ``ModelConfig``."""
+    fields = dict(fields)
+    family = fields.pop("family", None)
+    config_class = ModelConfig if family is None else getattr(MODEL_FAMILIES[family], "config_class", ModelConfig)
+    return config_class(**fields)
 
 
 def model_family(config: ModelConfig | Any) -> str:

@@ -12,9 +12,11 @@ k kv heads, g queries per kv head, e head dim, f mlp, v vocab, l layers.
 
 Layers are scanned: ``Qwen.layers`` is one ``DecoderLayer`` whose parameters carry a leading ``layers`` axis
 (logical name "layers", never sharded), and ``hidden`` runs them with ``jax.lax.scan`` over ``nnx.split``
-state, so compile time does not grow with depth. ``ModelConfig.remat`` picks what each layer keeps for the
-backward pass (``REMAT_POLICIES``). Attention is ``trace_jax.models.attention.attention`` (float32
-accumulation; reference / cuDNN / splash by backend).
+state (``scan_layers``), so compile time does not grow with depth. A family with other layers subclasses
+``Qwen`` and overrides ``init_layers`` / ``run_layers`` (``trace_jax.models.moe``: a ``DecoderLayer`` takes its
+feed-forward block as an argument, so attention, norms and RoPE stay these). ``ModelConfig.remat`` picks what
+each layer keeps for the backward pass (``REMAT_POLICIES``). Attention is ``trace_jax.models.attention.attention``
+(float32 accumulation; reference / cuDNN / splash by backend).
 
 Dtypes: ``param_dtype`` is the stored weights' dtype (and, through ``optax``, the optimizer state's),
 ``dtype`` the compute dtype. The usual large-model choice is ``param_dtype="float32", dtype="bfloat16"``:
@@ -35,6 +37,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -125,10 +128,12 @@ class ModelConfig:
             with open(path) as f:
                 config = json.load(f)
         model_type = config.get("model_type")
-        if model_type not in _HF_FAMILIES:
-            hint = " (mixture-of-experts models are not supported yet)" if "moe" in str(model_type) else ""
+        if model_type not in HF_MODEL_TYPES:
+            raise ValueError(f"unsupported architecture model_type={model_type!r}; supported: {sorted(HF_MODEL_TYPES)}")
+        config_class, flags = HF_MODEL_TYPES[model_type]
+        if not issubclass(config_class, cls):
             raise ValueError(
-                f"unsupported architecture model_type={model_type!r}{hint}; supported: {sorted(_HF_FAMILIES)}"
+                f"model_type={model_type!r} is read by {config_class.__name__}.from_hf, not {cls.__name__}"
             )
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if rope.get("rope_type", "default") not in ("default", None):
@@ -149,11 +154,25 @@ class ModelConfig:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             max_position_embeddings=config.get("max_position_embeddings", 32768),
-            **_HF_FAMILIES[model_type],
+            **flags,
         )
         if model_type == "qwen2":
             fields["qkv_bias"] = config.get("attention_bias", True)
-        return cls(**{**fields, **overrides})
+        fields.update(config_class.hf_fields(config))
+        return config_class(**{**fields, **overrides})
+
+    @classmethod
+    def hf_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The fields a subclass reads from an HF ``config.json`` beyond the dense decoder's (none here)."""
+        return {}
+
+    def layer_stacks(self) -> dict[str, tuple[int, ...]]:
+        """The model's stacked layer parameters: stack name -> the decoder layer of each of its rows."""
+        return {"layers": tuple(range(self.num_layers))}
+
+    def mlp_params(self) -> int:
+        """Parameters of all the layers' feed-forward blocks (a subclass with other blocks overrides it)."""
+        return self.num_layers * 3 * self.hidden_size * self.intermediate_size
 
     def to_hf(self) -> dict[str, Any]:
         """The ``config.json`` dict transformers needs to rebuild this architecture."""
@@ -180,9 +199,10 @@ class ModelConfig:
         }
 
 
-_HF_FAMILIES = {
-    "qwen2": {"qkv_bias": True, "qk_norm": False},
-    "qwen3": {"qkv_bias": False, "qk_norm": True},
+# HF ``model_type`` -> (the config class that reads it, the flags it fixes). Another family's module adds its row.
+HF_MODEL_TYPES: dict[str, tuple[type[ModelConfig], dict[str, Any]]] = {
+    "qwen2": (ModelConfig, {"qkv_bias": True, "qk_norm": False}),
+    "qwen3": (ModelConfig, {"qkv_bias": False, "qk_norm": True}),
 }
 
 
@@ -220,9 +240,9 @@ def num_params(config: ModelConfig) -> int:
     attention = d * (q + 2 * kv) + q * d
     attention += (q + 2 * kv) if config.qkv_bias else 0
     attention += 2 * e if config.qk_norm else 0
-    per_layer = attention + 3 * d * config.intermediate_size + 2 * d
+    per_layer = attention + 2 * d
     embeddings = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
-    return config.num_layers * per_layer + embeddings + d
+    return config.num_layers * per_layer + config.mlp_params() + embeddings + d
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -391,15 +411,22 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    """A pre-norm block: ``x + attn(norm(x))``, then ``+ mlp(norm(x))``. ``mlp`` defaults to the dense SwiGLU
+    ``MLP``; another feed-forward block (a mixture of experts) is passed in built, the rest of the layer shared."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, mlp: Callable[[nnx.Rngs], nnx.Module] | None = None):
         self.input_norm = RMSNorm(config, config.hidden_size, "embed")
         self.attn = Attention(config, rngs)
         self.post_attn_norm = RMSNorm(config, config.hidden_size, "embed")
-        self.mlp = MLP(config, rngs)
+        self.mlp = MLP(config, rngs) if mlp is None else mlp(rngs)
+
+    def attend(self, x_btd, positions_bt, layer, cache, kv_visible_end_bt=None):
+        """The attention half: ``(x + attn(norm(x)), cache)``."""
+        attended, cache = self.attn(self.input_norm(x_btd), positions_bt, layer, cache, kv_visible_end_bt)
+        return x_btd + attended, cache
 
     def __call__(self, x_btd, positions_bt, layer, cache, kv_visible_end_bt=None):
-        attended, cache = self.attn(self.input_norm(x_btd), positions_bt, layer, cache, kv_visible_end_bt)
-        x_btd = x_btd + attended
+        x_btd, cache = self.attend(x_btd, positions_bt, layer, cache, kv_visible_end_bt)
         return x_btd + self.mlp(self.post_attn_norm(x_btd)), cache
 
 
@@ -407,13 +434,17 @@ class DecoderLayer(nnx.Module):
 _ACTIVATION_AXES = ("batch", "length", None)
 
 
-def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
-    """``num_layers`` independently initialised layers as one module whose params have a leading axis."""
+def stacked_layers(
+    config: ModelConfig, rngs: nnx.Rngs, count: int | None = None, mlp: Callable[[nnx.Rngs], nnx.Module] | None = None
+) -> DecoderLayer:
+    """``count`` (default ``num_layers``) independently initialised layers as one module whose params have a
+    leading axis (logical name "layers"); ``mlp`` builds each layer's feed-forward block (default: dense)."""
+    count = config.num_layers if count is None else count
 
-    @nnx.split_rngs(splits=config.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.num_layers)
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=count)
     def build(layer_rngs: nnx.Rngs) -> DecoderLayer:
-        return DecoderLayer(config, layer_rngs)
+        return DecoderLayer(config, layer_rngs, mlp)
 
     layers = build(rngs)
     for _, variable in nnx.iter_graph(layers):
@@ -422,20 +453,68 @@ def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
     return layers
 
 
+def scan_layers(
+    config: ModelConfig,
+    layers: nnx.Module,
+    body: Callable[..., tuple[Any, ...]],
+    x_btd: jax.Array,
+    cache: Any,
+    layer_index: jax.Array,
+    *extra_carry: Any,
+) -> tuple[Any, ...]:
+    """Runs the stacked ``layers`` in order with ``jax.lax.scan``: ``body(layer, x_btd, cache, index,
+    *extra_carry)`` returns the new ``(x_btd, cache, *extra_carry)``; ``layer_index`` (int32, one per stacked
+    layer) is each layer's position in the whole decoder (its KV cache row). Remat per ``config.remat``."""
+    graphdef, layer_state = nnx.split(layers)
+
+    def one_layer(carry, xs):
+        state, index = xs
+        x_btd, cache, *rest = body(nnx.merge(graphdef, state), *carry[:2], index, *carry[2:])
+        return (constrain(x_btd, _ACTIVATION_AXES), cache, *rest), None
+
+    policy = REMAT_POLICIES[config.remat]
+    if cache is None and policy is not None:  # remat matters only where a backward pass may follow
+        one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=False)
+    # The cache rides in the carry (updated in place layer by layer), never stacked as a scan output.
+    carry, _ = jax.lax.scan(one_layer, (x_btd, cache, *extra_carry), (layer_state, layer_index))
+    return carry
+
+
 class Qwen(nnx.Module):
     """The decoder: embeddings, ``num_layers`` pre-norm blocks (scanned, stacked params), final norm, tied or
     separate LM head."""
+
+    config_class = ModelConfig  # what ``family.config_from_dict`` rebuilds a saved config as
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         d, v = config.hidden_size, config.vocab_size
         self.embed = _param(rngs, config, (v, d), ("vocab", "embed"), 1)
-        self.layers = _stacked_layers(config, rngs)
+        self.init_layers(config, rngs)
         self.final_norm = RMSNorm(config, d, "embed")
         if not config.tie_word_embeddings:
             self.lm_head = _param(rngs, config, (d, v), ("embed", "vocab"), d)
 
+    def init_layers(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
+        """Builds the decoder layers (``layers``: one stack of dense ``DecoderLayer``s)."""
+        self.layers = stacked_layers(config, rngs)
+
     def hidden(
+        self, tokens_bt: jax.Array, cache: KVCache | None = None, num_new_b: jax.Array | None = None, **packed
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Final hidden states [B, T, D] and the updated cache (see ``__call__`` for the contract).
+
+        Packed rows (no cache only; keywords ``positions_bt``, ``kv_visible_end_bt`` as in ``forward_hidden``):
+        ``positions_bt`` (int32 [B, T], default 0..T-1) are the RoPE positions,
+        e.g. depths along each token's root-to-leaf path; ``kv_visible_end_bt`` (int32 [B, T], default T)
+        bounds who sees each key: key i is visible to query j iff ``i <= j < kv_visible_end_bt[b, i]``. With
+        tree nodes laid out in depth-first pre-order, ``kv_visible_end`` of a token is the end of its node's
+        subtree, so every token sees exactly its ancestors on its own path (several trees per row included).
+        """
+        hidden_btd, cache, _ = self.forward_hidden(tokens_bt, cache, num_new_b, **packed)
+        return hidden_btd, cache
+
+    def forward_hidden(
         self,
         tokens_bt: jax.Array,
         cache: KVCache | None = None,
@@ -443,15 +522,10 @@ class Qwen(nnx.Module):
         *,
         positions_bt: jax.Array | None = None,
         kv_visible_end_bt: jax.Array | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
-        """Final hidden states [B, T, D] and the updated cache (see ``__call__`` for the contract).
-
-        Packed rows (no cache only): ``positions_bt`` (int32 [B, T], default 0..T-1) are the RoPE positions,
-        e.g. depths along each token's root-to-leaf path; ``kv_visible_end_bt`` (int32 [B, T], default T)
-        bounds who sees each key: key i is visible to query j iff ``i <= j < kv_visible_end_bt[b, i]``. With
-        tree nodes laid out in depth-first pre-order, ``kv_visible_end`` of a token is the end of its node's
-        subtree, so every token sees exactly its ancestors on its own path (several trees per row included).
-        """
+        token_mask_bt: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | None, Any]:
+        """``hidden`` plus what the layers report besides activations (None for the dense decoder; a
+        mixture of experts returns its router statistics over the tokens where ``token_mask_bt`` is set)."""
         b, t = tokens_bt.shape
         if cache is None:
             if positions_bt is None:
@@ -463,24 +537,22 @@ class Qwen(nnx.Module):
         # Gather the rows first, then cast: the whole table is never copied in the compute dtype.
         x_btd = jnp.take(self.embed.value, tokens_bt, axis=0).astype(self.config.compute_dtype)
         x_btd = constrain(x_btd, _ACTIVATION_AXES)
-        graphdef, layer_state = nnx.split(self.layers)
-
-        def one_layer(carry, xs):
-            x_btd, cache = carry
-            state, index = xs
-            x_btd, cache = nnx.merge(graphdef, state)(x_btd, positions_bt, index, cache, kv_visible_end_bt)
-            return (constrain(x_btd, _ACTIVATION_AXES), cache), None
-
-        policy = REMAT_POLICIES[self.config.remat]
-        if cache is None and policy is not None:  # remat matters only where a backward pass may follow
-            one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=False)
-        # The cache rides in the carry (updated in place layer by layer), never stacked as a scan output.
-        layer_index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (x_btd, cache), _ = jax.lax.scan(one_layer, (x_btd, cache), (layer_state, layer_index))
+        x_btd, cache, extra = self.run_layers(x_btd, positions_bt, cache, kv_visible_end_bt, token_mask_bt)
         if cache is not None:
             added_b = jnp.full((b,), t, jnp.int32) if num_new_b is None else num_new_b.astype(jnp.int32)
             cache = cache._replace(lengths=cache.lengths + added_b)
-        return self.final_norm(x_btd), cache
+        return self.final_norm(x_btd), cache, extra
+
+    def run_layers(self, x_btd, positions_bt, cache, kv_visible_end_bt, token_mask_bt) -> tuple[jax.Array, Any, Any]:
+        """The decoder layers on embedded tokens: ``(x_btd, cache, extra)``; a family with other layers overrides
+        this (``token_mask_bt`` is unused by dense layers)."""
+
+        def one_layer(layer: DecoderLayer, x_btd, cache, index):
+            return layer(x_btd, positions_bt, index, cache, kv_visible_end_bt)
+
+        layer_index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        x_btd, cache = scan_layers(self.config, self.layers, one_layer, x_btd, cache, layer_index)
+        return x_btd, cache, None
 
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
         """float32 logits from final hidden states ([..., D] -> [..., V])."""

@@ -1,9 +1,11 @@
 """Device meshes, the logical-axis rules table, and parameters created directly with their shardings.
 
 Models name their axes logically (``nnx.Param(..., logical_axes=("embed", "mlp"))``); this module alone
-knows how those names land on the mesh axes ``data``, ``fsdp`` and ``tensor``. Batches shard over
-``data`` and ``fsdp`` together; parameters shard their ``embed`` axis over ``fsdp`` (ZeRO-3 style) and
-their head / mlp / vocab axes over ``tensor`` (Megatron style).
+knows how those names land on the mesh axes ``data``, ``fsdp``, ``expert`` and ``tensor``. Batches shard over
+``data``, ``fsdp`` and ``expert`` together; parameters shard their ``embed`` axis over ``fsdp`` (ZeRO-3
+style), their head / mlp / vocab axes over ``tensor`` (Megatron style) and a mixture of experts' ``expert``
+axis over ``expert`` (expert parallelism: each device group holds a slice of the experts, with fsdp / tensor
+still splitting inside an expert). ``expert`` defaults to size 1, where it changes nothing for dense models.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical axis name -> mesh axis (or axes, or None for replicated). One table for the whole framework.
 LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "length": None,
     "embed": "fsdp",
     "mlp": "tensor",
@@ -30,16 +32,20 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "vocab": "tensor",
+    "expert": "expert",
     "layers": None,
     "cache_length": None,
     "feature": None,
 }
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh with Auto axis types. One axis may be -1: it takes the remaining devices."""
+def make_mesh(
+    data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None, *, expert: int = 1
+) -> Mesh:
+    """A (data, fsdp, expert, tensor) mesh with Auto axis types. One axis may be -1: it takes the remaining
+    devices. ``tensor`` is the innermost (fastest-varying) axis of the device grid."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
+    sizes = [data, fsdp, expert, tensor]
     if sizes.count(-1) > 1:
         raise ValueError(f"mesh axes {dict(zip(MESH_AXES, sizes, strict=True))}: at most one may be -1")
     known = math.prod(s for s in sizes if s != -1)
@@ -71,7 +77,7 @@ def logical_to_spec(
             raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(LOGICAL_AXIS_RULES)}")
         rule = LOGICAL_AXIS_RULES.get(name) if name else None
         axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
-        axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+        axes = tuple(a for a in axes if a not in used and mesh.shape.get(a, 1) > 1)
         if shape is not None and axes and shape[i] % math.prod(mesh.shape[a] for a in axes):
             axes = ()
         used.update(axes)
@@ -106,7 +112,7 @@ def logical_sharding(mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequ
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Sharding of a [batch, ...] array: the batch over (data, fsdp), the rest replicated."""
+    """Sharding of a [batch, ...] array: the batch over (data, fsdp, expert), the rest replicated."""
     return logical_sharding(mesh, ("batch",) + (None,) * (ndim - 1))
 
 

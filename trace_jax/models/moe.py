@@ -1,0 +1,313 @@
+"""Qwen3-MoE: the Qwen3 decoder whose feed-forward blocks are (in some or all layers) a mixture of experts.
+
+Everything but the feed-forward block is the dense decoder's (``trace_jax.models.qwen``: attention, RMSNorm,
+RoPE, embeddings, LM head, KV cache); a sparse layer is a ``DecoderLayer`` built with ``MoeBlock`` as its MLP.
+
+Routing (as transformers' ``Qwen3MoeSparseMoeBlock``): router logits ``x @ router`` in float32, a softmax
+over all ``num_experts``, the ``num_experts_per_tok`` largest probabilities pick the experts, renormalised to
+sum to one when ``norm_topk_prob``; the block's output is the gate-weighted sum of the chosen experts' SwiGLU
+outputs. Dropless: every chosen (token, expert) pair is computed, no capacity factor.
+
+Expert compute (``MoeConfig.expert_compute``):
+
+* ``grouped``: the (token, expert) pairs sorted by expert, then one ``jax.lax.ragged_dot`` per projection
+  over the contiguous groups (a grouped matmul: work proportional to tokens x top-k, not x experts);
+* ``dense``: every expert on every token, weighted by the gates (zero for unchosen experts). The reference
+  the grouped path is tested against (values and gradients); costs ``num_experts / top-k`` times the FLOPs.
+
+Mixed dense and sparse layers (``decoder_sparse_step``, ``mlp_only_layers``): layers of one kind cannot
+share a scan body, so the parameters are two stacks, ``dense_layers`` (dense ``DecoderLayer``s, exactly the
+dense decoder's layer) and ``moe_layers``, each with a leading ``layers`` axis in depth order within its
+kind. ``run_layers`` walks the decoder in maximal runs of consecutive same-kind layers and scans each run over
+its rows of its stack, passing each layer its global index (its KV-cache row). The published Qwen3-MoE
+models are all sparse (one run: one scan, as in the dense model); "first k dense" is two runs; an
+alternating pattern (``decoder_sparse_step=2``) compiles one body per run, so its compile time grows with
+depth (fine for the small checkpoints that use it).
+
+The load-balancing loss (``router_aux_loss``; Switch Transformer eq. 4-6, as transformers'
+``load_balancing_loss_func`` computes it over all sparse layers' tokens): ``E * sum_e f_e * P_e`` with
+``f_e`` the share of top-k choices that went to expert e and ``P_e`` its mean router probability. The model
+returns the statistics from ``forward_hidden``; an RL loss may add ``router_aux_loss_coef`` times the loss.
+
+Letters: n tokens (flattened batch x time), m (token, expert) assignments (n x top-k), k top-k, e experts,
+d hidden, f expert mlp width (``e`` is the expert here; head dims never appear in this module).
+Parameters: ``router`` [d, e] (logical ("embed", None)), ``gate_proj`` / ``up_proj`` [e, d, f] and
+``down_proj`` [e, f, d], with an ``expert`` logical axis that ``trace_jax.parallel.mesh`` maps to the
+``expert`` mesh axis (expert parallelism); ``embed`` and ``mlp`` inside an expert shard as in the dense MLP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.models.qwen import (
+    HF_MODEL_TYPES,
+    PRESETS,
+    DecoderLayer,
+    ModelConfig,
+    Qwen,
+    _param,
+    num_params,
+    scan_layers,
+    stacked_layers,
+)
+from trace_jax.parallel.mesh import constrain
+
+EXPERT_COMPUTE = ("grouped", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig(ModelConfig):
+    """A Qwen3-MoE architecture: the dense Qwen3 fields plus the experts' (HF ``Qwen3MoeConfig`` names).
+
+    ``intermediate_size`` is the width of the dense layers' MLP (those in ``mlp_only_layers`` or off the
+    ``decoder_sparse_step`` grid); layer i is sparse iff ``i not in mlp_only_layers and (i + 1) %
+    decoder_sparse_step == 0``.
+    """
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+    expert_compute: str = "grouped"  # one of EXPERT_COMPUTE
+
+    def __post_init__(self):
+        super().__post_init__()
+        # model_config.json stores the tuple as a list; keep the config hashable and comparable.
+        object.__setattr__(self, "mlp_only_layers", tuple(sorted(int(i) for i in self.mlp_only_layers)))
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        if any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+            raise ValueError(f"mlp_only_layers={self.mlp_only_layers} name layers outside 0..{self.num_layers - 1}")
+        if self.expert_compute not in EXPERT_COMPUTE:
+            raise ValueError(f"expert_compute={self.expert_compute!r}; choose one of {EXPERT_COMPUTE}")
+
+    @property
+    def family(self) -> str:
+        return "qwen3_moe"
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a mixture of experts (else the dense MLP), as transformers decides."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_sparse(i))
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if not self.is_sparse(i))
+
+    def layer_stacks(self) -> dict[str, tuple[int, ...]]:
+        stacks = {"dense_layers": self.dense_layers, "moe_layers": self.sparse_layers}
+        return {name: layers for name, layers in stacks.items() if layers}
+
+    def mlp_params(self) -> int:
+        d = self.hidden_size
+        expert = 3 * d * self.moe_intermediate_size
+        sparse = len(self.sparse_layers) * (self.num_experts * expert + d * self.num_experts)
+        return sparse + len(self.dense_layers) * 3 * d * self.intermediate_size
+
+    def active_params(self) -> int:
+        """Parameters one token uses (only its top-k experts count): the "A3B" of Qwen3-30B-A3B."""
+        unused = len(self.sparse_layers) * (self.num_experts - self.num_experts_per_tok)
+        return num_params(self) - unused * 3 * self.hidden_size * self.moe_intermediate_size
+
+    @classmethod
+    def hf_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
+        # transformers writes ``num_experts`` as ``num_local_experts`` (its attribute map) in config.json.
+        experts = config.get("num_experts", config.get("num_local_experts"))
+        if experts is None:
+            raise ValueError("a qwen3_moe config.json needs num_experts (or num_local_experts)")
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=config["num_experts_per_tok"],
+            moe_intermediate_size=config["moe_intermediate_size"],
+            norm_topk_prob=config.get("norm_topk_prob", False),
+            decoder_sparse_step=config.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
+            router_aux_loss_coef=config.get("router_aux_loss_coef", 0.001),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            **super().to_hf(),
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers),
+            "router_aux_loss_coef": self.router_aux_loss_coef,
+        }
+
+
+HF_MODEL_TYPES["qwen3_moe"] = (MoeConfig, {"qkv_bias": False, "qk_norm": True})
+
+
+def _qwen3_moe(hidden, inter, moe_inter, layers, heads, kv, experts, top_k) -> MoeConfig:
+    dense = ModelConfig(151936, hidden, inter, layers, heads, kv, 128, 1e6, 1e-6, False, False, True, 40960)
+    return MoeConfig(
+        **dataclasses.asdict(dense),
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_inter,
+        norm_topk_prob=True,
+    )
+
+
+# Published architectures (the models' config.json) and a tiny one for tests and CPU runs.
+MOE_PRESETS: dict[str, MoeConfig] = {
+    "qwen3-30b-a3b": _qwen3_moe(2048, 6144, 768, 48, 32, 4, 128, 8),
+    "qwen3-235b-a22b": _qwen3_moe(4096, 12288, 1536, 94, 64, 4, 128, 8),
+    "qwen3-moe-tiny": MoeConfig(
+        **dataclasses.asdict(PRESETS["qwen3-tiny"]), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    ),
+}
+PRESETS.update(MOE_PRESETS)
+
+
+# ------------------------------------------------------------------------------------------- routing
+class RouterStats(NamedTuple):
+    """Sums over sparse layers and (masked) tokens, enough for the load-balancing loss.
+
+    chosen_e: float32 [E], how many top-k choices picked expert e; prob_e: float32 [E], the sum of its router
+    probabilities; tokens: float32 [], the number of (token, layer) rows summed.
+    """
+
+    chosen_e: jax.Array
+    prob_e: jax.Array
+    tokens: jax.Array
+
+    @classmethod
+    def zeros(cls, num_experts: int) -> RouterStats:
+        return cls(jnp.zeros((num_experts,), jnp.float32), jnp.zeros((num_experts,), jnp.float32), jnp.zeros(()))
+
+
+def router_aux_loss(stats: RouterStats) -> jax.Array:
+    """The load-balancing loss ``E * sum_e (chosen_e / rows) * (prob_e / rows)`` (transformers' value)."""
+    rows = jnp.maximum(stats.tokens, 1.0)
+    return stats.chosen_e.shape[0] * jnp.sum((stats.chosen_e / rows) * (stats.prob_e / rows))
+
+
+def grouped_experts(x_nd, top_i_nk, top_w_nk, gate_edf, up_edf, down_efd) -> jax.Array:
+    """Dropless grouped matmul: each token through its top-k experts, gate-weighted and summed ([n, d])."""
+    n, k = top_i_nk.shape
+    expert_m = top_i_nk.reshape(-1)
+    order_m = jnp.argsort(expert_m, stable=True)  # (token, choice) pairs grouped by expert
+    token_m = order_m // k
+    sizes_e = jnp.bincount(expert_m, length=gate_edf.shape[0]).astype(jnp.int32)
+    x_md = jnp.take(x_nd, token_m, axis=0)
+    gate_mf = jax.lax.ragged_dot(x_md, gate_edf, sizes_e)
+    hidden_mf = jax.nn.silu(gate_mf) * jax.lax.ragged_dot(x_md, up_edf, sizes_e)
+    out_md = jax.lax.ragged_dot(hidden_mf, down_efd, sizes_e)
+    out_md = out_md * jnp.take(top_w_nk.reshape(-1), order_m)[:, None].astype(out_md.dtype)
+    return jnp.zeros((n, x_nd.shape[1]), out_md.dtype).at[token_m].add(out_md)
+
+
+def dense_experts(x_nd, top_i_nk, top_w_nk, gate_edf, up_edf, down_efd) -> jax.Array:
+    """Reference: every expert on every token, weighted by the gates (zero off the top-k) ([n, d])."""
+    n = x_nd.shape[0]
+    weight_ne = jnp.zeros((n, gate_edf.shape[0]), jnp.float32).at[jnp.arange(n)[:, None], top_i_nk].add(top_w_nk)
+    gate_nef = jnp.einsum("nd,edf->nef", x_nd, gate_edf)
+    hidden_nef = jax.nn.silu(gate_nef) * jnp.einsum("nd,edf->nef", x_nd, up_edf)
+    out_ned = jnp.einsum("nef,efd->ned", hidden_nef, down_efd)
+    return jnp.einsum("ned,ne->nd", out_ned, weight_ne.astype(out_ned.dtype))
+
+
+_EXPERT_COMPUTE = {"grouped": grouped_experts, "dense": dense_experts}
+
+
+class MoeBlock(nnx.Module):
+    """Top-k softmax router over ``num_experts`` SwiGLU experts (see the module docstring)."""
+
+    def __init__(self, config: MoeConfig, rngs: nnx.Rngs):
+        self.config = config
+        d, f, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+        self.router = _param(rngs, config, (d, e), ("embed", None), d)
+        self.gate_proj = _param(rngs, config, (e, d, f), ("expert", "embed", "mlp"), d)
+        self.up_proj = _param(rngs, config, (e, d, f), ("expert", "embed", "mlp"), d)
+        self.down_proj = _param(rngs, config, (e, f, d), ("expert", "mlp", "embed"), f)
+
+    def route(self, x_nd: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(probs_ne, top_w_nk, top_i_nk)``: float32 router probabilities, the top-k gate weights
+        (renormalised when ``norm_topk_prob``) and the chosen experts (int32)."""
+        logits_ne = x_nd.astype(jnp.float32) @ self.router.value.astype(jnp.float32)
+        probs_ne = jax.nn.softmax(logits_ne, axis=-1)
+        top_w_nk, top_i_nk = jax.lax.top_k(probs_ne, self.config.num_experts_per_tok)
+        if self.config.norm_topk_prob:
+            top_w_nk = top_w_nk / jnp.sum(top_w_nk, axis=-1, keepdims=True)
+        return probs_ne, top_w_nk, top_i_nk.astype(jnp.int32)
+
+    def __call__(self, x_btd: jax.Array, token_mask_bt: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
+        """The block's output [B, T, D] (x's dtype) and its router statistics over tokens where the mask is set."""
+        b, t, d = x_btd.shape
+        dtype = x_btd.dtype
+        x_nd = x_btd.reshape(b * t, d)
+        probs_ne, top_w_nk, top_i_nk = self.route(x_nd)
+        weights = (self.gate_proj.value, self.up_proj.value, self.down_proj.value)
+        compute = _EXPERT_COMPUTE[self.config.expert_compute]
+        out_nd = compute(x_nd, top_i_nk, top_w_nk, *(w.astype(dtype) for w in weights))
+        mask_n = jnp.ones((b * t,), jnp.float32) if token_mask_bt is None else token_mask_bt.reshape(-1)
+        mask_n = mask_n.astype(jnp.float32)
+        chosen_e = jnp.zeros_like(probs_ne[0]).at[top_i_nk].add(jnp.broadcast_to(mask_n[:, None], top_i_nk.shape))
+        stats = RouterStats(chosen_e, jnp.sum(probs_ne * mask_n[:, None], axis=0), jnp.sum(mask_n))
+        out_btd = constrain(out_nd.reshape(b, t, d).astype(dtype), ("batch", "length", None))
+        return out_btd, stats
+
+
+# --------------------------------------------------------------------------------------------- model
+class QwenMoe(Qwen):
+    """The Qwen3-MoE decoder: ``Qwen`` with two layer stacks (``dense_layers``, ``moe_layers``; either may be
+    absent) run in depth order; ``forward_hidden`` also returns the ``RouterStats`` of the sparse layers."""
+
+    config_class = MoeConfig
+
+    def init_layers(self, config: MoeConfig, rngs: nnx.Rngs) -> None:
+        if config.dense_layers:
+            self.dense_layers = stacked_layers(config, rngs, len(config.dense_layers))
+        if config.sparse_layers:
+            moe = lambda layer_rngs: MoeBlock(config, layer_rngs)
+            self.moe_layers = stacked_layers(config, rngs, len(config.sparse_layers), mlp=moe)
+
+    def run_layers(self, x_btd, positions_bt, cache, kv_visible_end_bt, token_mask_bt):
+        config = self.config
+
+        def dense_body(layer: DecoderLayer, x_btd, cache, index, stats):
+            return (*layer(x_btd, positions_bt, index, cache, kv_visible_end_bt), stats)
+
+        def sparse_body(layer: DecoderLayer, x_btd, cache, index, stats):
+            x_btd, cache = layer.attend(x_btd, positions_bt, index, cache, kv_visible_end_bt)
+            out_btd, layer_stats = layer.mlp(layer.post_attn_norm(x_btd), token_mask_bt)
+            return x_btd + out_btd, cache, jax.tree.map(jnp.add, stats, layer_stats)
+
+        stats = RouterStats.zeros(config.num_experts)
+        rows = {False: 0, True: 0}  # next unused row of each stack
+        for sparse, run in itertools.groupby(range(config.num_layers), key=config.is_sparse):
+            layers = list(run)
+            stack = self.moe_layers if sparse else self.dense_layers
+            start, stop = rows[sparse], rows[sparse] + len(layers)
+            rows[sparse] = stop
+            graphdef, state = nnx.split(stack)
+            if (start, stop) != (0, jax.tree.leaves(state)[0].shape[0]):
+                stack = nnx.merge(graphdef, jax.tree.map(lambda a, s=start, e=stop: a[s:e], state))
+            index = jnp.asarray(layers, jnp.int32)
+            x_btd, cache, stats = scan_layers(
+                config, stack, sparse_body if sparse else dense_body, x_btd, cache, index, stats
+            )
+        return x_btd, cache, stats
