@@ -4,6 +4,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -312,3 +313,43 @@ def test_wrong_row_count_and_missing_reference_are_clear_errors():
 def test_sharded_step_matches_one_device():
     result = run_with_fake_devices("tests.rl.sharded_step_check", timeout=300)
     assert "SHARDED_OK" in result.stdout
+
+
+def _gradient_recorder() -> optax.GradientTransformation:
+    """An "optimizer" that never moves the params and sums every gradient it is given into its state."""
+    return optax.GradientTransformation(
+        lambda params: jax.tree.map(jnp.zeros_like, params),
+        lambda grads, total, params=None: (jax.tree.map(jnp.zeros_like, grads), jax.tree.map(jnp.add, total, grads)),
+    )
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_mini_batches_sum_to_the_full_batch_objective_and_gradient(aggregation):
+    # Catches the mutant "each mini-batch divides by its own rows' Σ weights / path count": the mini-batch losses
+    # then no longer sum to the full-batch loss (different path counts per mini-batch, shared-prefix tokens whose
+    # paths end in the other mini-batch).
+    graphdef, params, _ = shared_setup()
+    rng = np.random.default_rng(5)
+    trees = [branching_tree()] + [random_tree(rng) for _ in range(5)]
+    loss = LossConfig(aggregation=aggregation)
+    # One row per path: a shared turn trains in the first row holding it, with the weight of every path through it.
+    config = dataclasses.replace(BATCH_CONFIG, layout="paths")
+    batch, _ = build_batch(trees, compute_advantages("grpo", trees), config, loss)
+    rows = np.flatnonzero(batch.lengths > 0)
+    carried = batch.weights[rows].sum(1) / np.maximum((batch.weights[rows] > 0).sum(1), 1)
+    assert rows.size >= 4 and carried.max() > carried.min(), "premise: rows carrying other rows' paths"
+    results = []
+    trainer = RLTrainer(graphdef, _gradient_recorder(), loss)
+    for mini_batches in (1, 2):  # one trainer: the programs do not depend on the mini-batch count
+        update = UpdateConfig(ppo_epochs=1, mini_batches=mini_batches, micro_rows=2, behaviour_logprobs="recompute")
+        trainer.update_config = update
+        state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+        state, metrics = trainer.update(state, batch)
+        assert metrics["steps"] == mini_batches and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+        results.append((metrics["loss"], jax.tree.leaves(_host(state.opt_state))))
+    (full_loss, full_grads), (split_loss, split_grads) = results
+    assert split_loss == pytest.approx(full_loss, rel=1e-6, abs=1e-7)  # (0 at ratio 1 for seq-mean GRPO)
+    flat = lambda leaves: np.concatenate([np.ravel(x) for x in leaves])
+    full, split = flat(full_grads), flat(split_grads)
+    assert np.abs(full).max() > 1e-4, "premise: a gradient to compare"
+    np.testing.assert_allclose(split, full, rtol=1e-6, atol=1e-6 * np.abs(full).max())
