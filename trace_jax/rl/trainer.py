@@ -115,6 +115,12 @@ class UpdateConfig:
         return self.ppo_epochs * self.mini_batches
 
 
+def _nonfinite_behaviour_tokens(batch: TrainBatch) -> float:
+    """Trained tokens of ``batch`` whose behaviour log-prob is −inf or NaN (the loss leaves them out)."""
+    old = np.asarray(multihost.to_host(batch.old_logprobs))
+    return float(np.sum((np.asarray(multihost.to_host(batch.weights)) > 0) & ~np.isfinite(old)))
+
+
 class TrainState(NamedTuple):
     """Everything the RL update carries between steps (a pytree; checkpoint it with ``_asdict()``).
 
@@ -428,12 +434,15 @@ class RLTrainer:
         """One optimizer step on ``batch`` as given (see ``prepare`` for behaviour / reference log-probs).
 
         Returns the new state (the old one is donated: do not reuse it) and host metrics: loss, grad_norm,
-        update_applied (1.0 or 0.0), skipped_steps, and every loss metric (pg_loss, clip_fraction, approx_kl,
-        ratio, ratio_max, kl_ref, entropy when computed, ...).
+        update_applied (1.0 or 0.0), skipped_steps, masked_nonfinite_tokens (trained tokens left out for a −inf
+        or NaN behaviour log-prob: ``trace_jax.rl.losses.mask_nonfinite_behaviour``), and every loss metric
+        (pg_loss, clip_fraction, approx_kl, ratio, ratio_max, kl_ref, entropy when computed, ...).
         """
+        masked = _nonfinite_behaviour_tokens(batch)
         state, out = self._device_step(state, batch)
         metrics = finalize_metrics(out.pop("pairs"))
         metrics.update({k: float(v) for k, v in out.items()})
+        metrics["masked_nonfinite_tokens"] = masked
         return state, metrics
 
     def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
@@ -445,7 +454,9 @@ class RLTrainer:
         largest, ``clip_fraction`` the clipped share; each measured at the start of its step), the same per
         epoch as ``epoch{e}/ratio``, ``epoch{e}/ratio_max``, ``epoch{e}/clip_fraction`` (e from 1), loss (the
         sum over an epoch's steps, i.e. the full-batch objective, averaged over epochs), grad_norm averaged over
-        steps, update_applied the share of applied steps, skipped_steps, steps, micro_batches (forward/backward calls) and programs (distinct compiled (program, shape) pairs so far).
+        steps, update_applied the share of applied steps, skipped_steps, masked_nonfinite_tokens (as in
+        ``train_step``), steps, micro_batches (forward/backward calls) and programs (distinct compiled (program,
+        shape) pairs so far).
         """
         config = self.update_config
         prepared = self.prepare(state, batch)
@@ -498,6 +509,7 @@ class RLTrainer:
         metrics.update({k: float(np.mean(v)) for k, v in scalars.items()})
         metrics["loss"] = float(np.sum(scalars["loss"])) / config.ppo_epochs  # an epoch's steps sum to the objective
         metrics["steps"] = float(steps)
+        metrics["masked_nonfinite_tokens"] = _nonfinite_behaviour_tokens(prepared)
         metrics["micro_batches"] = float(calls * config.ppo_epochs)
         metrics["programs"] = float(len(self.programs))
         return state, metrics
