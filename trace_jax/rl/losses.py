@@ -19,8 +19,8 @@ that splits a batch into micro-batches computes the denominator once and sums th
 the same reason (names ending in ``_max`` are (max, 1) and combine by max).
 
 Registries, keyed by config strings: ``POLICY_LOSSES`` (ppo, grpo, gspo_turn; gspo is registered but only
-exact when every row is one whole path: ``trace_jax.rl.batch.check_objective`` refuses it for tree batches,
-where a shared turn trains once), ``KL_PENALTIES`` (reverse, forward: named by the KL whose gradient they
+exact when every row is one whole path: ``trace_jax.rl.batch.check_objective`` refuses it, since a shared
+turn trains once in either layout), ``KL_PENALTIES`` (reverse, forward: named by the KL whose gradient they
 give), ``AGGREGATIONS`` (token-mean, seq-mean-token-mean, seq-mean-token-sum-norm).
 """
 
@@ -48,8 +48,9 @@ class LossConfig:
 
     Attributes:
       policy_loss: key of ``POLICY_LOSSES``. GSPO's paper objective needs aggregation "seq-mean-token-mean"
-        (token-mean weighs each sequence by its length); "gspo" (one ratio per whole path) is refused for tree
-        batches (``trace_jax.rl.batch.check_objective``), "gspo_turn" (one ratio per turn) is exact under sharing.
+        (token-mean weighs each sequence by its length); "gspo" (one ratio per whole path) is refused by
+        ``trace_jax.rl.batch.check_objective`` (a shared turn trains once, so no batch row is a whole path);
+        "gspo_turn" (one ratio per turn) is exact under sharing.
       clip_low, clip_high: the ratio is clipped to [1 − clip_low, 1 + clip_high] (DAPO's "clip higher").
       dual_clip: None, or c > 1: for A < 0 the per-token loss is capped at −c·A (dual-clip PPO).
       kl_coef: weight of the KL-to-reference penalty per token (0 disables it: no reference log-probs are
@@ -221,8 +222,8 @@ def gspo_loss(inputs: LossInputs, config: LossConfig) -> tuple[jax.Array, Metric
     The "sequence" is a batch row's trained tokens. With rows that are whole sequences and
     ``aggregation="seq-mean-token-mean"`` (weights 1/|y_i|, one path per row) this is the paper's objective and
     gradient, clipping included (checked by enumeration in tests); under ``token-mean`` sequence i weighs
-    |y_i| / mean |y| instead of 1, which is not the paper's gradient. Tree batches train a shared turn once, so
-    no row is a whole path: ``check_objective`` refuses it there (an exact tree form needs every path's
+    |y_i| / mean |y| instead of 1, which is not the paper's gradient. Batches of trees (either layout) train a
+    shared turn once, so no row is a whole path: ``check_objective`` refuses it (an exact tree form needs every path's
     sequence ratio s_ℓ at the current params before each optimizer step, i.e. a forward pass over the whole
     batch per step, then per-token coefficients Σ_{ℓ∋t} c_ℓ·A_ℓ·s_ℓ / |ℓ| on unclipped paths). GSPO's clip
     ranges are much tighter than PPO's (the paper uses ~3e-4 / 4e-4): set clip_low / clip_high accordingly.
