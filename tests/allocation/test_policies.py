@@ -111,8 +111,11 @@ def test_oracle_needs_a_simulator_and_unknown_names_are_listed():
 
 
 def test_trace_puts_more_tokens_into_mixed_trees_than_uniform():
+    # trace with the context's predictor (depth-only here: no prompt or prefix knowledge), against uniform; the
+    # oracle scorer (true probabilities) bounds what a predictor can reach. Catches the mutant "trace's stage 2
+    # does nothing" (StagedPolicy.run returning after root_stage): trace then ties uniform.
     shares = {}
-    for name in ("uniform", "oracle"):
+    for name in ("uniform", "trace", "oracle"):
         sim = Simulator(WORLD, 7)
         runs = []
         for _ in range(3):
@@ -121,7 +124,8 @@ def test_trace_puts_more_tokens_into_mixed_trees_than_uniform():
             make_policy(name).run(ctx)
             runs.append(figures.nonzero_advantage_share(ctx.trees)["tokens"])
         shares[name] = np.mean(runs)
-    assert shares["oracle"] > shares["uniform"] + 0.2
+    assert shares["trace"] > shares["uniform"] + 0.05
+    assert shares["oracle"] > shares["trace"] + 0.2
 
 
 def test_policies_work_on_a_backend_without_features():
@@ -139,7 +143,16 @@ def test_policies_work_on_a_backend_without_features():
                     stats += RolloutStats(rollouts=1, generated_tokens=tokens)
             return stats
 
-    trees = [RolloutTree([1, 2], prompt_index=i) for i in range(4)]
-    ctx = context(ChainBackend(), trees, Budget(rollouts=16))
-    make_policy("trace").run(ctx)
-    assert 0 < ctx.spent.rollouts <= 16
+    # Every policy but the oracle (which needs a simulator) spends the whole budget, gives every prompt rollouts,
+    # and the tree policies still fork below the root with no features to score prefixes by. Catches the mutant
+    # "stage 2 skips anchors without a feature" (prefix_round returning early): trace would then spend only its
+    # stage-1 share and never fork.
+    for name in sorted(set(POLICIES) - {"oracle"}):
+        trees = [RolloutTree([1, 2], prompt_index=i) for i in range(4)]
+        ctx = context(ChainBackend(), trees, Budget(rollouts=16))
+        make_policy(name).run(ctx)
+        assert all(t.root.feature is None for t in ctx.trees), "premise: no features"
+        assert ctx.spent.rollouts == 16, name
+        assert all(t.leaves() for t in ctx.trees), name
+        forked = any(len(node.children) > 1 for t in ctx.trees for node in t.nodes[1:])
+        assert forked == (name in ("trace", "tree_random", "tree_entropy")), name

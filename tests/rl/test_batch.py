@@ -7,7 +7,7 @@ import pytest
 
 from tests.rl.trees import branching_tree, random_tree
 from trace_jax.config_utils import from_config
-from trace_jax.rl.advantages import ESTIMATORS, NodeAdvantages, compute_advantages
+from trace_jax.rl.advantages import ESTIMATORS, compute_advantages
 from trace_jax.rl.batch import BatchConfig, build_batch, take_rows, trees_to_batch
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig, LossInputs, compute_loss, loss_denominator
 from trace_jax.rollout.tree import RolloutTree
@@ -79,35 +79,15 @@ def test_observation_tokens_are_never_trained():
         assert observation.sum() > 0 and not batch.weights[observation].any()
 
 
-def _paths_as_trees(tree: RolloutTree, adv: NodeAdvantages):
-    """The undeduplicated view: one chain tree per leaf, each node keeping its path advantage A(ℓ, y)."""
-    trees, advs = [], []
-    path_adv = adv.path_advantages(tree)
-    for column, leaf in enumerate(tree.leaves()):
-        chain = RolloutTree(tree.root.token_ids)
-        values, parent = [0.0], 0
-        for node_id in tree.path(leaf)[1:]:
-            node = tree[node_id]
-            parent = chain.add_turn(
-                parent,
-                node.token_ids,
-                node.logprobs,
-                node.sample_logprobs,
-                observation_ids=node.observation_ids,
-                reward=node.reward,
-            )
-            values.append(path_adv[node_id, column])
-        trees.append(chain)
-        advs.append(NodeAdvantages(np.asarray(values, np.float32), np.r_[0.0, np.ones(len(values) - 1)]))
-    return trees, advs
+def _logprob(tokens, positions):
+    # Current log-probs as a function of (token, path position) only, as a real policy's would be for equal
+    # histories: a node shared by several paths gets the same log-probs wherever it is trained.
+    return -0.05 * (tokens % 7) - 0.01 * positions - 0.3
 
 
 def _batch_loss(batch, config):
-    # Current log-probs as a function of (token, path position) only, as a real policy's would be for equal
-    # histories: a node shared by several paths gets the same log-probs wherever it is trained.
-    logprobs = -0.05 * (batch.tokens % 7) - 0.01 * batch.positions - 0.3
     inputs = LossInputs(
-        jnp.asarray(logprobs),
+        jnp.asarray(_logprob(batch.tokens, batch.positions)),
         jnp.asarray(batch.old_logprobs),
         jnp.asarray(batch.adv_pos),
         jnp.asarray(batch.adv_neg),
@@ -118,22 +98,49 @@ def _batch_loss(batch, config):
     return float(compute_loss(inputs, config).numerator / denominator)
 
 
+def _per_path_loss(trees, advantages, config, max_len):
+    """The objective from its definition, every root-to-leaf path trained on its own (no batch code): path ℓ
+    weighs ``c_ℓ`` (token-mean 1, seq-mean-token-mean 1/|ℓ|, seq-mean-token-sum-norm 1/L), each of its sampled
+    tokens adds PPO's ``max(−A·ρ, −A·clip(ρ))`` with A = A(ℓ, y); divided by Σ|ℓ| or by the number of paths."""
+    total, tokens_total, paths = 0.0, 0, 0
+    for tree, adv in zip(trees, advantages, strict=True):
+        path_adv = adv.path_advantages(tree)
+        for column, leaf in enumerate(tree.leaves()):
+            terms = []
+            for y in tree.path(leaf)[1:]:
+                node = tree[y]
+                for o, (token, old) in enumerate(zip(node.token_ids, node.sample_logprobs, strict=True)):
+                    ratio = np.exp(_logprob(token, tree.prefix_length(node.parent) + o) - old)
+                    a = path_adv[y, column]
+                    clipped = np.clip(ratio, 1 - config.clip_low, 1 + config.clip_high)
+                    terms.append(max(-a * ratio, -a * clipped))
+            coef = {"token-mean": 1.0, "seq-mean-token-mean": 1.0 / len(terms)}.get(
+                config.aggregation, 1.0 / (config.norm_length or max_len)
+            )
+            total += coef * sum(terms)
+            tokens_total += len(terms)
+            paths += 1
+    return total / (tokens_total if config.aggregation == "token-mean" else paths)
+
+
 @pytest.mark.parametrize("layout", ["tree", "paths"])
 @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
 @pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
 def test_shared_turns_trained_once_give_the_per_path_loss(estimator, aggregation, layout):
-    # Exact for every estimator and aggregation, clipping included (a tight clip so it is active).
+    # Exact for every estimator and aggregation, clipping included (a tight clip so it is active). The reference
+    # is written from the definition, not built by build_batch. Catches e.g. the mutant "seq-mean-token-mean's
+    # coefficient 1 / (n + 1)" in losses.AGGREGATIONS, or a path advantage taken from the wrong leaf column.
     rng = np.random.default_rng(2)
     trees = [random_tree(rng, max_leaves=6) for _ in range(5)]
     advantages = compute_advantages(estimator, trees)
     config = LossConfig(clip_low=0.05, clip_high=0.05, aggregation=aggregation)
-    shared, _ = build_batch(trees, advantages, BatchConfig(layout=layout), config)
-    split = [_paths_as_trees(t, a) for t, a in zip(trees, advantages, strict=True)]
-    path_trees = [c for trees_, _ in split for c in trees_]
-    path_advs = [a for _, advs in split for a in advs]
-    per_path, _ = build_batch(path_trees, path_advs, BatchConfig(layout="paths"), config)
-    assert (per_path.weights > 0).sum() > (shared.weights > 0).sum()  # sharing happened
-    assert _batch_loss(shared, config) == pytest.approx(_batch_loss(per_path, config), rel=1e-5)
+    batch_config = BatchConfig(layout=layout)
+    shared, info = build_batch(trees, advantages, batch_config, config)
+    assert info.num_path_tokens > info.num_tokens or layout == "paths", "premise: sharing happened"
+    assert sum(len(t.leaves()) for t in trees) > info.num_rows or layout == "paths"
+    reference = _per_path_loss(trees, advantages, config, batch_config.length_buckets[-1])
+    assert abs(reference) > 1e-6, "premise: a loss to compare"
+    assert _batch_loss(shared, config) == pytest.approx(reference, rel=1e-5)
 
 
 def test_shapes_are_bucketed_and_padded_to_the_row_multiple():
@@ -225,3 +232,26 @@ def test_batch_config_from_config_dict():
     assert from_config(BatchConfig, None, row_multiple=4).row_multiple == 4
     with pytest.raises(ValueError, match="length_bucket"):
         from_config(BatchConfig, {"length_bucket": [8]})
+
+
+def test_dr_grpo_length_is_one_constant_whatever_the_batch_longest_path():
+    # seq-mean-token-sum-norm divides every path by one constant L: two batches whose longest paths differ weigh
+    # every trained token the same (1 / L per path through it). Catches the mutant "L = the batch's longest path".
+    short = [branching_tree()]
+    long_tree = branching_tree()
+    long_tree.add_turn(0, [40, 41, 42, 43, 44], logprobs=-np.ones(5), sample_logprobs=-np.ones(5), reward=1.0)
+    loss = LossConfig(aggregation="seq-mean-token-sum-norm")
+    config = BatchConfig(layout="paths", length_buckets=(16, 32))
+    weights = []
+    for trees in (short, [long_tree]):
+        longest = max(sum(t[y].token_ids.size for y in t.path(leaf)[1:]) for t in trees for leaf in t.leaves())
+        batch, _ = build_batch(trees, compute_advantages("grpo", trees), config, loss)
+        weights.append((longest, batch.weights[0, 3]))  # a's first token: under two leaves in each tree
+    (short_len, short_w), (long_len, long_w) = weights
+    assert short_len != long_len, "premise: different longest paths"
+    assert short_w == long_w == pytest.approx(2 / 32)  # two paths through it, L = the largest row length 32
+    fixed = dataclasses.replace(loss, norm_length=10)
+    batch, _ = build_batch([long_tree], compute_advantages("grpo", [long_tree]), config, fixed)
+    assert batch.weights[0, 3] == pytest.approx(2 / 10)
+    with pytest.raises(ValueError, match="norm_length"):
+        LossConfig(norm_length=0)

@@ -89,7 +89,7 @@ def test_aggregation_path_coefficients_and_denominators_by_hand():
         denominator = float(loss_denominator(weights, paths, config))
         assert denominator == (4.5 if mode == "token-mean" else 2.0)
     default_norm = AGGREGATIONS["seq-mean-token-sum-norm"].path_coefficients(tokens, LossConfig(), 3)
-    np.testing.assert_allclose(default_norm, [1 / 3, 1 / 3])  # L defaults to the longest path
+    np.testing.assert_allclose(default_norm, [1 / 3, 1 / 3])  # L defaults to the max_len given (the largest row)
     with pytest.raises(ValueError, match="path counts"):
         loss_denominator(weights, None, LossConfig(aggregation="seq-mean-token-mean"))
 
@@ -195,6 +195,94 @@ def test_gspo_sequence_and_turn_ratios():
         inputs.logprobs
     )
     np.testing.assert_allclose(grad, -np.exp(0.2) / 3 * np.ones((1, 3)), rtol=1e-5)
+
+
+def test_gspo_gives_the_papers_sequence_level_gradient_with_seq_mean_token_mean():
+    # GSPO (Zheng et al. 2025): J = 1/G Σ_i min(s_i A_i, clip(s_i) A_i), s_i = (π_θ(y_i) / π_old(y_i))^(1/|y_i|).
+    # A tiny policy (one logit vector per position, V = 3) and a group of sequences of lengths 3, 2, 1, 2,
+    # enumerated by hand; one sequence's ratio is outside the clip range. Each row is one whole sequence.
+    # Catches the mutant "GSPO's value uses the token ratio" (ρ_t for s_i in losses._gspo) and any drift of the
+    # sequence ratio's length normalisation.
+    theta = jnp.asarray(np.random.default_rng(0).normal(size=(3, 3)), jnp.float32)
+    old_theta = theta + jnp.asarray([[0.1, -0.2, 0.0], [0.0, 0.3, -0.1], [0.2, 0.0, 0.0]], jnp.float32)
+    seqs = [[0, 2, 1], [1, 1], [2], [0, 0]]
+    adv = np.array([1.0, -0.5, -1.0, 0.7], np.float32)
+    clip = 0.02
+    tokens = np.zeros((4, 3), np.int32)
+    mask = np.zeros((4, 3), np.float32)
+    for i, y in enumerate(seqs):
+        tokens[i, : len(y)], mask[i, : len(y)] = y, 1.0
+    lengths = mask.sum(1)
+
+    def token_logprobs(th):
+        logp = jax.nn.log_softmax(th, axis=-1)  # [position, V]
+        return jnp.take_along_axis(logp[None].repeat(4, 0), tokens[..., None], axis=-1)[..., 0] * mask
+
+    old = token_logprobs(old_theta)
+
+    def paper(th):
+        s = jnp.exp(jnp.sum(token_logprobs(th) - old, axis=1) / lengths)
+        return jnp.mean(jnp.minimum(s * adv, jnp.clip(s, 1 - clip, 1 + clip) * adv))
+
+    s = np.exp(np.sum(token_logprobs(theta) - old, axis=1) / lengths)
+    assert np.any(np.abs(s - 1) > clip) and np.any(np.abs(s - 1) < clip), f"premise: clipped and unclipped, {s}"
+
+    def ours(th, aggregation):
+        config = LossConfig(policy_loss="gspo", clip_low=clip, clip_high=clip, aggregation=aggregation)
+        coef = mask / lengths[:, None] if aggregation == "seq-mean-token-mean" else mask
+        inputs = LossInputs.from_advantages(
+            token_logprobs(th), old, jnp.asarray(adv)[:, None] * mask, jnp.asarray(coef), jnp.zeros((4, 3), jnp.int32)
+        )
+        return _loss(inputs, config, paths=jnp.ones(4))[0]
+
+    expected = -jax.grad(paper)(theta)  # our loss is −J
+    assert float(jnp.abs(expected).max()) > 1e-3, "premise: a gradient to compare"
+    np.testing.assert_allclose(jax.grad(ours)(theta, "seq-mean-token-mean"), expected, rtol=1e-5, atol=1e-7)
+    assert float(ours(theta, "seq-mean-token-mean")) == pytest.approx(-float(paper(theta)), rel=1e-5)
+    # token-mean weighs sequence i by |y_i| / mean |y| instead of 1: not the paper's gradient (documented).
+    token_mean = jax.grad(ours)(theta, "token-mean")
+    assert float(jnp.abs(token_mean - expected).max()) > 1e-3
+
+
+def test_approx_kl_estimates_kl_old_to_new_on_old_samples():
+    # Tokens sampled from π_old: k3 = (r − 1) − log r, r = π_θ / π_old, has E_old[k3] = KL(π_old ‖ π_θ) exactly.
+    # Enumerate a 4-way categorical, each outcome weighted by its π_old probability. Catches the mutant "k3 for
+    # samples from π_θ" (exp(−d) + d − 1, whose π_old-expectation is neither KL).
+    old = np.array([0.5, 0.3, 0.15, 0.05])
+    new = np.array([0.2, 0.3, 0.3, 0.2])
+    exact = float(np.sum(old * np.log(old / new)))
+    wrong = float(np.sum(old * (old / new - 1 + np.log(new / old))))  # the π_θ-sample k3 averaged over π_old
+    assert abs(exact - wrong) > 0.05, "premise: the two estimators differ"
+    inputs = _inputs(np.log(new)[None], np.log(old)[None], np.zeros((1, 4)), old[None])
+    _, metrics = _loss(inputs, LossConfig())
+    assert finalize_metrics(metrics)["approx_kl"] == pytest.approx(exact, rel=1e-5)
+
+
+def test_non_finite_behaviour_logprobs_are_left_out_not_exploded():
+    # A −inf or NaN behaviour log-prob (a sampler's, or a recomputation's) leaves its token untrained: the loss
+    # and gradient are those of the other tokens. Catches the mutant "no masking" (the −inf token would add
+    # ~exp(20)·|A| to the loss with zero gradient).
+    logprobs = np.log([[0.5, 0.4, 0.3, 0.2]])
+    old = np.log([[0.4, 0.4, 0.3, 0.3]])
+    adv = [[1.0, -2.0, 1.5, 1.0]]
+    config = LossConfig(kl_coef=0.1)
+    ref = old + 0.1
+    keep = [0, 2, 3]
+
+    def numerator(lp, old_lp, adv_, weights, ref_):
+        return compute_loss(_inputs(lp, old_lp, adv_, weights, ref=ref_), config).numerator
+
+    lp = jnp.asarray(logprobs, jnp.float32)
+    expected, expected_grad = jax.value_and_grad(numerator)(
+        lp[:, keep], old[:, keep], np.asarray(adv)[:, keep], np.ones((1, 3)), ref[:, keep]
+    )
+    for bad in (-np.inf, np.nan):
+        poisoned = old.copy()
+        poisoned[0, 1] = bad
+        loss, grad = jax.value_and_grad(numerator)(lp, poisoned, adv, np.ones((1, 4)), ref)
+        assert np.isfinite(float(loss)) and float(loss) == pytest.approx(float(expected), rel=1e-6)
+        np.testing.assert_allclose(np.asarray(grad)[:, keep], expected_grad, rtol=1e-6)
+        assert float(grad[0, 1]) == 0.0
 
 
 def test_config_errors_name_the_choices():

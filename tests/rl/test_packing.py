@@ -148,7 +148,7 @@ def _reference_inputs(trees, estimator, loss):
             node[row, start : start + n] = y
     lengths = mask.sum(1)
     coef = {"token-mean": np.ones_like(lengths), "seq-mean-token-mean": 1.0 / lengths}.get(
-        loss.aggregation, np.full_like(lengths, 1.0 / (loss.norm_length or lengths.max()))
+        loss.aggregation, np.full_like(lengths, 1.0 / (loss.norm_length or WIDTH))
     )
     denominator = lengths.sum() if loss.aggregation == "token-mean" else float(len(lengths))
     return paths["tokens"], adv, old, mask, node, coef.astype(np.float32), np.float32(denominator)

@@ -4,6 +4,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -16,7 +17,8 @@ from trace_jax.rl.batch import BatchConfig, build_batch
 from trace_jax.rl.logprobs import policy_logprobs
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLTrainer, UpdateConfig
-from trace_jax.rollout.sampling import SamplingConfig, sampling_logprobs
+from trace_jax.rollout.sampling import SamplingConfig
+from trace_jax.rollout.tree import RolloutTree
 
 # Smaller than qwen3-tiny to keep compiles short; the trees' token ids are all < 100.
 CONFIG = ModelConfig.preset(
@@ -232,7 +234,7 @@ def test_update_compiles_its_programs_once_whatever_the_batch_size():
 
 def test_update_runs_epochs_times_mini_batches_steps_on_shuffled_rows():
     graphdef, params, _ = shared_setup()
-    trainer = _trainer(graphdef, update=UpdateConfig(ppo_epochs=3, mini_batches=2))
+    trainer = _trainer(graphdef, update=UpdateConfig(ppo_epochs=3, mini_batches=2, behaviour_logprobs="recompute"))
     assert trainer.row_multiple == 2
     state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
     batch = _path_batch(seed=0, n_trees=3)
@@ -240,6 +242,17 @@ def test_update_runs_epochs_times_mini_batches_steps_on_shuffled_rows():
     state, metrics = trainer.update(state, batch)
     assert metrics["steps"] == 6 and int(state.step) == 6
     assert {"epoch3/ratio", "epoch3/ratio_max", "epoch3/clip_fraction", "clip_fraction"} <= set(metrics)
+    # The rows are shuffled into mini-batches, by shuffle_seed: another seed takes the same rows in another
+    # order, so the params end elsewhere. Catches the mutant "no shuffle" (rows always in batch order).
+    trainer.update_config = dataclasses.replace(trainer.update_config, shuffle_seed=1)  # same programs
+    other = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+    other, other_metrics = trainer.update(other, batch)
+    assert other_metrics["steps"] == 6
+    moved = [
+        np.abs(a - b).max()
+        for a, b in zip(jax.tree.leaves(_host(state.params)), jax.tree.leaves(_host(other.params)), strict=True)
+    ]
+    assert max(moved) > 1e-6
     with pytest.raises(ValueError, match="ppo_epochs"):
         UpdateConfig(ppo_epochs=0)
     with pytest.raises(ValueError, match="recompute"):
@@ -250,31 +263,41 @@ def test_recomputed_behaviour_logprobs_are_the_sampling_distribution_at_t07_top_
     graphdef, params, _ = shared_setup()
     sampling = SamplingConfig(temperature=0.7, top_p=0.9)
     trainer = _trainer(graphdef, sampling=sampling, update=UpdateConfig(behaviour_logprobs="recompute"))
-    tree = branching_tree()
-    batch, _ = build_batch([tree], compute_advantages("grpo", [tree]), BATCH_CONFIG)
+    # The tiny model mostly copies its last token (probability ~1); after the prompt [7, 8] it is spread out
+    # (top tokens 15, 101, 125 at about 0.38, 0.19, 0.09), so first-turn tokens sit in a truncated set of several.
+    tree = RolloutTree([7, 8], task="q")
+    turn = lambda parent, ids, **kw: tree.add_turn(parent, ids, logprobs=[-1.0] * len(ids), **kw)
+    a = turn(0, [101, 101], observation_ids=[90, 91])
+    turn(a, [91], reward=1.0)
+    turn(a, [91, 5], reward=0.0)  # 5 is outside the kept set: -inf
+    turn(0, [125], reward=0.0)
+    batch, info = build_batch([tree], compute_advantages("grpo", [tree]), BATCH_CONFIG)
     old = np.asarray(trainer.prepare(trainer.init_state(params, jax.random.key(0)), batch).old_logprobs)
-    # From the definition: the model's logits at each path, through the sampler's own distribution.
     model = _model()
-    checked = 0
+    checked, truncated = 0, 0
     for leaf in tree.leaves():
         ids = tree.prefix_ids(leaf)
-        table = np.asarray(sampling_logprobs(model(jnp.asarray([ids])).logits_btv[0], sampling))
+        logits = np.asarray(model(jnp.asarray([ids])).logits_btv[0], np.float64) / 0.7
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        order = np.argsort(-probs, axis=-1)
+        before = np.cumsum(np.take_along_axis(probs, order, -1), -1) - np.take_along_axis(probs, order, -1)
+        keep = np.zeros(probs.shape, bool)
+        np.put_along_axis(keep, order, before < 0.9, -1)
+        kept = np.where(keep, probs, 0.0)
+        with np.errstate(divide="ignore"):
+            table = np.log(kept / kept.sum(-1, keepdims=True))
         for column in np.nonzero(batch.weights[0] > 0)[0]:
-            node = int(_layout_node(batch, tree, column))
+            node = int(info.layout.node[0, column])
             if node in tree.path(leaf):
-                t = tree.prefix_length(tree[node].parent) + int(column - _node_start(batch, column))
+                t = tree.prefix_length(tree[node].parent) + int(info.layout.offset[0, column])
                 np.testing.assert_allclose(old[0, column], table[t - 1, ids[t]], atol=1e-5)
+                truncated += int(keep[t - 1].sum() < keep.shape[-1])
                 checked += 1
-    assert checked >= 6
-
-
-def _layout_node(batch, tree, column):
-    # branching_tree packed: prompt 0-2 | a 3-6 | b 7 | c 8-9 | d 10
-    return [0, 0, 0, 1, 1, 1, 1, 2, 3, 3, 4][column]
-
-
-def _node_start(batch, column):
-    return [0, 0, 0, 3, 3, 3, 3, 7, 8, 8, 10][column]
+    assert checked >= 6 and truncated == checked, "premise: top-p removes tokens at every checked position"
+    trained = old[batch.weights > 0]
+    assert np.isneginf(trained).any(), "premise: a sampled token outside the kept set"
+    assert (np.isfinite(trained) & (trained < -0.05)).any(), "premise: a token inside a kept set of several"
 
 
 def test_non_finite_loss_skips_the_update_and_training_goes_on():
@@ -312,3 +335,43 @@ def test_wrong_row_count_and_missing_reference_are_clear_errors():
 def test_sharded_step_matches_one_device():
     result = run_with_fake_devices("tests.rl.sharded_step_check", timeout=300)
     assert "SHARDED_OK" in result.stdout
+
+
+def _gradient_recorder() -> optax.GradientTransformation:
+    """An "optimizer" that never moves the params and sums every gradient it is given into its state."""
+    return optax.GradientTransformation(
+        lambda params: jax.tree.map(jnp.zeros_like, params),
+        lambda grads, total, params=None: (jax.tree.map(jnp.zeros_like, grads), jax.tree.map(jnp.add, total, grads)),
+    )
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_mini_batches_sum_to_the_full_batch_objective_and_gradient(aggregation):
+    # Catches the mutant "each mini-batch divides by its own rows' Σ weights / path count": the mini-batch losses
+    # then no longer sum to the full-batch loss (different path counts per mini-batch, shared-prefix tokens whose
+    # paths end in the other mini-batch).
+    graphdef, params, _ = shared_setup()
+    rng = np.random.default_rng(5)
+    trees = [branching_tree()] + [random_tree(rng) for _ in range(5)]
+    loss = LossConfig(aggregation=aggregation)
+    # One row per path: a shared turn trains in the first row holding it, with the weight of every path through it.
+    config = dataclasses.replace(BATCH_CONFIG, layout="paths")
+    batch, _ = build_batch(trees, compute_advantages("grpo", trees), config, loss)
+    rows = np.flatnonzero(batch.lengths > 0)
+    carried = batch.weights[rows].sum(1) / np.maximum((batch.weights[rows] > 0).sum(1), 1)
+    assert rows.size >= 4 and carried.max() > carried.min(), "premise: rows carrying other rows' paths"
+    results = []
+    trainer = RLTrainer(graphdef, _gradient_recorder(), loss)
+    for mini_batches in (1, 2):  # one trainer: the programs do not depend on the mini-batch count
+        update = UpdateConfig(ppo_epochs=1, mini_batches=mini_batches, micro_rows=2, behaviour_logprobs="recompute")
+        trainer.update_config = update
+        state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+        state, metrics = trainer.update(state, batch)
+        assert metrics["steps"] == mini_batches and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+        results.append((metrics["loss"], jax.tree.leaves(_host(state.opt_state))))
+    (full_loss, full_grads), (split_loss, split_grads) = results
+    assert split_loss == pytest.approx(full_loss, rel=1e-6, abs=1e-7)  # (0 at ratio 1 for seq-mean GRPO)
+    flat = lambda leaves: np.concatenate([np.ravel(x) for x in leaves])
+    full, split = flat(full_grads), flat(split_grads)
+    assert np.abs(full).max() > 1e-4, "premise: a gradient to compare"
+    np.testing.assert_allclose(split, full, rtol=1e-6, atol=1e-6 * np.abs(full).max())

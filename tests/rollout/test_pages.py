@@ -104,13 +104,26 @@ def test_paged_forks_match_teacher_forcing_of_each_history(paged_and_contiguous)
 
 
 def test_a_fork_copies_at_most_one_partial_page_per_child(paged_and_contiguous):
+    # Measured on the pool's table and free list, not on its counters: a child references the held full pages
+    # and takes exactly one new page, for the partly filled last one (none at a page boundary). Catches the
+    # mutants "share one full page fewer" (full = length // page_size - 1) and "copy every page".
+    pool = PagePool(num_pages=16, page_size=4, max_slots=3, pages_per_slot=4)
+    pool.reserve(0, 14)
+    held = pool.hold(0, 10)  # positions 0-9: two full pages and a partial one
+    for child, length, full, partial in ((1, 10, 2, 1), (2, 8, 2, 0)):
+        in_use = pool.in_use
+        source, copy = pool.fork(held, child, length)
+        assert pool.in_use - in_use == partial
+        assert pool.table[child, :full].tolist() == held[:full]
+        if partial:
+            assert source == held[full] and copy == pool.table[child, full] and copy not in held
+        else:
+            assert source == copy == TRASH_PAGE
+    assert pool.stats.fork_copies == 1 and pool.stats.shared_by_forks == 4  # the counters agree
+    # In the engine's tree rollout: forks shared pages, and the paged pool takes fewer bytes than whole rows.
     (_, paged, paged_page, *_), (_, contiguous, contiguous_page, *_) = paged_and_contiguous
-    children = 2 + 3 + 1
-    assert paged.fork_copies <= children and paged.shared_by_forks > 0
-    copied_paged = paged.fork_copies * paged_page
-    copied_contiguous = contiguous.fork_copies * contiguous_page
-    assert copied_paged <= children * paged_page
-    assert copied_paged * 4 <= copied_contiguous  # the contiguous cache copies whole rows (8x the page here)
+    assert paged.shared_by_forks > 0
+    assert paged.fork_copies * paged_page * 4 <= contiguous.fork_copies * contiguous_page
     assert paged.allocated * paged_page < contiguous.allocated * contiguous_page
 
 

@@ -166,7 +166,8 @@ def check_objective(estimator: str | None, loss: LossConfig, batch: BatchConfig)
         raise ValueError(
             "policy_loss 'gspo' needs one ratio per whole root-to-leaf path, but turns shared by several leaves "
             "are trained once, so no row holds a whole path and its sequence ratio drifts from the per-path one; "
-            "use policy_loss='gspo_turn' (a turn-level ratio, exact under sharing) or 'ppo'"
+            "use policy_loss='gspo_turn' (a turn-level ratio, exact under sharing; GSPO's weighting with "
+            "aggregation='seq-mean-token-mean') or 'ppo'"
         )
     if batch.segment_weight == "one" and AGGREGATIONS[loss.aggregation].per_path:
         raise ValueError(
@@ -202,14 +203,13 @@ def _node_tables(
     trees: Sequence[RolloutTree], advantages: Sequence[NodeAdvantages], config: BatchConfig, loss: LossConfig
 ) -> _NodeTables:
     path_tokens = [_trained_tokens_per_path(t) for t in trees]
-    longest = max((int(n.max()) for n in path_tokens if n.size), default=1)
     aggregation = AGGREGATIONS[loss.aggregation]
     weights, pos, neg, logprobs, base = [], [], [], [], []
     for tree, adv, n_tokens in zip(trees, advantages, path_tokens, strict=True):
         num_leaves = n_tokens.shape[0]
         under = tree.subtree_sums(np.eye(num_leaves)) if num_leaves else np.zeros((len(tree), 0))
         under[0] = 0.0  # the root is never trained
-        coef = under * aggregation.path_coefficients(n_tokens, loss, longest)[None, :]
+        coef = under * aggregation.path_coefficients(n_tokens, loss, config.length_buckets[-1])[None, :]
         a = adv.path_advantages(tree)
         w, p, m = coef.sum(1), (coef * np.maximum(a, 0)).sum(1), (coef * np.minimum(a, 0)).sum(1)
         if config.segment_weight == "one":

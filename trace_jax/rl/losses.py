@@ -19,9 +19,9 @@ that splits a batch into micro-batches computes the denominator once and sums th
 the same reason (names ending in ``_max`` are (max, 1) and combine by max).
 
 Registries, keyed by config strings: ``POLICY_LOSSES`` (ppo, grpo, gspo_turn; gspo is registered but only
-exact when every row is one whole path: ``trace_jax.rl.batch.check_objective`` refuses it with shared
-turns), ``KL_PENALTIES`` (reverse, forward: named by the KL whose gradient they give), ``AGGREGATIONS``
-(token-mean, seq-mean-token-mean, seq-mean-token-sum-norm).
+exact when every row is one whole path: ``trace_jax.rl.batch.check_objective`` refuses it, since a shared
+turn trains once in either layout), ``KL_PENALTIES`` (reverse, forward: named by the KL whose gradient they
+give), ``AGGREGATIONS`` (token-mean, seq-mean-token-mean, seq-mean-token-sum-norm).
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ class LossConfig:
     """What the RL loss does.
 
     Attributes:
-      policy_loss: key of ``POLICY_LOSSES``.
+      policy_loss: key of ``POLICY_LOSSES``. GSPO's paper objective needs aggregation "seq-mean-token-mean"
+        (token-mean weighs each sequence by its length); "gspo" (one ratio per whole path) is refused by
+        ``trace_jax.rl.batch.check_objective`` (a shared turn trains once, so no batch row is a whole path);
+        "gspo_turn" (one ratio per turn) is exact under sharing.
       clip_low, clip_high: the ratio is clipped to [1 − clip_low, 1 + clip_high] (DAPO's "clip higher").
       dual_clip: None, or c > 1: for A < 0 the per-token loss is capped at −c·A (dual-clip PPO).
       kl_coef: weight of the KL-to-reference penalty per token (0 disables it: no reference log-probs are
@@ -59,8 +62,9 @@ class LossConfig:
       entropy_coef: weight of the entropy bonus (the loss gets −entropy_coef · H per token); 0: the entropy
         over the vocabulary is not computed at all.
       aggregation: key of ``AGGREGATIONS``.
-      norm_length: the constant length L of ``seq-mean-token-sum-norm``; None: the batch's longest path (in
-        trained tokens).
+      norm_length: the constant length L of ``seq-mean-token-sum-norm`` (Dr. GRPO), the same for every batch of
+        a run; None: the batch layout's largest row length (``BatchConfig.length_buckets[-1]``, which configs
+        set to the engine's ``max_len``), a bound on any path's trained tokens.
     """
 
     policy_loss: str = "ppo"
@@ -215,9 +219,14 @@ def _gspo(inputs: LossInputs, config: LossConfig, segment_bt: jax.Array) -> tupl
 def gspo_loss(inputs: LossInputs, config: LossConfig) -> tuple[jax.Array, Metrics]:
     """GSPO, sequence-level ratio: ``s_i = exp(mean_{t ∈ row i} log(π_θ/π_old))``, clipped like PPO.
 
-    The "sequence" is a batch row's trained tokens, which is a root-to-leaf path only when no turn is shared
-    (``check_objective`` refuses it otherwise). GSPO's clip ranges are much tighter than PPO's (the paper
-    uses ~3e-4 / 4e-4): set clip_low / clip_high accordingly.
+    The "sequence" is a batch row's trained tokens. With rows that are whole sequences and
+    ``aggregation="seq-mean-token-mean"`` (weights 1/|y_i|, one path per row) this is the paper's objective and
+    gradient, clipping included (checked by enumeration in tests); under ``token-mean`` sequence i weighs
+    |y_i| / mean |y| instead of 1, which is not the paper's gradient. Batches of trees (either layout) train a
+    shared turn once, so no row is a whole path: ``check_objective`` refuses it (an exact tree form needs every path's
+    sequence ratio s_ℓ at the current params before each optimizer step, i.e. a forward pass over the whole
+    batch per step, then per-token coefficients Σ_{ℓ∋t} c_ℓ·A_ℓ·s_ℓ / |ℓ| on unclipped paths). GSPO's clip
+    ranges are much tighter than PPO's (the paper uses ~3e-4 / 4e-4): set clip_low / clip_high accordingly.
     """
     return _gspo(inputs, config, jnp.zeros_like(inputs.segment_ids))
 
@@ -225,7 +234,8 @@ def gspo_loss(inputs: LossInputs, config: LossConfig) -> tuple[jax.Array, Metric
 @register_policy_loss("gspo_turn")
 def gspo_turn_loss(inputs: LossInputs, config: LossConfig) -> tuple[jax.Array, Metrics]:
     """GSPO with a turn-level ratio: ``s_y = exp(mean_{t ∈ turn y} log(π_θ/π_old))``, the same on every path
-    through the turn, hence exact under sharing."""
+    through the turn, hence exact under sharing. For one-turn paths with ``aggregation="seq-mean-token-mean"``
+    it is GSPO's objective; under ``token-mean`` a path weighs its length (see ``gspo_loss``)."""
     return _gspo(inputs, config, inputs.segment_ids)
 
 
@@ -243,13 +253,20 @@ KL_PENALTIES: Registry[Callable[[jax.Array], jax.Array]] = Registry(
 
 
 def kl_value_estimate(d: jax.Array) -> jax.Array:
-    """k3 = exp(−d) + d − 1 >= 0: an unbiased per-token estimate of the *value* KL(π_θ ‖ π_ref) (for metrics)."""
+    """k3 = exp(−d) + d − 1 >= 0 with d = log π_θ(y) − log π_ref(y), y sampled from π_θ: an unbiased per-token
+    estimate of the *value* KL(π_θ ‖ π_ref) (for metrics)."""
     return jnp.expm1(-d) + d
+
+
+def behaviour_kl_estimate(d: jax.Array) -> jax.Array:
+    """k3 = (r − 1) − log r >= 0 with r = exp(d), d = log π_θ(y) − log π_old(y), y sampled from π_old (the
+    batch's tokens): an unbiased per-token estimate of KL(π_old ‖ π_θ), since E_old[r] = 1."""
+    return jnp.expm1(d) - d
 
 
 # -------------------------------------------------------------------------------------- aggregation
 class Aggregation(NamedTuple):
-    """How paths are weighed: ``c_ℓ = path_coefficients(trained tokens per path [L], config, longest)`` on the
+    """How paths are weighed: ``c_ℓ = path_coefficients(trained tokens per path [L], config, max_len)`` on the
     host, and a denominator of Σ weights (``per_path=False``) or of the number of paths (``per_path=True``)."""
 
     path_coefficients: Callable[[np.ndarray, LossConfig, int], np.ndarray]
@@ -260,12 +277,12 @@ AGGREGATIONS: Registry[Aggregation] = Registry(
     "loss aggregation",
     {
         # Σ_ℓ Σ_{t∈ℓ} ℓ_t / Σ_ℓ |ℓ|: every trained path token counts the same (DAPO).
-        "token-mean": Aggregation(lambda n, config, longest: np.ones(n.shape), per_path=False),
+        "token-mean": Aggregation(lambda n, config, max_len: np.ones(n.shape), per_path=False),
         # mean_ℓ (Σ_{t∈ℓ} ℓ_t / |ℓ|) (the original GRPO).
-        "seq-mean-token-mean": Aggregation(lambda n, config, longest: 1.0 / np.maximum(n, 1), per_path=True),
+        "seq-mean-token-mean": Aggregation(lambda n, config, max_len: 1.0 / np.maximum(n, 1), per_path=True),
         # mean_ℓ (Σ_{t∈ℓ} ℓ_t) / L with a constant L: no length bias (Dr. GRPO).
         "seq-mean-token-sum-norm": Aggregation(
-            lambda n, config, longest: np.full(n.shape, 1.0 / (config.norm_length or max(longest, 1))), per_path=True
+            lambda n, config, max_len: np.full(n.shape, 1.0 / (config.norm_length or max_len)), per_path=True
         ),
     },
 )
@@ -282,16 +299,38 @@ def loss_denominator(weights_bt: jax.Array, paths_b: jax.Array | None, config: L
 
 
 # -------------------------------------------------------------------------------------------- total
+def mask_nonfinite_behaviour(inputs: LossInputs) -> tuple[LossInputs, jax.Array]:
+    """``inputs`` with every trained token whose behaviour log-prob is −inf or NaN untrained (weight and
+    advantages 0), and the number of such tokens (float32 []).
+
+    Such a token's ratio is unbounded: clipped at ``exp(MAX_LOG_RATIO)`` it would add ~4.9e8·|A| to the loss
+    with zero gradient. ``trace_jax.rl.trainer.RLTrainer.update`` reports the count as
+    ``masked_nonfinite_tokens``; the denominator is left as built.
+    """
+    bad = (inputs.weights > 0) & ~jnp.isfinite(inputs.old_logprobs)
+    zero = lambda x: jnp.where(bad, 0.0, x)
+    fixed = inputs._replace(
+        weights=zero(inputs.weights),
+        adv_pos=zero(inputs.adv_pos),
+        adv_neg=zero(inputs.adv_neg),
+        old_logprobs=jnp.where(jnp.isfinite(inputs.old_logprobs), inputs.old_logprobs, 0.0),
+    )
+    return fixed, jnp.sum(bad.astype(jnp.float32))
+
+
 def compute_loss(inputs: LossInputs, config: LossConfig) -> LossOutput:
     """Policy loss + kl_coef · KL penalty − entropy_coef · H, per token, summed to a numerator.
 
-    Divide by ``loss_denominator(...)`` of the whole batch to get the loss. Metrics: pg_loss, approx_kl (k3 of
-    π_old vs π_θ), clip fractions, ratio and ratio_max, and kl_ref / entropy when those are given.
+    Divide by ``loss_denominator(...)`` of the whole batch to get the loss. Trained tokens with a non-finite
+    behaviour log-prob are left out (``mask_nonfinite_behaviour``). Metrics: pg_loss, approx_kl (KL(π_old ‖ π_θ)
+    by ``behaviour_kl_estimate``), clip fractions, ratio and ratio_max, and kl_ref / entropy when those are
+    given.
     """
+    inputs, _ = mask_nonfinite_behaviour(inputs)
     per_token, metrics = POLICY_LOSSES[config.policy_loss](inputs, config)
     metrics["pg_loss"] = (jnp.sum(per_token), jnp.sum(inputs.weights))
     log_ratio = _log_ratio(inputs)
-    metrics["approx_kl"] = _metric(kl_value_estimate(jax.lax.stop_gradient(log_ratio)), inputs.weights)
+    metrics["approx_kl"] = _metric(behaviour_kl_estimate(jax.lax.stop_gradient(log_ratio)), inputs.weights)
     if inputs.ref_logprobs is not None:
         d = jnp.where(inputs.weights > 0, inputs.logprobs - inputs.ref_logprobs, 0.0)
         d = jnp.clip(d, -MAX_LOG_RATIO, MAX_LOG_RATIO)

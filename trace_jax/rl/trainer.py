@@ -17,8 +17,10 @@ Inside a step the policy's log-probs are recomputed under the current params fro
 the batch (``trace_jax.rl.logprobs``: packed rows, chunked LM head), as log-probs of the *sampling*
 temperature's policy ``softmax(logits / T)``; the entropy over the vocabulary only when
 ``entropy_coef != 0`` or ``UpdateConfig.entropy_metric``; reference log-probs only when ``kl_coef != 0``.
-The loss is ``Σ_micro numerator / denominator(whole mini-batch)`` (see ``trace_jax.rl.losses``), so any
-number of micro-batches gives the mini-batch gradient.
+The loss of a mini-batch is ``Σ_micro numerator / denominator(whole rollout batch)`` (see
+``trace_jax.rl.losses``), so any number of micro-batches gives the mini-batch gradient, and the mini-batches of
+an epoch sum to the full-batch objective (a shared-prefix token carries paths whose leaves are in other
+mini-batches: a mini-batch's own path count would misweigh it).
 
 Programs. ``update`` cuts every mini-batch into micro-batches of exactly ``UpdateConfig.micro_rows`` rows
 (the last padded with weight-0 rows) and runs three programs whose shapes never change: zero accumulators,
@@ -74,8 +76,8 @@ class UpdateConfig:
       ppo_epochs: passes over the rollout batch; each pass after the first trains on data the policy has
         already moved away from, which is where the clip acts.
       mini_batches: optimizer steps per epoch; the rows are reshuffled every epoch and split into this many
-        mini-batches (each normalised on its own). ppo_epochs × mini_batches steps per rollout batch
-        (``steps_per_batch``).
+        mini-batches, each divided by the whole batch's denominator (so the mini-batch losses of an epoch sum
+        to the full-batch objective). ppo_epochs × mini_batches steps per rollout batch (``steps_per_batch``).
       behaviour_logprobs: the "old" log-probs of the ratio. "sampler": the sampler's ``sample_logprobs``,
         the log-probs of the distribution the tokens were actually drawn from (tempered, top-k / top-p
         truncated); "recompute": the trainer recomputes them in float32 before the first step under the
@@ -111,6 +113,12 @@ class UpdateConfig:
         """Optimizer steps ``RLTrainer.update`` makes on one rollout batch: ppo_epochs × mini_batches (a batch
         with fewer rows holding tokens than ``mini_batches`` makes one step per such row and epoch instead)."""
         return self.ppo_epochs * self.mini_batches
+
+
+def _nonfinite_behaviour_tokens(batch: TrainBatch) -> float:
+    """Trained tokens of ``batch`` whose behaviour log-prob is −inf or NaN (the loss leaves them out)."""
+    old = np.asarray(multihost.to_host(batch.old_logprobs))
+    return float(np.sum((np.asarray(multihost.to_host(batch.weights)) > 0) & ~np.isfinite(old)))
 
 
 class TrainState(NamedTuple):
@@ -426,12 +434,15 @@ class RLTrainer:
         """One optimizer step on ``batch`` as given (see ``prepare`` for behaviour / reference log-probs).
 
         Returns the new state (the old one is donated: do not reuse it) and host metrics: loss, grad_norm,
-        update_applied (1.0 or 0.0), skipped_steps, and every loss metric (pg_loss, clip_fraction, approx_kl,
-        ratio, ratio_max, kl_ref, entropy when computed, ...).
+        update_applied (1.0 or 0.0), skipped_steps, masked_nonfinite_tokens (trained tokens left out for a −inf
+        or NaN behaviour log-prob: ``trace_jax.rl.losses.mask_nonfinite_behaviour``), and every loss metric
+        (pg_loss, clip_fraction, approx_kl, ratio, ratio_max, kl_ref, entropy when computed, ...).
         """
+        masked = _nonfinite_behaviour_tokens(batch)
         state, out = self._device_step(state, batch)
         metrics = finalize_metrics(out.pop("pairs"))
         metrics.update({k: float(v) for k, v in out.items()})
+        metrics["masked_nonfinite_tokens"] = masked
         return state, metrics
 
     def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
@@ -441,9 +452,11 @@ class RLTrainer:
 
         Metrics: the loss metrics pooled over every step (``ratio`` is the mean ratio, ``ratio_max`` the
         largest, ``clip_fraction`` the clipped share; each measured at the start of its step), the same per
-        epoch as ``epoch{e}/ratio``, ``epoch{e}/ratio_max``, ``epoch{e}/clip_fraction`` (e from 1), and loss /
-        grad_norm averaged over steps, update_applied the share of applied steps, skipped_steps, steps,
-        micro_batches (forward/backward calls) and programs (distinct compiled (program, shape) pairs so far).
+        epoch as ``epoch{e}/ratio``, ``epoch{e}/ratio_max``, ``epoch{e}/clip_fraction`` (e from 1), loss (the
+        sum over an epoch's steps, i.e. the full-batch objective, averaged over epochs), grad_norm averaged over
+        steps, update_applied the share of applied steps, skipped_steps, masked_nonfinite_tokens (as in
+        ``train_step``), steps, micro_batches (forward/backward calls) and programs (distinct compiled (program,
+        shape) pairs so far).
         """
         config = self.update_config
         prepared = self.prepare(state, batch)
@@ -457,6 +470,11 @@ class RLTrainer:
         if self._update_fns is None:
             self._update_fns = self._compile_update(state)
         fns = self._update_fns
+        # Every mini-batch divides by the whole batch's denominator: a shared-prefix token carries paths whose
+        # leaves sit in other mini-batches, so only the whole batch's count makes the mini-batch losses (and
+        # gradients, at equal params) sum to the full-batch objective.
+        whole = loss_denominator(np.asarray(prepared.weights), np.asarray(prepared.paths), self.loss_config)
+        denominator = np.float32(max(float(whole), 1e-8))
         rng = np.random.default_rng([config.shuffle_seed, int(jax.device_get(state.step))])
         outs: list[list[Any]] = []  # per epoch, each step's device metrics: fetched once, after the last step
         for _ in range(config.ppo_epochs):
@@ -464,9 +482,6 @@ class RLTrainer:
             parts = np.array_split(order, calls)
             outs.append([])
             for group in np.array_split(np.arange(calls), mini_batches):
-                rows = np.concatenate([parts[i] for i in group])
-                weights, paths = np.asarray(prepared.weights)[rows], np.asarray(prepared.paths)[rows]
-                denominator = np.float32(max(float(loss_denominator(weights, paths, self.loss_config)), 1e-8))
                 micros = [self._micro(prepared, parts[i]) for i in group]
                 acc = fns["zero"](state.params, micros[0])
                 for micro in micros:
@@ -490,8 +505,11 @@ class RLTrainer:
             for k in ("ratio", "ratio_max", "clip_fraction"):
                 metrics[f"epoch{epoch}/{k}"] = epoch_metrics[k]
         metrics.update(finalize_metrics(pooled))
+        steps = len(scalars["loss"])
         metrics.update({k: float(np.mean(v)) for k, v in scalars.items()})
-        metrics["steps"] = float(len(scalars["loss"]))
+        metrics["loss"] = float(np.sum(scalars["loss"])) / config.ppo_epochs  # an epoch's steps sum to the objective
+        metrics["steps"] = float(steps)
+        metrics["masked_nonfinite_tokens"] = _nonfinite_behaviour_tokens(prepared)
         metrics["micro_batches"] = float(calls * config.ppo_epochs)
         metrics["programs"] = float(len(self.programs))
         return state, metrics
