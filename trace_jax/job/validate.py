@@ -29,6 +29,7 @@ from trace_jax.config_utils import from_config
 from trace_jax.envs.react import TAGS
 from trace_jax.job.schema import SECTIONS, retired_problems
 from trace_jax.models import PRESETS
+from trace_jax.parallel.mesh import MESH_AXES
 from trace_jax.rl.advantages import ESTIMATORS
 from trace_jax.rl.batch import BatchConfig, check_objective
 from trace_jax.rl.losses import LossConfig
@@ -140,7 +141,7 @@ RULES: list[Rule] = [
     Rule("seed", _is_int, "an integer"),
     *(
         Rule(f"mesh.{axis}", lambda v: _is_int(v) and (v >= 1 or v == -1), "an integer >= 1, or -1")
-        for axis in ("data", "fsdp", "tensor")
+        for axis in MESH_AXES
     ),
 ]
 
@@ -187,7 +188,7 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
                 found.append(f"config.{name}: {' '.join(str(e).split())}")
     if not found and {"loss", "batch", "rl"} <= set(config.keys()):
         found.extend(_objective_problems(config))
-    mesh = [config.mesh.get(axis) for axis in ("data", "fsdp", "tensor")] if "mesh" in config else []
+    mesh = [config.mesh.get(axis) for axis in MESH_AXES] if "mesh" in config else []
     if mesh.count(-1) > 1:
         found.append(f"config.mesh has {mesh.count(-1)} axes set to -1: at most one axis may be -1")
     return found
@@ -202,7 +203,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 def check_mesh(config: ml_collections.ConfigDict, device_count: int) -> None:
     """Raises :class:`ConfigError` unless the mesh axes fit ``device_count`` devices exactly."""
-    sizes = {axis: config.mesh[axis] for axis in ("data", "fsdp", "tensor")}
+    sizes = {axis: config.mesh.get(axis, 1) for axis in MESH_AXES}
     known = math.prod(s for s in sizes.values() if s != -1)
     fits = device_count % known == 0 if -1 in sizes.values() else known == device_count
     if not fits:
