@@ -259,3 +259,69 @@ def test_a_few_rl_steps_raise_em_on_the_questions_they_train_on(tmp_path):
     assert any(not np.array_equal(a, np.asarray(b)) for a, b in moved)
     assert 0.2 < before < 0.8
     assert after >= before + 0.05, (before, after, grad_norms)
+
+
+# A small KV page pool and an evaluation after every step: the engine must evict held prefix pages within a step,
+# and which it evicts depends on what else it holds. A resumed run starts from an empty pool, so the run is exact
+# only if nothing held outlives the phase (step, warm-up, evaluation) that held it.
+PRESSED = [
+    *TINY_MAIN_JOB,
+    "--config.rl.steps=3",
+    "--config.rl.checkpoint_every=3",  # checkpoints 0 and 3 only: one at step 1 or 2 comes from the SIGTERM
+    "--config.eval.every=1",
+    "--config.engine.num_pages=160",
+    "--config.allocation.candidates_per_prompt=2.0",
+    "--config.allocation.predictor_warmup_prompts=4",
+    "--config.allocation.predictor_warmup_rollouts=2",
+]
+
+
+def test_sigterm_during_a_step_checkpoints_it_exits_143_and_the_rerun_equals_the_uninterrupted_run(cache, tmp_path):
+    """Catches: a SIGTERM that kills at once (no checkpoint of the step under way, exit 130), and engine state that
+    outlives a phase (held prefix pages, the page pool's free order): the resumed run then evicts, re-prefills and
+    rounds differently from the uninterrupted one (its metrics differ from the first step after the resume)."""
+    from trace_jax.cli import ExitCode
+
+    reference = tmp_path / "reference"
+    done = subprocess.run(
+        main_job_command(reference, cache, PRESSED), cwd=ROOT, capture_output=True, text=True, timeout=1800
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    workdir = tmp_path / "preempted"
+    # A grace far longer than any step: the step under way always finishes (nothing here depends on timing).
+    flags = [*PRESSED, "--config.rl.preemption_grace_s=1200"]
+    process = subprocess.Popen(
+        main_job_command(workdir, cache, flags), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 1500
+    while time.monotonic() < deadline and process.poll() is None:
+        records = records_without_timings(workdir) if (workdir / "metrics.jsonl").exists() else []
+        if any(r["step"] == 1 for r in records):
+            break
+        time.sleep(0.2)
+    assert process.poll() is None, "the run ended before the SIGTERM: " + process.stderr.read()[-2000:]
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=1200)
+    assert process.returncode == ExitCode.PREEMPTED == 143, stderr[-3000:]
+    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-1] in (1, 2), saved  # the step under way (or the one just logged) was checkpointed on the SIGTERM
+    assert f"stopped by SIGTERM after RL step {saved[-1]}" in stderr
+    assert not (workdir / "summary.json").exists()
+    train_flags = main_job_command(workdir, cache, flags)
+    done = subprocess.run(train_flags, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"resuming at RL step {saved[-1]} of 3" in done.stderr
+
+    # The premise: the pool was short, so prefix pages were evicted (a roomy pool never evicts: nothing to catch).
+    records = records_without_timings(reference)
+    assert any(r["rollout/evicted_holds"] > 0 for r in records if r["step"] > 0)
+    assert any(r["train/grad_norm"] > 0 for r in records if r["step"] > 0)
+    assert records_without_timings(workdir) == records
+    step_a, params_a = final_params(reference)
+    step_b, params_b = final_params(workdir)
+    assert step_a == step_b == 3
+    for a, b in zip(params_a, params_b, strict=True):
+        np.testing.assert_array_equal(a, b)
+    summary_a = json.loads((reference / "summary.json").read_text())
+    summary_b = json.loads((workdir / "summary.json").read_text())
+    assert without_run_facts(summary_b) == without_run_facts(summary_a) and summary_b["run"]["resumes"] == 1

@@ -244,6 +244,9 @@ class Engine:
         """Parks ``state`` for the next ``acquire_state`` (its slots must all be free)."""
         if state.active.any():
             raise ValueError(f"slots {np.flatnonzero(state.active).tolist()} are still active; free them first")
+        state.pool.settle()
+        if len(state.bank_free) == self.config.max_slots:  # every kept prefix dropped: the initial order too
+            state.bank_free = list(range(self.config.max_slots))[::-1]
         self._parked = state
 
     def _put(self, *arrays: np.ndarray) -> tuple[jax.Array, ...]:
