@@ -63,6 +63,16 @@ def tensorboard_scalars(workdir):
     }
 
 
+def wait_until_logged(process, workdir, step):
+    """Returns once ``workdir``'s metrics.jsonl has ``step`` (or the process ended)."""
+    deadline = time.monotonic() + 1500
+    while time.monotonic() < deadline and process.poll() is None:
+        records = records_without_timings(workdir) if (workdir / "metrics.jsonl").exists() else []
+        if any(r["step"] == step for r in records):
+            return
+        time.sleep(0.2)
+
+
 def final_params(workdir):
     restored = StateCheckpointer(workdir / "checkpoints").restore_latest(keys=["params"])
     return restored.step, [np.asarray(x) for x in jax.tree.leaves(restored.state["params"])]
@@ -138,12 +148,7 @@ def test_sigkill_between_checkpoints_then_rerun_gives_the_uninterrupted_logs_and
     workdir = tmp_path / "killed"
     process = subprocess.Popen(command(workdir, cache), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     # Checkpoints are at steps 0, 2 and 3: kill once step 1 is logged, before step 2 is checkpointed.
-    deadline = time.monotonic() + 1500
-    while time.monotonic() < deadline and process.poll() is None:
-        records = records_without_timings(workdir) if (workdir / "metrics.jsonl").exists() else []
-        if any(r["step"] == 1 for r in records):
-            break
-        time.sleep(0.2)
+    wait_until_logged(process, workdir, step=1)
     assert process.poll() is None, "the run ended before it could be killed: " + process.stderr.read().decode()[-2000:]
     process.send_signal(signal.SIGKILL)
     process.wait()
@@ -293,12 +298,7 @@ def test_sigterm_during_a_step_checkpoints_it_exits_143_and_the_rerun_equals_the
     process = subprocess.Popen(
         main_job_command(workdir, cache, flags), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    deadline = time.monotonic() + 1500
-    while time.monotonic() < deadline and process.poll() is None:
-        records = records_without_timings(workdir) if (workdir / "metrics.jsonl").exists() else []
-        if any(r["step"] == 1 for r in records):
-            break
-        time.sleep(0.2)
+    wait_until_logged(process, workdir, step=1)
     assert process.poll() is None, "the run ended before the SIGTERM: " + process.stderr.read()[-2000:]
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=1200)
