@@ -119,16 +119,23 @@ class Termination:
 
     @contextlib.contextmanager
     def grace(self, abandon_after_s: float) -> Any:
-        """Inside: a SIGTERM lets the work go on until the caller stops, at most ``abandon_after_s`` seconds."""
+        """Inside: a SIGTERM lets the work go on until the caller stops, at most ``abandon_after_s`` seconds after
+        the notice (``inf``: until the caller stops). Graces nest; leaving one restores the enclosing one."""
+        previous = self._abandon_after_s
+        self._disarm()
         self._abandon_after_s = max(float(abandon_after_s), 0.0)
         self._arm()  # a notice that came before
         try:
             yield self
         finally:
-            self._abandon_after_s = None
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            self._disarm()
+            self._abandon_after_s = previous
+            self._arm()
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def reset(self) -> None:
         """Forgets a notice (tests that run several jobs in one process)."""

@@ -85,3 +85,15 @@ def test_run_main_exits_143_after_a_sigterm_and_130_after_ctrl_c(monkeypatch):
         assert run_main(terminated, console) == ExitCode.PREEMPTED
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_graces_nest_and_leaving_the_inner_one_restores_the_outer(termination):
+    """Catches an inner grace that, on leaving, drops the outer one: a SIGTERM between steps (outside the step's
+    own grace, inside the loop's) would then interrupt at once instead of stopping at the loop's check."""
+    with termination.grace(float("inf")):
+        with termination.grace(600):
+            pass
+        sigterm()
+        wait_for(lambda: termination.requested)
+        time.sleep(0.2)  # no KeyboardInterrupt: the loop's grace holds
+    assert termination.requested

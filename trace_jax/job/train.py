@@ -177,7 +177,8 @@ def _train(
         # its checkpoint (twice the slowest save so far, and a second): then the step is abandoned.
         grace = config.rl.preemption_grace_s
         abandon_after = lambda: grace - 2 * run.slowest_save_s - 1.0
-        with console.progress(steps, "TRACE RL", initial=run.step) as bar:
+        # The whole loop is inside a grace (a SIGTERM between steps stops at the next loop check, never mid-write).
+        with console.progress(steps, "TRACE RL", initial=run.step) as bar, TERMINATION.grace(float("inf")):
             while run.step < steps:
                 if _stop_requested(run):
                     run.save(force=True)  # a no-op when this step is already checkpointed
@@ -191,10 +192,9 @@ def _train(
                         run.last_eval = run.evaluate(f"evaluation at step {run.step}", leave=False)
                         metrics.update(eval_metrics(run.last_eval))
                 # Past here the step is complete: logging and checkpointing it are never abandoned.
-                with TERMINATION.grace(float("inf")):
-                    writer.write(run.step, metrics)  # before the checkpoint: a resume never loses a step's record
-                    distributed.run_on_main(logs.push)
-                    run.save(force=last)
+                writer.write(run.step, metrics)  # before the checkpoint: a resume never loses a step's record
+                distributed.run_on_main(logs.push)
+                run.save(force=last)
                 heap.release()  # the step's freed temporaries, back to the OS (see trace_jax.heap)
                 bar.set_postfix(
                     reward=f"{metrics['rollout/mean_reward']:.2f}", eff=f"{metrics['alloc/effective_ratio']:.2f}"
