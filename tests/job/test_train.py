@@ -1,5 +1,6 @@
 """The main job end to end on a tiny world: what it writes, the same numbers under load, exact logs and params
-after SIGKILL + rerun, and a finished run left untouched by a rerun.
+after SIGKILL + rerun and after a SIGTERM (preemption: the step under way checkpointed, exit 143) + rerun with a
+short KV page pool, and a finished run left untouched by a rerun.
 
 The tiny config trains a warm start that answers about a third of its training questions, so rollout
 rewards are mixed and RL gradients are non-zero: the resume test would catch a policy that never moved.
