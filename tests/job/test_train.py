@@ -267,9 +267,9 @@ def test_a_few_rl_steps_raise_em_on_the_questions_they_train_on(tmp_path):
     assert after >= before + 0.05, (before, after, grad_norms)
 
 
-# A small KV page pool and an evaluation after every step: the engine must evict held prefix pages within a step,
-# and which it evicts depends on what else it holds. A resumed run starts from an empty pool, so the run is exact
-# only if nothing held outlives the phase (step, warm-up, evaluation) that held it.
+# A smaller KV page pool (160 pages of 16 positions) and an evaluation after every step, so the run crosses phases
+# (warm-up, evaluation, step) that share the engine's pool. A resumed run starts from an empty pool: the run is
+# exact only if nothing held outlives the phase that held it.
 PRESSED = [
     *TINY_MAIN_JOB,
     "--config.rl.steps=3",
@@ -283,9 +283,8 @@ PRESSED = [
 
 
 def test_sigterm_during_a_step_checkpoints_it_exits_143_and_the_rerun_equals_the_uninterrupted_run(cache, tmp_path):
-    """Catches: a SIGTERM that kills at once (no checkpoint of the step under way, exit 130), and engine state that
-    outlives a phase (held prefix pages, the page pool's free order): the resumed run then evicts, re-prefills and
-    rounds differently from the uninterrupted one (its metrics differ from the first step after the resume)."""
+    """Catches a SIGTERM that kills at once (no checkpoint of the step under way, exit 130) and a rerun that does
+    not resume from the SIGTERM's checkpoint or does not end as the uninterrupted run."""
     from trace_jax.cli import ExitCode
 
     reference = tmp_path / "reference"
@@ -313,9 +312,7 @@ def test_sigterm_during_a_step_checkpoints_it_exits_143_and_the_rerun_equals_the
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"resuming at RL step {saved[-1]} of 3" in done.stderr
 
-    # The premise: the policy moved. With holds dropped at each phase the pool does not run dry within one here
-    # (rollout/evicted_holds is 0), but an engine that kept them across phases fills these 160 pages and evicts
-    # by its history; the uninterrupted run's pool was full where the resumed run's was empty.
+    # The premise: the policy moved (equal logs and params would otherwise prove nothing about the resume).
     records = records_without_timings(reference)
     assert any(r["train/grad_norm"] > 0 for r in records if r["step"] > 0)
     assert records_without_timings(workdir) == records
