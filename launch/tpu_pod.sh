@@ -5,6 +5,13 @@
 #   launch/tpu_pod.sh --tpu NAME --zone ZONE --workdir gs://BUCKET/RUN [--project P] [--accelerator v5p-64]
 #       [--create | --queued [--spot]] [--runtime VERSION] [--python 3.11] [--env KEY=VALUE ...]
 #       [--no-stream] [--skip-check] [--dry-run] [--config configs/x.py[:arg]] [-- --config.key=value ...]
+#       [--watch [--max-relaunches N]]
+# --watch (with --create or --queued) stays attached: when the job ends with exit status 143 (a SIGTERM, e.g. a
+# preemption notice: it checkpointed first), the slice is preempted / SUSPENDED / FAILED / gone, or the ssh to
+# worker 0 drops, it recreates the slice the same way (spot / queued included), ships and starts the same
+# command on the same --workdir, which resumes from its last checkpoint; at most N times (default 10). A job
+# that fails on a healthy slice (a bug, a config error) is not relaunched. Under --dry-run it prints the first
+# start and then one relaunch round, as if the slice had been preempted.
 # Afterwards (same --tpu/--zone/--project; add --queued if the slice came from a queued resource):
 #   --logs [--worker N]   stream worker N's log (default 0; Ctrl-C detaches, the job keeps running)
 #   --status              one line per worker     --stop    stop the job on every worker
@@ -17,6 +24,8 @@ cd "$(dirname "$0")/.."
 WORKDIR=""  # a pod needs an explicit shared workdir (common.sh defaults to a local one)
 TPU=""; ZONE=""; PROJECT=""; ACCELERATOR="v5p-64"; RUNTIME=""; PY_VERSION="3.11"
 CREATE=0; QUEUED=0; SPOT=0; STREAM=1; CHECK=1; ACTION="launch"; WORKER=0; ENVS=()
+WATCH=0; MAX_RELAUNCHES=10
+PREEMPTED=143  # trace_jax.cli.ExitCode.PREEMPTED: stopped by SIGTERM after checkpointing; a rerun resumes
 PYTHON="${PYTHON:-python3}"
 parse_specific() {
   SHIFT_TWO=1
@@ -29,6 +38,8 @@ parse_specific() {
     --python) PY_VERSION="$2" ;;
     --env) ENVS+=("$2") ;;
     --worker) WORKER="$2" ;;
+    --max-relaunches) MAX_RELAUNCHES="$2" ;;
+    --watch) WATCH=1; SHIFT_TWO=0 ;;
     --create) CREATE=1; SHIFT_TWO=0 ;;
     --queued) QUEUED=1; SHIFT_TWO=0 ;;
     --spot) SPOT=1; SHIFT_TWO=0 ;;
@@ -47,6 +58,9 @@ for kv in ${ENVS[@]+"${ENVS[@]}"}; do
   [[ "$kv" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || fail "--env $kv: expected KEY=VALUE"
 done
 [[ "$PY_VERSION" =~ ^3\.[0-9]+$ ]] || fail "--python $PY_VERSION: expected a version like 3.11"
+[[ "$MAX_RELAUNCHES" =~ ^[0-9]+$ ]] || fail "--max-relaunches $MAX_RELAUNCHES: expected a number"
+[ "$WATCH" = 1 ] && [ "$CREATE" = 0 ] && [ "$QUEUED" = 0 ] && \
+  fail "--watch recreates the slice the way it was made: add --create or --queued"
 
 # The runtime image for each TPU generation (an image ships the TPU driver; jax comes from our install).
 default_runtime() {
@@ -129,6 +143,21 @@ launch() {
     "$PYTHON" launch/pod_helper.py check "$CONFIG" "${overrides[@]}" || exit 2
   fi
   ensure_slice
+  JOB=(python -m trace_jax.train "--config=$CONFIG" "--workdir=$WORKDIR" "${overrides[@]}")
+  ship_and_start
+  local again="launch/tpu_pod.sh --tpu $TPU --zone $ZONE${PROJECT:+ --project $PROJECT}"
+  [ "$QUEUED" = 1 ] && again+=" --queued"
+  echo "job started on every worker of $TPU. Re-attach: $again --logs [--worker N]; stop: $again --stop;" \
+    "delete the slice (billing stops only then): $again --delete" >&2
+  if [ "$WATCH" = 1 ]; then
+    watch
+  elif [ "$STREAM" = 1 ]; then
+    note "stream worker 0's log (Ctrl-C detaches; the job keeps running)"
+    on_workers 0 "bash $WORKER_SCRIPT logs"
+  fi
+}
+
+ship_and_start() {
   local tarball="${TMPDIR:-/tmp}/trace_jax_code_$TPU.tgz"
   note "ship this checkout to every worker, install it, stop leftovers"
   run "$PYTHON" launch/pod_helper.py pack "$tarball"
@@ -136,18 +165,67 @@ launch() {
   on_workers all "set -e; rm -rf trace_jax_run/incoming; mkdir -p trace_jax_run/incoming; \
 tar -xzf trace_jax_code.tgz -C trace_jax_run/incoming; bash trace_jax_run/incoming/launch/tpu_worker.sh install $PY_VERSION"
   note "start the same command on every worker (detached; jax.distributed finds the pod by itself)"
-  local job=(python -m trace_jax.train "--config=$CONFIG" "--workdir=$WORKDIR" "${overrides[@]}")
   local remote
-  remote="$(printf '%q ' bash "$WORKER_SCRIPT" start ${ENVS[@]+"${ENVS[@]}"} -- "${job[@]}")"
+  remote="$(printf '%q ' bash "$WORKER_SCRIPT" start ${ENVS[@]+"${ENVS[@]}"} -- "${JOB[@]}")"
   on_workers all "${remote% }"
-  local again="launch/tpu_pod.sh --tpu $TPU --zone $ZONE${PROJECT:+ --project $PROJECT}"
-  [ "$QUEUED" = 1 ] && again+=" --queued"
-  echo "job started on every worker of $TPU. Re-attach: $again --logs [--worker N]; stop: $again --stop;" \
-    "delete the slice (billing stops only then): $again --delete" >&2
-  if [ "$STREAM" = 1 ]; then
-    note "stream worker 0's log (Ctrl-C detaches; the job keeps running)"
-    on_workers 0 "bash $WORKER_SCRIPT logs"
+}
+
+# The slice's state as gcloud reports it ("" when it is gone).
+slice_state() {
+  if [ "$QUEUED" = 1 ]; then
+    "${QR[@]}" describe "$TPU" "${SCOPE[@]}" --format="value(state.state)" 2>/dev/null || true
+  else
+    "${VM[@]}" describe "$TPU" "${SCOPE[@]}" --format="value(state)" 2>/dev/null || true
   fi
+}
+
+delete_slice() {
+  if [ "$QUEUED" = 1 ]; then
+    run "${QR[@]}" delete "$TPU" "${SCOPE[@]}" --force --quiet || true
+  else
+    run "${VM[@]}" delete "$TPU" "${SCOPE[@]}" --quiet || true
+  fi
+}
+
+watch() {
+  local relaunches=0 code state
+  while :; do
+    note "watch: follow worker 0's log until the job ends (its exit status decides what happens next)"
+    if [ "$DRY_RUN" = 1 ]; then
+      on_workers 0 "bash $WORKER_SCRIPT logs"
+      note "watch: one relaunch round follows, as if the job had exited $PREEMPTED and the slice were preempted"
+      code=$PREEMPTED
+      state="SUSPENDED"
+      [ "$QUEUED" = 1 ] && run "${QR[@]}" describe "$TPU" "${SCOPE[@]}" --format="value(state.state)"
+      [ "$QUEUED" = 0 ] && run "${VM[@]}" describe "$TPU" "${SCOPE[@]}" --format="value(state)"
+    else
+      code=0
+      on_workers 0 "bash $WORKER_SCRIPT logs" || code=$?
+      [ "$code" = 0 ] && { echo "watch: the job finished (exit status 0)" >&2; return 0; }
+      state="$(slice_state)"
+    fi
+    local healthy=0
+    [ "$state" = ACTIVE ] || [ "$state" = READY ] && healthy=1
+    # 255: the ssh itself failed (the host went away); PREEMPTED: the job stopped on a SIGTERM, checkpointed.
+    if [ "$healthy" = 1 ] && [ "$code" != "$PREEMPTED" ] && [ "$code" != 255 ]; then
+      echo "watch: the job failed with exit status $code on a healthy slice ($state): not relaunched;" \
+        "see launch/tpu_pod.sh --tpu $TPU --zone $ZONE --logs" >&2
+      exit "$code"
+    fi
+    relaunches=$((relaunches + 1))
+    if [ "$relaunches" -gt "$MAX_RELAUNCHES" ]; then
+      echo "watch: giving up after $MAX_RELAUNCHES relaunches (last exit status $code, slice ${state:-gone})" >&2
+      exit 1
+    fi
+    note "watch: relaunch $relaunches of $MAX_RELAUNCHES (exit status $code, slice ${state:-gone}): recreate the" \
+      "slice unless it is healthy, then ship and start the same command on the same workdir (it resumes)"
+    if [ "$healthy" = 0 ]; then
+      delete_slice
+      ensure_slice
+    fi
+    ship_and_start
+    [ "$DRY_RUN" = 1 ] && return 0
+  done
 }
 
 case "$ACTION" in

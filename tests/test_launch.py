@@ -119,10 +119,42 @@ def test_tpu_pod_queued_spot_slice_and_the_other_actions():
     assert delete[-1][3:6] == ["queued-resources", "delete", "pod1"] and "--force" in delete[-1]
 
 
+@pytest.mark.parametrize("how", ["--queued", "--create"])
+def test_tpu_pod_watch_recreates_a_preempted_slice_and_relaunches_the_same_job_on_the_same_workdir(how):
+    # --skip-check: the override check is covered above; this test reads the gcloud commands only.
+    done = launch("tpu_pod.sh", "--dry-run", *POD, how, "--spot", "--watch", "--skip-check", "--", "--config.seed=3")
+    assert done.returncode == 0, done.stderr
+    cmds = commands(done.stdout)
+    kind = "queued-resources" if how == "--queued" else "tpu-vm"
+    ssh = lambda c: c[0] == "gcloud" and "ssh" in c
+    starts = [i for i, c in enumerate(cmds) if ssh(c) and "tpu_worker.sh start" in flag(c, "command")]
+    follow = [i for i, c in enumerate(cmds) if ssh(c) and flag(c, "command").endswith(" logs")]
+    creates = [i for i, c in enumerate(cmds) if c[:6] == ["gcloud", "compute", "tpus", kind, "create", "pod1"]]
+    (delete,) = [i for i, c in enumerate(cmds) if c[:6] == ["gcloud", "compute", "tpus", kind, "delete", "pod1"]]
+    # The first start, then the watch follows worker 0 until the job ends; the relaunch round (printed as if
+    # the slice were preempted) deletes the slice, makes it again the same way (spot) and starts again.
+    assert len(starts) == 2 and len(creates) == 2 and len(follow) == 1
+    assert creates[0] < starts[0] < follow[0] < delete < creates[1] < starts[1]
+    assert all("--spot" in cmds[i] for i in creates)
+    # The same job (same workdir, same overrides): the relaunched run resumes from the workdir's checkpoints.
+    assert flag(cmds[starts[0]], "command") == flag(cmds[starts[1]], "command")
+    job = shlex.split(flag(cmds[starts[1]], "command"))
+    assert "--workdir=gs://bucket/run" in job and job[-1] == "--config.seed=3"
+    assert "exited 143" in done.stdout  # the job's preemption exit code (trace_jax.cli.ExitCode.PREEMPTED)
+
+
+def test_the_launcher_and_the_job_agree_on_the_preemption_exit_code():
+    from trace_jax.cli import ExitCode
+
+    assert f"PREEMPTED={int(ExitCode.PREEMPTED)}" in (ROOT / "launch" / "tpu_pod.sh").read_text()
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
         (["--dry-run"], "--tpu NAME and --zone ZONE are required"),
+        ([*POD, "--watch"], "add --create or --queued"),
+        ([*POD, "--create", "--watch", "--max-relaunches", "x"], "expected a number"),
         (["--dry-run", "--tpu", "p", "--zone", "z"], "--workdir gs://BUCKET/RUN is required"),
         (["--dry-run", "--tpu", "p", "--zone", "z", "--workdir", "/tmp/run"], "must be a gs:// bucket path"),
         ([*POD, "--create", "--queued"], "pick one"),

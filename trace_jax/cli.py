@@ -2,7 +2,9 @@
 
 A user mistake (a bad config value, a missing file, an unusable workdir) raises a :class:`UserError`
 subclass; :func:`run_main` turns it into one ``error: ...`` line on stderr and the class's exit code, with
-no traceback unless ``--verbosity`` is 1 or more. Ctrl-C (and SIGTERM) end with one line and exit code 130.
+no traceback unless ``--verbosity`` is 1 or more. Ctrl-C ends with one line and exit code 130; SIGTERM (how
+spot / queued capacity announces a preemption) with exit code 143, after the main job has checkpointed what it
+could within its grace (:class:`Termination`).
 
     console = Console(verbosity=0, log_path=workdir / "train.log")
     console.info("warm start: training 1000 steps")
@@ -13,6 +15,7 @@ no traceback unless ``--verbosity`` is 1 or more. Ctrl-C (and SIGTERM) end with 
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import datetime
 import enum
@@ -21,6 +24,8 @@ import os
 import pathlib
 import signal
 import sys
+import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -39,7 +44,10 @@ class ExitCode(enum.IntEnum):
     CONFIG = 2  # a flag or config value that is not allowed (nothing was done)
     MISSING_FILE = 3  # a file the user named does not exist (nothing was done)
     WORKDIR = 4  # the workdir cannot be used: a file, not writable, or a run with other settings
-    INTERRUPTED = 130  # Ctrl-C or SIGTERM; rerunning the same command resumes from the last checkpoint
+    INTERRUPTED = 130  # Ctrl-C; rerunning the same command resumes from the last checkpoint
+    # SIGTERM (a preemption notice, 128 + 15): the main job finished or abandoned its step, checkpointed and
+    # stopped within rl.preemption_grace_s; rerunning the same command resumes exactly (launch/tpu_pod.sh --watch)
+    PREEMPTED = 143
 
 
 class UserError(Exception):
@@ -64,6 +72,77 @@ class Interrupted(UserError):
     """Raised in place of KeyboardInterrupt once the run knows what to tell (its step, last checkpoint)."""
 
     exit_code = ExitCode.INTERRUPTED
+
+
+class Preempted(Interrupted):
+    """A SIGTERM stopped the run (see :class:`Termination`); the message says which checkpoint a rerun resumes."""
+
+    exit_code = ExitCode.PREEMPTED
+
+
+class Termination:
+    """SIGTERM as a preemption notice: a request to stop at the next safe point, with a deadline.
+
+    Outside :meth:`grace` a SIGTERM interrupts at once (KeyboardInterrupt; ``run_main`` exits 143). Inside it,
+    the SIGTERM only sets :attr:`requested`: the job finishes its step, checkpoints and raises
+    :class:`Preempted`; should the step still be running ``abandon_after_s`` seconds after the notice, the
+    main thread gets a KeyboardInterrupt there (the step is abandoned, the last checkpoint stays the
+    resume point). ``run_main`` installs :data:`TERMINATION` as the SIGTERM handler.
+    """
+
+    def __init__(self) -> None:
+        self.received_at: float | None = None  # time.monotonic() of the first SIGTERM
+        self._abandon_after_s: float | None = None
+        self._timer: threading.Timer | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.received_at is not None
+
+    def handle(self, signum: int, frame: Any) -> None:
+        del signum, frame
+        if self.received_at is None:
+            self.received_at = time.monotonic()
+        if self._abandon_after_s is None:
+            raise KeyboardInterrupt
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._timer is not None or self.received_at is None or self._abandon_after_s is None:
+            return
+        left = self._abandon_after_s - (time.monotonic() - self.received_at)
+        if left == float("inf"):
+            return
+        self._timer = threading.Timer(max(left, 0.0), _thread.interrupt_main)
+        self._timer.daemon = True
+        self._timer.start()
+
+    @contextlib.contextmanager
+    def grace(self, abandon_after_s: float) -> Any:
+        """Inside: a SIGTERM lets the work go on until the caller stops, at most ``abandon_after_s`` seconds after
+        the notice (``inf``: until the caller stops). Graces nest; leaving one restores the enclosing one."""
+        previous = self._abandon_after_s
+        self._disarm()
+        self._abandon_after_s = max(float(abandon_after_s), 0.0)
+        self._arm()  # a notice that came before
+        try:
+            yield self
+        finally:
+            self._disarm()
+            self._abandon_after_s = previous
+            self._arm()
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def reset(self) -> None:
+        """Forgets a notice (tests that run several jobs in one process)."""
+        self.received_at = None
+
+
+TERMINATION = Termination()
 
 
 # Loggers of libraries that narrate routine work (orbax checkpoint steps, absl's jax messages, index builds).
@@ -194,17 +273,13 @@ class _PhaseBar(tqdm):
         return True
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    del signum, frame
-    raise KeyboardInterrupt
-
-
 def run_main(main: Callable[[], Any], console: Console) -> int:
     """Runs ``main`` and returns the exit code: 0, or the failure's code after one ``error:`` line.
 
-    SIGTERM is treated like Ctrl-C. With ``console.verbosity >= 1`` the traceback is printed as well.
+    SIGTERM goes to :data:`TERMINATION` (like Ctrl-C, unless the job is inside its grace; exit code 143). With
+    ``console.verbosity >= 1`` the traceback is printed as well.
     """
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, TERMINATION.handle)
     try:
         main()
         return ExitCode.OK
@@ -216,8 +291,9 @@ def run_main(main: Callable[[], Any], console: Console) -> int:
     except KeyboardInterrupt:
         if console.verbosity >= 1:
             traceback.print_exc(file=console.stream)
-        console.error("interrupted; rerun the same command to resume from the last checkpoint")
-        return ExitCode.INTERRUPTED
+        what = "stopped by SIGTERM" if TERMINATION.requested else "interrupted"
+        console.error(f"{what}; rerun the same command to resume from the last checkpoint")
+        return ExitCode.PREEMPTED if TERMINATION.requested else ExitCode.INTERRUPTED
     except Exception as e:  # anything else is unexpected: say so in one line, the traceback on request
         if console.verbosity >= 1:
             traceback.print_exc(file=console.stream)

@@ -1,5 +1,6 @@
 """The main job end to end on a tiny world: what it writes, the same numbers under load, exact logs and params
-after SIGKILL + rerun, and a finished run left untouched by a rerun.
+after SIGKILL + rerun and after a SIGTERM (preemption: the step under way checkpointed, exit 143) + rerun with a
+short KV page pool, and a finished run left untouched by a rerun.
 
 The tiny config trains a warm start that answers about a third of its training questions, so rollout
 rewards are mixed and RL gradients are non-zero: the resume test would catch a policy that never moved.
@@ -61,6 +62,16 @@ def tensorboard_scalars(workdir):
         for tag in accumulator.Tags()["scalars"]
         if "time/" not in tag
     }
+
+
+def wait_until_logged(process, workdir, step):
+    """Returns once ``workdir``'s metrics.jsonl has ``step`` (or the process ended)."""
+    deadline = time.monotonic() + 1500
+    while time.monotonic() < deadline and process.poll() is None:
+        records = records_without_timings(workdir) if (workdir / "metrics.jsonl").exists() else []
+        if any(r["step"] == step for r in records):
+            return
+        time.sleep(0.2)
 
 
 def final_params(workdir):
@@ -138,12 +149,7 @@ def test_sigkill_between_checkpoints_then_rerun_gives_the_uninterrupted_logs_and
     workdir = tmp_path / "killed"
     process = subprocess.Popen(command(workdir, cache), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     # Checkpoints are at steps 0, 2 and 3: kill once step 1 is logged, before step 2 is checkpointed.
-    deadline = time.monotonic() + 1500
-    while time.monotonic() < deadline and process.poll() is None:
-        records = records_without_timings(workdir) if (workdir / "metrics.jsonl").exists() else []
-        if any(r["step"] == 1 for r in records):
-            break
-        time.sleep(0.2)
+    wait_until_logged(process, workdir, step=1)
     assert process.poll() is None, "the run ended before it could be killed: " + process.stderr.read().decode()[-2000:]
     process.send_signal(signal.SIGKILL)
     process.wait()
@@ -259,3 +265,62 @@ def test_a_few_rl_steps_raise_em_on_the_questions_they_train_on(tmp_path):
     assert any(not np.array_equal(a, np.asarray(b)) for a, b in moved)
     assert 0.2 < before < 0.8
     assert after >= before + 0.05, (before, after, grad_norms)
+
+
+# A smaller KV page pool (160 pages of 16 positions) and an evaluation after every step, so the run crosses phases
+# (warm-up, evaluation, step) that share the engine's pool. A resumed run starts from an empty pool: the run is
+# exact only if nothing held outlives the phase that held it.
+PRESSED = [
+    *TINY_MAIN_JOB,
+    "--config.rl.steps=3",
+    "--config.rl.checkpoint_every=3",  # checkpoints 0 and 3 only: one at step 1 or 2 comes from the SIGTERM
+    "--config.eval.every=1",
+    "--config.engine.num_pages=160",
+    "--config.allocation.candidates_per_prompt=2.0",
+    "--config.allocation.predictor_warmup_prompts=4",
+    "--config.allocation.predictor_warmup_rollouts=2",
+]
+
+
+def test_sigterm_during_a_step_checkpoints_it_exits_143_and_the_rerun_equals_the_uninterrupted_run(cache, tmp_path):
+    """Catches a SIGTERM that kills at once (no checkpoint of the step under way, exit 130) and a rerun that does
+    not resume from the SIGTERM's checkpoint or does not end as the uninterrupted run."""
+    from trace_jax.cli import ExitCode
+
+    reference = tmp_path / "reference"
+    done = subprocess.run(
+        main_job_command(reference, cache, PRESSED), cwd=ROOT, capture_output=True, text=True, timeout=1800
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    workdir = tmp_path / "preempted"
+    # A grace far longer than any step: the step under way always finishes (nothing here depends on timing).
+    flags = [*PRESSED, "--config.rl.preemption_grace_s=1200"]
+    process = subprocess.Popen(
+        main_job_command(workdir, cache, flags), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    wait_until_logged(process, workdir, step=1)
+    assert process.poll() is None, "the run ended before the SIGTERM: " + process.stderr.read()[-2000:]
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=1200)
+    assert process.returncode == ExitCode.PREEMPTED == 143, stderr[-3000:]
+    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-1] in (1, 2), saved  # the step under way (or the one just logged) was checkpointed on the SIGTERM
+    assert f"stopped by SIGTERM after RL step {saved[-1]}" in stderr
+    assert not (workdir / "summary.json").exists()
+    train_flags = main_job_command(workdir, cache, flags)
+    done = subprocess.run(train_flags, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"resuming at RL step {saved[-1]} of 3" in done.stderr
+
+    # The premise: the policy moved (equal logs and params would otherwise prove nothing about the resume).
+    records = records_without_timings(reference)
+    assert any(r["train/grad_norm"] > 0 for r in records if r["step"] > 0)
+    assert records_without_timings(workdir) == records
+    step_a, params_a = final_params(reference)
+    step_b, params_b = final_params(workdir)
+    assert step_a == step_b == 3
+    for a, b in zip(params_a, params_b, strict=True):
+        np.testing.assert_array_equal(a, b)
+    summary_a = json.loads((reference / "summary.json").read_text())
+    summary_b = json.loads((workdir / "summary.json").read_text())
+    assert without_run_facts(summary_b) == without_run_facts(summary_a) and summary_b["run"]["resumes"] == 1

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from trace_jax.config_utils import load_config_file
-from trace_jax.job import build
+from trace_jax.job import build, warm_start
 from trace_jax.job.warm_start import fingerprint
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -50,6 +50,44 @@ def test_the_key_changes_with_what_the_warm_start_depends_on_only(tmp_path):
         changed = tiny_config(tmp_path)
         changed[section][field] = value
         assert fingerprint(changed) != key, section
+
+
+def test_the_key_changes_with_the_code_that_trains_the_warm_start_not_with_its_comments(tmp_path, monkeypatch):
+    """Catches a key that hashes configs only (a user who edits the SFT loop, the world or the model would be
+    served the warm start the old code trained) and one that hashes raw text (a comment would retrain)."""
+    package = ROOT / "trace_jax"
+    copy = tmp_path / "trace_jax"
+    for name in warm_start.CODE:
+        source = package / name
+        target = copy / name
+        if source.is_dir():
+            target.mkdir(parents=True)
+            for module in source.glob("*.py"):
+                (target / module.name).write_text(module.read_text())
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(source.read_text())
+    (copy / "job").mkdir(exist_ok=True)
+    # The digest reads the modules next to its own file: point it at the copy.
+    monkeypatch.setattr(warm_start, "__file__", str(copy / "job" / "warm_start.py"))
+
+    def key():
+        warm_start.code_digest.cache_clear()
+        return fingerprint(tiny_config(tmp_path))
+
+    original = key()
+    assert len(warm_start._code_files()) >= 9  # the premise: every listed module is read (the copy is complete)
+    sft = copy / "job" / "sft.py"
+    text = sft.read_text()
+    sft.write_text("# a comment\n" + text.replace('"""', '"""Reworded. ', 1) + "\n\n# another\n")
+    assert key() == original  # comments and docstrings keep the key
+    for name in ("job/sft.py", "models/qwen.py", "data/synthetic.py"):
+        module = copy / name
+        before = module.read_text()
+        module.write_text(before + "\n_EDITED = 1\n")
+        assert key() != original, name  # any other edit moves it
+        module.write_text(before)
+    warm_start.code_digest.cache_clear()
 
 
 def test_a_warm_start_is_trained_once_and_reused_by_the_next_run(tmp_path):

@@ -208,3 +208,26 @@ def test_runner_state_restores_the_seed_sequence():
     first.continue_anchors([ContinuationRequest(a, 0, 2)])
     resumed.continue_anchors([ContinuationRequest(b, 0, 2)])
     assert [a[i].token_ids.tolist() for i in a.leaves()] == [b[i].token_ids.tolist() for i in b.leaves()]
+
+
+def test_new_weights_drop_the_held_prefixes_the_old_ones_computed():
+    """Catches held pages that outlive a policy update (through the runner or straight on the shared engine): a
+    continuation would start from keys and values of the old weights. The same weights again keep them."""
+
+    def forward_tokens(update):
+        runner, engine, env = _mock_runner()
+        tree = _trees(env, [1])[0]
+        runner.featurize_roots([tree])  # holds the root's history
+        update(runner, engine)
+        return runner.continue_anchors([ContinuationRequest(tree, ROOT, 1)]).forward_tokens, tree.root.num_tokens
+
+    kept, prompt = forward_tokens(lambda runner, engine: None)
+    same, _ = forward_tokens(lambda runner, engine: runner.set_params(engine.params))
+    assert prompt > 1 and same == kept  # the premise: a hold saves all but the prompt's last id
+    for update in (
+        lambda runner, engine: runner.set_params({"w": 1}),
+        lambda runner, engine: engine.set_params({"w": 1}),  # another runner of the engine updated it
+        lambda runner, engine: runner.drop_held(),
+    ):
+        dropped, _ = forward_tokens(update)
+        assert dropped == kept + prompt - 1  # the whole prompt prefilled again

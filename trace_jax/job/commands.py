@@ -47,7 +47,9 @@ options:
   -h, --help            show this help and exit
 
 exit codes: 0 done (or already complete), 2 bad flag or config value, 3 missing file, 4 unusable workdir,
-130 interrupted (rerun the same command to resume), 1 unexpected error."""
+130 interrupted (rerun the same command to resume), 143 stopped by SIGTERM (a preemption notice: the step under
+way finished or was abandoned within rl.preemption_grace_s and checkpointed; rerun the same command to resume),
+1 unexpected error."""
 
 
 # -------------------------------------------------------------------------------------------- command line

@@ -90,6 +90,7 @@ class Training:
             )
         self.step = 0
         self.resumes = 0
+        self.slowest_save_s = 0.0  # wall-clock seconds of the slowest checkpoint so far (the SIGTERM grace)
         self.eval_before: list[dict[str, Any]] = []
         self.last_eval: list[dict[str, Any]] = []
         self.sampled_by_process: list[list[str]] = []  # the last step's questions, per process that sampled them
@@ -110,7 +111,10 @@ class Training:
             "timings": self.timer.state_dict(),
             "resumes": self.resumes,
         }
+        start = time.perf_counter()
         self.checkpointer.save(self.step, state, metadata, force=force)
+        if force or self.checkpointer.should_save(self.step):
+            self.slowest_save_s = max(self.slowest_save_s, time.perf_counter() - start)
 
     def resume(self) -> bool:
         # The scheduler state has data-dependent shapes (a replay buffer that grows): restore it as saved.
@@ -135,11 +139,21 @@ class Training:
         self.runner.set_params(weights)
         self.eval_runner.set_params(weights)  # the same engine: free
 
+    def _drop_held(self) -> None:
+        """Each phase that grows trees (a step, the warm-up, an evaluation) starts from an engine that holds
+        nothing: prefix pages held for the previous phase's trees would decide, through the pool's evictions,
+        which later histories are prefilled whole and which continue a hold (different programs, different
+        rounding), and a resumed run never saw those trees."""
+        self.runner.drop_held()
+        self.eval_runner.drop_held()
+
     # ------------------------------------------------------------------------------------------- step
     def rl_step(self) -> dict[str, float]:
         """One RL update; returns its metrics (rollout, allocation, loss, timings)."""
 
         start = time.perf_counter()
+        self._drop_held()
+        evicted = self.runner.evicted_holds
         trees = self._roots(self.prompts.next_batch())
         scheduled = self.scheduler.run(trees, batch_size=self.config.rl.prompts_per_step)
         rollout_seconds = time.perf_counter() - start
@@ -155,6 +169,8 @@ class Training:
             {
                 "rollout/mean_reward": float(rewards.mean()),
                 "rollout/leaves": float(rewards.size),
+                # Held prefixes the KV pool gave back for room (each one continued costs a re-prefill).
+                "rollout/evicted_holds": float(self.runner.evicted_holds - evicted),
                 "rollout/retrieval_failures": float(
                     sum(bool(node.info.get("retrieval_failed")) for tree in scheduled.trees for node in tree.nodes)
                 ),
@@ -182,6 +198,7 @@ class Training:
         if not wanted:
             return {}
         start = time.perf_counter()
+        self._drop_held()
         tasks: list[Any] = []
         while len(tasks) < wanted:
             tasks += self.prompts.next_batch()
@@ -195,6 +212,7 @@ class Training:
         """Greedy EM/F1 rows (per hop group, then ``all``) on ``config.eval``'s questions, with a progress bar."""
 
         config = self.config
+        self._drop_held()
         tasks = self.world.world.questions(config.eval.split)
         if config.eval.num_questions < len(tasks):  # evenly spaced: the split is ordered by hops, keep every group
             picked = np.linspace(0, len(tasks) - 1, config.eval.num_questions).round().astype(int)

@@ -23,8 +23,8 @@ SUMMARY_FILE = "summary.json"
 CHECKPOINTS = "checkpoints"
 LOG_FILE = "train.log"
 # Keys a run may change between invocations of one workdir: its length, where the shared warm-start cache
-# lives, and how the processes find each other.
-EXTENSIBLE = ("rl.steps", "warm_start.cache_dir", "distributed.")
+# lives, how the processes find each other and how long a SIGTERM's grace is.
+EXTENSIBLE = ("rl.steps", "rl.preemption_grace_s", "warm_start.cache_dir", "distributed.")
 
 
 def check_usable(workdir: pathlib.Path) -> None:

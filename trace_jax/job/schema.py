@@ -63,6 +63,10 @@ class RLConfig:
     keep_checkpoints: how many recent checkpoints to keep.
     logprob_chunk: compute the LM head this many positions at a time in the train step (peak logits memory
       [rows, chunk, vocab] instead of [rows, length, vocab]); None: the trainer's default chunk.
+    preemption_grace_s: seconds between a SIGTERM (spot / queued capacity's preemption notice, ~30 s ahead) and
+      the exit: the RL step under way finishes if it can, a checkpoint is written and the job exits with code
+      143; a step still running when too little of the grace is left to write the checkpoint is abandoned
+      (the last checkpoint stays the resume point). Rerunning the same command resumes exactly.
     """
 
     steps: int = 30
@@ -72,6 +76,7 @@ class RLConfig:
     checkpoint_every: int = 5
     keep_checkpoints: int = 2
     logprob_chunk: int | None = None
+    preemption_grace_s: float = 25.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,10 @@ After a kill, rerunning the same command resumes from the latest checkpoint, and
 an uninterrupted run's: each step's record (evaluations included) is written before that step is
 checkpointed, and a resumed writer keeps what was logged up to the checkpoint and drops the rest. Rerunning
 a finished run changes nothing (one line in ``train.log``); a larger ``--config.rl.steps`` extends it.
+
+A SIGTERM (a spot or queued slice's preemption notice) during RL lets the step under way finish, writes its
+checkpoint and exits with code 143 (``ExitCode.PREEMPTED``) within ``rl.preemption_grace_s``; a step that
+would not finish in time is abandoned and the last checkpoint stays the resume point.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import numpy as np
 from etils import epath
 
 from trace_jax import heap, paths
-from trace_jax.cli import Console, Interrupted
+from trace_jax.cli import TERMINATION, Console, Interrupted, Preempted
 from trace_jax.config_utils import from_config
 from trace_jax.job import build, rundir, validate
 from trace_jax.job.loop import Training, eval_metrics
@@ -125,15 +129,27 @@ def train(
     try:
         return _train(config, workdir, console, logs)
     except KeyboardInterrupt:
-        done = rundir.checkpoint_steps(workdir)
-        where = (
+        if TERMINATION.requested:
+            raise Preempted(f"stopped by SIGTERM before the step under way ended; {_resume_point(workdir)}") from None
+        raise Interrupted(f"interrupted; {_resume_point(workdir)}") from None
+
+
+def _resume_point(workdir: epath.Path) -> str:
+    done = rundir.checkpoint_steps(workdir)
+    if done:
+        return (
             f"the last checkpoint is step {done[-1]} in {workdir / rundir.CHECKPOINTS}; rerun the same command to "
             "resume from it"
-            if done
-            else "no checkpoint was written yet; rerun the same command to start again (a finished warm start is "
-            "reused from its cache)"
         )
-        raise Interrupted(f"interrupted; {where}") from None
+    return (
+        "no checkpoint was written yet; rerun the same command to start again (a finished warm start is reused "
+        "from its cache)"
+    )
+
+
+def _stop_requested(run: Training) -> bool:
+    """Whether a SIGTERM asked to stop (any process's: every process then stops after the same step)."""
+    return run.processes.reduce({"stop": float(TERMINATION.requested)})["stop"] > 0
 
 
 def _train(
@@ -157,14 +173,25 @@ def _train(
             writer.write(0, {**eval_metrics(run.eval_before), **run.warm_up_predictor()})
             distributed.run_on_main(logs.push)
             run.save(force=True)  # step 0: the evaluation above is logged once, whatever happens next
-        with console.progress(steps, "TRACE RL", initial=run.step) as bar:
+        # A SIGTERM lets the step under way finish unless that would leave too little of the grace to write
+        # its checkpoint (twice the slowest save so far, and a second): then the step is abandoned.
+        grace = config.rl.preemption_grace_s
+        abandon_after = lambda: grace - 2 * run.slowest_save_s - 1.0
+        # The whole loop is inside a grace (a SIGTERM between steps stops at the next loop check, never mid-write).
+        with console.progress(steps, "TRACE RL", initial=run.step) as bar, TERMINATION.grace(float("inf")):
             while run.step < steps:
-                with timer.phase("rl"):
-                    metrics = run.rl_step()
-                last = run.step == steps
-                if last or (config.eval.every and run.step % config.eval.every == 0):
-                    run.last_eval = run.evaluate(f"evaluation at step {run.step}", leave=False)
-                    metrics.update(eval_metrics(run.last_eval))
+                if _stop_requested(run):
+                    run.save(force=True)  # a no-op when this step is already checkpointed
+                    console.info(f"SIGTERM: stopped after RL step {run.step} (checkpointed)")
+                    raise Preempted(f"stopped by SIGTERM after RL step {run.step}; {_resume_point(workdir)}")
+                with TERMINATION.grace(abandon_after()):
+                    with timer.phase("rl"):
+                        metrics = run.rl_step()
+                    last = run.step == steps
+                    if last or (config.eval.every and run.step % config.eval.every == 0):
+                        run.last_eval = run.evaluate(f"evaluation at step {run.step}", leave=False)
+                        metrics.update(eval_metrics(run.last_eval))
+                # Past here the step is complete: logging and checkpointing it are never abandoned.
                 writer.write(run.step, metrics)  # before the checkpoint: a resume never loses a step's record
                 distributed.run_on_main(logs.push)
                 run.save(force=last)

@@ -108,6 +108,7 @@ RULES: list[Rule] = [
     Rule("rl.checkpoint_every", at_least(1), "an integer >= 1"),
     Rule("rl.keep_checkpoints", at_least(1), "an integer >= 1"),
     Rule("rl.logprob_chunk", lambda v: v is None or at_least(1)(v), "None, or an integer >= 1"),
+    Rule("rl.preemption_grace_s", lambda v: _is_number(v) and v >= 0, "a number of seconds >= 0"),
     Rule("rl.advantage", one_of(_estimators), lambda: f"one of {', '.join(_estimators())}"),
     Rule(
         "allocation.policy",

@@ -3,8 +3,10 @@
 Two runs whose world, tokenizer, ReAct, retriever and SFT settings agree get the same warm start, so it is trained once
 and every later run (an ablation, a rerun in a fresh workdir, ``trace_jax.evaluate``) reuses it; ablations of
 one recipe therefore start RL from the very same model. The key is a hash of those config sections, the
-format version below and the jax version (numerics may change between versions); the run's seed for RL,
-its allocation policy, optimizer and so on are not part of it.
+format version below, the jax version (numerics may change between versions) and the code that computes a
+warm start (:data:`CODE`, read as syntax trees: a comment, a docstring or a reformatting keeps the key; any
+other edit trains a new warm start, so an edited SFT loop, world, tokenizer, renderer or model is never
+served a stale one); the run's seed for RL, its allocation policy, optimizer and so on are not part of it.
 
 Layout under ``cache_dir`` (default ``~/.cache/trace_jax/warm_start``)::
 
@@ -21,9 +23,11 @@ Layout under ``cache_dir`` (default ``~/.cache/trace_jax/warm_start``)::
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import pathlib
@@ -35,8 +39,26 @@ import jax
 
 from trace_jax import paths
 
-# Bump when code changes what a given config trains into (rendering, tokenizer training, the SFT loop).
+# Bump when something outside CODE changes what a given config trains into (a dependency's behaviour, the
+# cache layout); changes to CODE move the key by themselves.
 FORMAT_VERSION = 1
+# The modules (paths under trace_jax/; a directory: its modules) whose code decides a warm start's numbers: the
+# world and its questions, the BPE tokenizer's training, the ReAct rendering of demonstrations and the BM25
+# retriever whose results they quote, the model, the optimizer and the SFT loop. Left out on purpose: code that
+# only moves the same numbers around (checkpoint I/O, paths, registries, config plumbing, device placement of
+# a one-device run, the HTTP retriever client/server, which the synthetic recipe does not use); an edit there
+# retrains nothing. Code left out that does change the numbers needs a FORMAT_VERSION bump.
+CODE = (
+    "job/sft.py",
+    "data/synthetic.py",
+    "data/tokenizer.py",
+    "envs/react.py",
+    "envs/stops.py",
+    "envs/retriever.py",
+    "envs/bm25.py",
+    "models",
+    "optim.py",
+)
 # The config sections a warm start depends on; anything else (RL, allocation, eval, ...) is not in the key.
 KEY_SECTIONS = ("world", "tokenizer", "react", "retriever", "sft")
 INFO_FILE = "warm_start.json"
@@ -61,7 +83,42 @@ def key_material(config: Mapping[str, Any]) -> dict[str, Any]:
             continue
         section = config[name]
         sections[name] = section.to_dict() if hasattr(section, "to_dict") else dict(section)
-    return {"format_version": FORMAT_VERSION, "jax": jax.__version__, **sections}
+    return {"format_version": FORMAT_VERSION, "jax": jax.__version__, "code": code_digest(), **sections}
+
+
+def _code_files() -> list[pathlib.Path]:
+    package = pathlib.Path(__file__).resolve().parents[1]
+    files = []
+    for name in CODE:
+        path = package / name
+        files += sorted(path.glob("*.py")) if path.is_dir() else [path]
+    return files
+
+
+def _syntax(source: str) -> str:
+    """The module's syntax tree without docstrings (comments and layout are not in it)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+@functools.cache
+def code_digest() -> str:
+    """A 16-hex-digit digest of the syntax trees of :data:`CODE`'s modules (the code that trains a warm start)."""
+    digest = hashlib.sha256()
+    package = pathlib.Path(__file__).resolve().parents[1]
+    for path in _code_files():
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + _syntax(path.read_text()).encode())
+    return digest.hexdigest()[:16]
 
 
 def fingerprint(config: Mapping[str, Any]) -> str:

@@ -228,6 +228,11 @@ class Engine:
         state, self._parked = self._parked, None
         if state is None:
             return self.init_decode_state(stop_sequences, eos_ids)
+        # Nothing held (every slot free, every hold dropped): the pool and the prefix bank hand out pages and
+        # rows in their initial order, as a fresh state would (a resumed run gets the same pages).
+        state.pool.settle()
+        if len(state.bank_free) == self.config.max_slots:
+            state.bank_free = list(range(self.config.max_slots))[::-1]
         tables = self._stop_tables(stop_sequences, eos_ids)
         if not all(np.array_equal(new, old) for new, old in zip(tables, state.stop_tables, strict=True)):
             device = state.device

@@ -71,6 +71,12 @@ class PagePool:
     def in_use(self) -> int:
         return self.num_pages - 1 - len(self._free)
 
+    def settle(self) -> None:
+        """Once no page is in use: the free list back in its initial order, so which pages the next sequences
+        get does not depend on what ran before (a resumed run hands out the pages an uninterrupted one does)."""
+        if self.in_use == 0:
+            self._free = list(range(self.num_pages - 1, TRASH_PAGE, -1))
+
     def pages_for(self, length: int) -> int:
         return min(-(-int(length) // self.page_size), self.pages_per_slot)
 

@@ -25,6 +25,7 @@ class PrefixCache:
     def __init__(self):
         self._entries: collections.OrderedDict[tuple[int, int], tuple[Any, Prefix]] = collections.OrderedDict()
         self._pool: Any = None
+        self.evicted = 0  # holds the pool reclaimed to make room (each costs a later re-prefill if continued)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -36,7 +37,7 @@ class PrefixCache:
         if self._entries:  # holds of another pool cannot be given back to this one
             self.clear()
         self._pool = pool
-        pool.reclaimers.append(self.evict_oldest)
+        pool.reclaimers.append(self._reclaim)
 
     def put(self, tree: Any, node_id: int, prefix: Prefix | None) -> None:
         if prefix is None:
@@ -57,6 +58,11 @@ class PrefixCache:
             return False
         self._drop(self._entries.popitem(last=False)[1][1])
         return True
+
+    def _reclaim(self) -> bool:
+        evicted = self.evict_oldest()
+        self.evicted += evicted
+        return evicted
 
     def clear(self) -> None:
         while self.evict_oldest():

@@ -47,12 +47,6 @@ from trace_jax.rollout.tree import ROOT, RolloutTree
 _TRUNCATED = (StopReason.TURN_LIMIT, StopReason.CONTEXT_FULL)
 
 
-class PendingOutput(Protocol):
-    decoded: np.ndarray  # bool [B]: slots the call decodes
-
-    def result(self) -> GenerateOutput: ...
-
-
 class DecodeEngine(Protocol):
     """What the runner needs of an engine (``Engine`` and ``MockEngine`` both provide it)."""
 
@@ -90,7 +84,8 @@ class RunnerConfig:
     overlap_env: judge finished turns while the device decodes the others (see the module docstring).
     warmup: compile the engine's whole program set before the first rollout (``Engine.warmup``).
     reuse_prefixes: hold every appended history's KV pages under its tree node, so a later continuation from
-      that node computes only its last id (``trace_jax.rollout.prefix_cache``; the pool reclaims holds).
+      that node computes only its last id (``trace_jax.rollout.prefix_cache``; the pool reclaims holds). Holds
+      live until the engine's weights change or ``drop_held`` is called, whichever comes first.
     """
 
     seed: int = 0
@@ -180,12 +175,25 @@ class RolloutRunner:
         self.config = config or RunnerConfig()
         self._next_seed = self.config.seed
         self._held = PrefixCache()
+        self._held_weights: Any = None  # the engine weights the held pages were computed with
         if params is not None:
             engine.set_params(params)
 
     def set_params(self, params: Any) -> None:
-        """New policy weights for the next rollouts: the engine reshards them once (nothing recompiles)."""
+        """New policy weights for the next rollouts: the engine reshards them once (nothing recompiles). Held
+        prefix pages hold keys and values of the old weights: they are dropped (kept for the same weights)."""
         self.engine.set_params(params)
+        self._check_held_weights()
+
+    @property
+    def evicted_holds(self) -> int:
+        """Held prefixes the page pool reclaimed to make room, over the runner's life."""
+        return self._held.evicted
+
+    def drop_held(self) -> None:
+        """Gives every held prefix's pages back to the pool. A run calls it where its trees end (a step, an
+        evaluation), so what the engine holds at a step boundary never depends on the steps before it."""
+        self._held.clear()
 
     def state_dict(self) -> dict[str, int]:
         """What a resumed run needs to draw the same seeds: the next continuation's seed."""
@@ -256,10 +264,17 @@ class RolloutRunner:
     def _acquire(self) -> Any:
         state = self.engine.acquire_state([list(s) for s in self.env.stop_sequences], list(self.config.eos_ids))
         self._held.attach(getattr(state, "pool", None))
+        self._check_held_weights()  # the weights may have changed through another runner or the engine itself
         warmup = getattr(self.engine, "warmup", None)
         if self.config.warmup and warmup is not None and not self.engine.programs.warm:
             warmup(None, state)
         return state
+
+    def _check_held_weights(self) -> None:
+        weights = getattr(self.engine, "params", None)
+        if weights is not self._held_weights:
+            self._held.clear()
+            self._held_weights = weights
 
     def _enqueue(self, requests: Sequence[ContinuationRequest]) -> _Batch:
         """One queue entry (anchor key, tree, node, seed) per continuation; each anchor's history once."""

@@ -1,0 +1,99 @@
+"""SIGTERM as a preemption notice (``trace_jax.cli.Termination``): outside a grace it stops at once, inside one
+the work goes on until the caller stops or the grace runs out; either way the exit code is 143.
+
+The main job's side (a SIGTERM during an RL step checkpoints it, exits 143, and the rerun equals the uninterrupted
+run) is ``tests/job/test_train.py``; the pod launcher's relaunch is ``tests/test_launch.py``.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+
+from trace_jax.cli import Console, ExitCode, Preempted, Termination, run_main
+
+
+@pytest.fixture
+def termination():
+    """A fresh Termination installed as this process's SIGTERM handler (the previous handler restored after)."""
+    fresh = Termination()
+    previous = signal.signal(signal.SIGTERM, fresh.handle)
+    try:
+        yield fresh
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def sigterm():
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def wait_for(condition, seconds=60.0):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not condition():
+        time.sleep(0.01)
+
+
+def test_outside_a_grace_a_sigterm_interrupts_at_once(termination):
+    with pytest.raises(KeyboardInterrupt):
+        sigterm()
+        wait_for(lambda: False, 30)  # the handler raises here, long before this ends
+    assert termination.requested
+
+
+def test_inside_a_grace_a_sigterm_only_asks_to_stop(termination):
+    """Catches a handler that interrupts inside the grace: the step under way would be lost."""
+    with termination.grace(600):
+        sigterm()
+        wait_for(lambda: termination.requested)
+        assert termination.requested
+        time.sleep(0.2)  # the work goes on
+    assert termination._timer is None  # leaving the grace disarms the deadline
+
+
+def test_a_step_still_running_when_the_grace_runs_out_is_abandoned(termination):
+    """Catches a grace with no deadline: a step longer than the notice would be killed mid-checkpoint instead."""
+    with pytest.raises(KeyboardInterrupt), termination.grace(0.1):
+        sigterm()
+        wait_for(lambda: False, 60)  # a step that would run on: interrupted after ~0.1 s
+    assert termination.requested
+
+
+def test_run_main_exits_143_after_a_sigterm_and_130_after_ctrl_c(monkeypatch):
+    from trace_jax import cli
+
+    console = Console(verbosity=-1)
+    monkeypatch.setattr(cli, "TERMINATION", Termination())
+    previous = signal.getsignal(signal.SIGTERM)  # run_main installs its own handler
+
+    def preempted():
+        raise Preempted("stopped by SIGTERM after RL step 2; rerun")
+
+    assert run_main(preempted, console) == ExitCode.PREEMPTED == 143
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert run_main(interrupted, console) == ExitCode.INTERRUPTED == 130  # Ctrl-C: no SIGTERM seen
+
+    def terminated():
+        sigterm()  # outside any grace: KeyboardInterrupt at once, but it was a SIGTERM
+        wait_for(lambda: False, 30)
+
+    try:
+        assert run_main(terminated, console) == ExitCode.PREEMPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_graces_nest_and_leaving_the_inner_one_restores_the_outer(termination):
+    """Catches an inner grace that, on leaving, drops the outer one: a SIGTERM between steps (outside the step's
+    own grace, inside the loop's) would then interrupt at once instead of stopping at the loop's check."""
+    with termination.grace(float("inf")):
+        with termination.grace(600):
+            pass
+        sigterm()
+        wait_for(lambda: termination.requested)
+        time.sleep(0.2)  # no KeyboardInterrupt: the loop's grace holds
+    assert termination.requested
