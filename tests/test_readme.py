@@ -118,8 +118,10 @@ def dotted_names_missing(text: str) -> list[str]:
         if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
             continue
         module, _, attribute = name.rpartition(".")
-        source = ROOT / (module.replace(".", "/") + ".py")
-        if not (source.is_file() and re.search(rf"^{attribute}\b\s*[:=]", source.read_text(), re.MULTILINE)):
+        path = ROOT / module.replace(".", "/")
+        source = path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
+        defined = rf"^(?:{attribute}\b\s*[:=]|(?:def|class) {attribute}\b|from \S+ import .*\b{attribute}\b)"
+        if not (source.is_file() and re.search(defined, source.read_text(), re.MULTILINE)):
             missing.append(name)
     return sorted(missing)
 
