@@ -25,6 +25,13 @@ def sampled(sim, indices, k=4):
     return trees
 
 
+def context(sim, trees, rollouts, **kwargs):
+    """An allocation context over ``trees`` with a small untrained predictor and a fixed rng."""
+    predictor, costs = MLPPredictor(**SMALL), CostModel(prior_tokens_per_rollout=50.0)
+    rng = np.random.default_rng(0)
+    return AllocationContext(trees, sim, Budget(rollouts=rollouts), predictor, costs, rng, **kwargs)
+
+
 def test_history_changes_the_prediction_of_a_seen_prompt_only():
     # Catches: history features given to a prompt never seen (its prediction must stay the network's), features
     # not looked up per prompt, and a predictor that ignores them.
@@ -72,15 +79,7 @@ def test_greso_skips_a_prompt_whose_last_visit_was_all_equal():
     history.observe(trees)
     equal = np.asarray([not t.is_mixed() for t in trees])
     assert 4 <= equal.sum() <= 12  # premise: enough of both kinds
-    ctx = AllocationContext(
-        [sim.new_tree(i) for i in range(16)],
-        sim,
-        Budget(rollouts=64),
-        MLPPredictor(**SMALL),
-        CostModel(prior_tokens_per_rollout=50.0),
-        np.random.default_rng(0),
-        history=history,
-    )
+    ctx = context(sim, [sim.new_tree(i) for i in range(16)], 64, history=history)
     policy = GresoPolicy(explore_probability=0.0)
     kept = policy.select_prompts(ctx, int((~equal).sum()))
     assert set(kept.tolist()) == set(np.flatnonzero(~equal).tolist())
@@ -102,15 +101,7 @@ def test_the_gate_switches_stage_two_to_random_anchors_below_the_threshold(monke
     policy = StagedPolicy(stage1="active", stage2="active", gate_auc=0.7, rounds=2)
     for auc, mode, is_open in ((0.5, "uniform", 0.0), (float("nan"), "uniform", 0.0), (0.8, "active", 1.0)):
         modes.clear()
-        ctx = AllocationContext(
-            [sim.new_tree(i) for i in range(6)],
-            sim,
-            Budget(rollouts=48),
-            MLPPredictor(**SMALL),
-            CostModel(prior_tokens_per_rollout=50.0),
-            np.random.default_rng(0),
-            prefix_auc=auc,
-        )
+        ctx = context(sim, [sim.new_tree(i) for i in range(6)], 48, prefix_auc=auc)
         policy.run(ctx)
         assert modes == [mode, mode] and ctx.notes["gate/open"] == is_open
 
