@@ -12,7 +12,13 @@ Policies: uniform, dynamic_sampling, root_only, tree_random, tree_entropy, trace
 * a warm predictor (``trace_warm``, ``trace_select3_warm``): before RL step 1 the predictor learns from 8
   rollouts on each of 96 prompts (``allocation.predictor_warmup_prompts``; that sampling is logged at step 0);
 * ``trace_select3_warm_dispersion``: the same with the predictor's dispersion head, so selection and stage 1
-  rank prompts by the expected ``V_root`` under the predicted spread of their success probability.
+  rank prompts by the expected ``V_root`` under the predicted spread of their success probability;
+* prompt history across epochs (runs over a pool, ``rl.pool_size``): ``trace_history``, TRACE whose predictor
+  also reads each prompt's outcomes on earlier visits (and trains the same predictor without them alongside, to
+  log history's worth on the same anchors); ``trace_history_select3`` with prompt selection;
+  ``greso`` / ``greso_select2``, the history-only baseline (GRESO's rule, without / with 2 candidates a prompt);
+* the gated stage 2: ``trace_gated`` (active stage 2 only while the predictor's held-out AUC on prefixes is at
+  least 0.65, random anchors otherwise) and ``trace_history_gated``.
 
 All share the default's budget accounting: equal rollouts per prompt by default; set
 ``--config.allocation.tokens_per_prompt`` (and a large ``rollouts_per_prompt``) for equal generated tokens, as
@@ -41,6 +47,8 @@ class Arm:
 SELECT3 = {"candidates_per_prompt": 3.0}
 WARM = {"predictor_warmup_prompts": 96, "predictor_warmup_rollouts": 8}
 DISPERSION = {"predictor_kwargs": {"dispersion": True}}
+HISTORY = {"predictor_kwargs": {"history": True}, "compare_without_history": True}
+GATE = {"gate_auc": 0.65}
 
 
 ARMS = {
@@ -52,6 +60,12 @@ ARMS = {
     "trace_warm": Arm("trace", allocation=WARM),
     "trace_select3_warm": Arm("trace", allocation={**SELECT3, **WARM}),
     "trace_select3_warm_dispersion": Arm("trace", allocation={**SELECT3, **WARM, **DISPERSION}),
+    "trace_history": Arm("trace", allocation=HISTORY),
+    "trace_history_select3": Arm("trace", allocation={**HISTORY, **SELECT3}),
+    "greso": Arm("greso"),
+    "greso_select2": Arm("greso", allocation={"candidates_per_prompt": 2.0}),
+    "trace_gated": Arm("trace", GATE),
+    "trace_history_gated": Arm("trace", GATE, HISTORY),
 }
 
 

@@ -29,6 +29,13 @@ from trace_jax.job.schema import section
 # ModelConfig overrides of the policy (the tokenizer sets vocab_size); none: the default tiny policy (see above).
 POLICY_OVERRIDES = ()
 
+# The multi-epoch experiment's prompt pool and passes over it (~10 minutes a run on 2 shared cores): 32 of the
+# train questions, evenly spaced (chain, buried and trivial keep their shares), 8 a step, 3 epochs. Not applied
+# by get_config, so the fresh-prompt commands of docs/evidence.md keep their meaning: pass
+# ``--pool-size 32 --epochs 3`` to ``trace_jax.bench.train_curve``, or ``--config.rl.pool_size=32
+# --config.rl.prompts_per_step=8 --config.rl.steps=12`` to ``trace_jax.train``.
+POOL_SIZE, EPOCHS = 32, 3
+
 WORLD = WorldConfig(
     max_hops=5,
     ood_hops=6,

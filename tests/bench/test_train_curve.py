@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from trace_jax.bench import train_curve
+from trace_jax.job import schema
 from trace_jax.metrics import MetricWriter, read_jsonl
 
 
@@ -233,3 +234,28 @@ def test_the_dispersion_arm_gives_the_scheduler_a_predictor_with_a_dispersion_he
         predictors[arm] = make_predictor(allocation.predictor, **allocation.predictor_kwargs)
     assert predictors["trace_select3_warm_dispersion"].dispersion
     assert not predictors["trace_select3_warm"].dispersion
+
+
+def test_epochs_over_a_pool_set_each_policys_steps():
+    # Catches: --epochs ignored (steps stay --steps) and steps not derived from each policy's draws a step.
+    args = train_curve.parse_args(
+        ["--config-file", str(train_curve.CONFIG_DIR / "realistic.py"), "--pool-size", "32", "--epochs", "3"]
+    )
+    for policy, steps in (("uniform", 12), ("greso_select2", 6)):  # 8 prompts (16 drawn for select2) a step
+        config = train_curve.run_config(policy, 0, args)
+        assert (config.rl.pool_size, config.rl.steps) == (32, steps)
+        assert schema.derived(config)["rl.epochs"] == 3.0
+
+
+def test_per_epoch_figures_average_each_epochs_steps():
+    # Catches: epochs cut at the wrong step, and the history-free predictor's AUC not carried per epoch.
+    records = fake_records([100] * 6, {6: 0.5})
+    for step, record in enumerate(records[:6], start=1):
+        record["alloc/predictor/root/auc"] = 0.5 + 0.1 * ((step - 1) // 2)  # 0.5, 0.5, 0.6, 0.6, 0.7, 0.7
+        record["alloc/predictor/no_history/root/auc"] = 0.5
+    runs = [train_curve.run_curve("trace_history", s, records, 0.4, steps_per_epoch=2) for s in (0, 1)]
+    assert runs[0].per_epoch()["root_auc"] == pytest.approx([0.5, 0.6, 0.7])
+    per_epoch = train_curve.aggregate(runs)["policies"]["trace_history"]["per_epoch"]
+    assert per_epoch["root_auc"]["mean"] == pytest.approx([0.5, 0.6, 0.7])
+    assert per_epoch["no_history_root_auc"]["mean"] == pytest.approx([0.5] * 3)
+    assert "gate_open" not in per_epoch  # never logged by this arm

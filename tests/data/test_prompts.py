@@ -23,3 +23,27 @@ def test_seeds_give_different_orders_and_bad_batch_sizes_fail():
     assert a != b
     with pytest.raises(ValueError, match="batch_size"):
         PromptStream([1, 2], batch_size=3)
+
+
+def test_a_pool_is_visited_once_per_epoch_in_a_seeded_order_and_resumes_exactly():
+    # Catches: a pool that is not a fixed subset (drawn per seed or per epoch), an epoch that repeats or misses a
+    # prompt, the same order every epoch, and a resume that restarts the epoch.
+    rows = list(range(100))
+    stream = PromptStream(rows, batch_size=4, seed=3, pool_size=12)
+    pool = set(stream.rows)
+    assert len(pool) == 12 and pool == set(PromptStream(rows, 4, seed=9, pool_size=12).rows)  # same pool, any seed
+    assert min(pool) == 0 and max(pool) == 99  # evenly spaced over the split, not its first rows
+    epochs = [[x for _ in range(stream.batches_per_epoch) for x in stream.next_batch()] for _ in range(2)]
+    assert all(sorted(epoch) == sorted(pool) for epoch in epochs)
+    assert epochs[0] != epochs[1]  # a fresh order each epoch
+    saved = stream.state_dict()
+    stream.next_batch()
+    expected = [stream.next_batch() for _ in range(5)]
+    resumed = PromptStream(rows, batch_size=4, seed=3, pool_size=12)
+    resumed.load_state_dict(saved)
+    resumed.next_batch()
+    assert [resumed.next_batch() for _ in range(5)] == expected
+    other_seed = PromptStream(rows, batch_size=4, seed=4, pool_size=12)
+    assert [x for _ in range(3) for x in other_seed.next_batch()] != epochs[0]
+    with pytest.raises(ValueError, match="pool_size"):
+        PromptStream(rows, batch_size=4, pool_size=101)

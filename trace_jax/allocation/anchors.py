@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from trace_jax.allocation.history import PromptHistory
 from trace_jax.rollout.tree import RolloutTree
 
 
@@ -27,6 +28,8 @@ class AnchorBatch:
     targets_n: float64 [N] ``V̂`` backups (NaN where unknown or not gathered).
     weights_n: float64 [N] leaves under each anchor (0 where not gathered).
     prefix_ids: per anchor the int32 ids of its history (only when gathered ``with_prefix_ids``).
+    history_nh: float32 [N, H] the prompt's outcome history (``PromptHistory.features``; only when gathered
+      with a ``history``): the same for every anchor of a prompt, zeros for a prompt never seen.
     """
 
     features_nd: np.ndarray
@@ -36,6 +39,7 @@ class AnchorBatch:
     targets_n: np.ndarray
     weights_n: np.ndarray
     prefix_ids: list[np.ndarray] | None = None
+    history_nh: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.depths_n.shape[0])
@@ -46,11 +50,13 @@ def gather_anchors(
     items: Sequence[tuple[int, int]],
     with_targets: bool = False,
     with_prefix_ids: bool = False,
+    history: PromptHistory | None = None,
 ) -> AnchorBatch:
     """Collects the anchors ``items`` = [(tree index, node id), ...].
 
-    Adds ``V̂`` targets and leaf counts with ``with_targets``, and each anchor's history ids with
-    ``with_prefix_ids`` (for predictors that read tokens, see ``needs_prefix_ids``).
+    Adds ``V̂`` targets and leaf counts with ``with_targets``, each anchor's history ids with
+    ``with_prefix_ids`` (for predictors that read tokens, see ``needs_prefix_ids``), and its prompt's outcome
+    history features with a ``history``.
     """
     num = len(items)
     nodes = [trees[t][n] for t, n in items]
@@ -74,13 +80,16 @@ def gather_anchors(
             values, counts = backups[tree_index]
             targets[row], weights[row] = values[node_id], counts[node_id]
     prefix_ids = [trees[t].prefix_ids(n) for t, n in items] if with_prefix_ids else None
-    return AnchorBatch(features, has_feature, depths, keys, targets, weights, prefix_ids)
+    history_nh = None if history is None else history.features(keys)
+    return AnchorBatch(features, has_feature, depths, keys, targets, weights, prefix_ids, history_nh)
 
 
-def training_anchors(trees: Sequence[RolloutTree], with_prefix_ids: bool = False) -> AnchorBatch:
+def training_anchors(
+    trees: Sequence[RolloutTree], with_prefix_ids: bool = False, history: PromptHistory | None = None
+) -> AnchorBatch:
     """Every non-leaf node with at least one leaf below, with its ``V̂`` target and leaf-count weight."""
     items = []
     for tree_index, tree in enumerate(trees):
         counts = tree.leaf_counts()
         items += [(tree_index, n.node_id) for n in tree if not n.is_leaf and counts[n.node_id] > 0]
-    return gather_anchors(trees, items, with_targets=True, with_prefix_ids=with_prefix_ids)
+    return gather_anchors(trees, items, with_targets=True, with_prefix_ids=with_prefix_ids, history=history)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from trace_jax.allocation.anchors import AnchorBatch, gather_anchors
+from trace_jax.allocation.history import PromptHistory
 from trace_jax.allocation.predictor import SuccessPredictor
 from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend, RolloutStats
 from trace_jax.rollout.tree import RolloutTree
@@ -102,6 +103,9 @@ class AllocationContext:
 
     ``trees`` is the batch (a policy may replace an entry, e.g. to discard a group). ``spent`` accumulates the
     backend's cost; ``rollouts_left`` / ``tokens_left`` are what is still allowed (inf when unlimited).
+    ``history``: the prompts' outcomes on earlier visits (given to the predictor's anchors and to history-based
+    policies). ``prefix_auc``: the predictor's held-out AUC on prefixes over recent batches (NaN before any),
+    what a gated stage 2 reads. ``notes``: figures a policy reports for the step's log (``alloc/<name>``).
     """
 
     def __init__(
@@ -112,8 +116,13 @@ class AllocationContext:
         predictor: SuccessPredictor,
         cost_model: CostModel,
         rng: np.random.Generator,
+        history: PromptHistory | None = None,
+        prefix_auc: float = float("nan"),
     ):
         self.trees = list(trees)
+        self.history = history
+        self.prefix_auc = prefix_auc
+        self.notes: dict[str, float] = {}
         self.backend = backend
         self.budget = budget
         self.predictor = predictor
@@ -139,7 +148,14 @@ class AllocationContext:
 
     # ------------------------------------------------------------------------------------------ scoring
     def anchors(self, items: Sequence[Item]) -> AnchorBatch:
-        return gather_anchors(self.trees, items, with_prefix_ids=getattr(self.predictor, "needs_prefix_ids", False))
+        prefix_ids = getattr(self.predictor, "needs_prefix_ids", False)
+        return gather_anchors(self.trees, items, with_prefix_ids=prefix_ids, history=self.history)
+
+    def last_all_equal(self, tree_indices: Sequence[int]) -> np.ndarray:
+        """bool [N]: whether each tree's prompt came out all-equal on its last visit (False without a history)."""
+        if self.history is None:
+            return np.zeros(len(tree_indices), bool)
+        return self.history.last_all_equal(np.asarray([self.trees[t].prompt_key for t in tree_indices], np.int64))
 
     def predict(self, items: Sequence[Item]) -> np.ndarray:
         """float64 [N] predicted P(success) of each anchor (the shared predictor)."""

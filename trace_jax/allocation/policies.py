@@ -13,6 +13,10 @@ so all are charged the same rollouts and generated tokens:
 * ``trace`` -- TRACE: stage 1 by ``V_root`` on predicted root values, then L rounds of stage 2 by ``V_pref``
   per expected token.
 * ``oracle`` -- ``trace`` with the simulator's true success probabilities (a bound; simulator only).
+* ``greso`` -- GRESO's rule, history only: prompts whose last visit came out all-equal are skipped when the
+  step has candidates to spare and down-weighted otherwise; uniform over the rest (no predictor).
+
+``StagedPolicy(gate_auc=...)`` *(ours)* gates an active stage 2 on the predictor's held-out AUC on prefixes.
 
 The stage ablation is ``make_policy("trace", stage1="uniform" | "active", stage2="uniform" | "active")``.
 """
@@ -107,6 +111,10 @@ class StagedPolicy:
         anchor alike (the paper's currency: turn-level signal); lower values first make more whole prompts
         mixed. In ``trace_jax.bench.allocation`` 0.1 raised the effective ratio by a few points over 1.0 and
         lowered the non-zero-advantage token share by about as much.
+      gate_auc: *(ours)* an active stage 2 runs only while the predictor's held-out AUC on prefixes over recent
+        batches (``AllocationContext.prefix_auc``) is at least this; below it (or before any is measured) stage
+        2 forks random anchors, as ``tree_random`` does. Logged per step as ``gate/open`` and ``gate/auc``.
+        0: no gate.
     """
 
     stage1: str = "active"
@@ -119,6 +127,7 @@ class StagedPolicy:
     max_per_anchor: int = 4
     branch_roots: bool = True
     mixed_tree_weight: float = 0.1
+    gate_auc: float = 0.0
 
     def __post_init__(self):
         choices = {"stage1": ("uniform", "active"), "stage2": ("none", "uniform", "entropy", "active")}
@@ -161,8 +170,18 @@ class StagedPolicy:
         self.root_stage(ctx)
         if self.stage2 == "none":
             return
+        mode = self.stage2_mode(ctx)
         for round_index in range(self.rounds):
-            self.prefix_round(ctx, share=1.0 / (self.rounds - round_index))
+            self.prefix_round(ctx, share=1.0 / (self.rounds - round_index), mode=mode)
+
+    def stage2_mode(self, ctx: AllocationContext) -> str:
+        """The step's stage 2: ``self.stage2``, or "uniform" while a gated active stage 2 is closed (the held-out
+        prefix AUC below ``gate_auc`` or not measured yet); notes the gate's state."""
+        if self.stage2 != "active" or self.gate_auc <= 0:
+            return self.stage2
+        is_open = bool(np.isfinite(ctx.prefix_auc) and ctx.prefix_auc >= self.gate_auc)
+        ctx.notes.update({"gate/open": float(is_open), "gate/auc": float(ctx.prefix_auc)})
+        return "active" if is_open else "uniform"
 
     def root_stage(self, ctx: AllocationContext) -> None:
         """Stage 1: rollouts from the roots, within ``root_fraction`` of the budget."""
@@ -178,21 +197,23 @@ class StagedPolicy:
             counts = solvers.allocate_roots(values, total, lo, self.max_per_prompt, dispersion_b=rho)
         ctx.dispatch(roots, counts)
 
-    def prefix_round(self, ctx: AllocationContext, share: float) -> None:
-        """One stage-2 round: continuations from sampled anchors, within ``share`` of what is left."""
-        items, seen, tree_mixed = _branch_anchors(ctx, include_roots=self.branch_roots and self.stage2 == "active")
+    def prefix_round(self, ctx: AllocationContext, share: float, mode: str | None = None) -> None:
+        """One stage-2 round of ``mode`` (default ``stage2``): continuations from sampled anchors, within ``share``
+        of what is left."""
+        mode = mode or self.stage2
+        items, seen, tree_mixed = _branch_anchors(ctx, include_roots=self.branch_roots and mode == "active")
         if not items:
             return
         cost = ctx.costs(items)
         tokens = ctx.tokens_left * share if np.isfinite(ctx.tokens_left) else None
         rollouts = int(np.floor(ctx.rollouts_left * share)) if np.isfinite(ctx.rollouts_left) else None
-        if self.stage2 == "active":
+        if mode == "active":
             repeat = solvers.repeat_probability(self._score(ctx, items), np.round(seen))
             repeat = np.where((seen > 0) & (seen < 1), 1.0, repeat)  # a mixed anchor gains nothing more
             weight = np.where(tree_mixed, self.mixed_tree_weight, 1.0)
             counts = solvers.allocate_prefixes(repeat, cost, tokens, rollouts, self.max_per_anchor, weight)
         else:
-            if self.stage2 == "uniform":
+            if mode == "uniform":
                 priority = ctx.rng.random(len(items)) + 1e-9
             else:
                 priority = np.asarray([_next_turn_entropy(ctx.trees[t], n) for t, n in items]) + 1e-9
@@ -233,6 +254,58 @@ class DynamicSamplingPolicy:
             pending += [t for t in batch if not ctx.trees[t].is_mixed() and attempts[t] < self.max_attempts]
 
 
+@dataclasses.dataclass
+class GresoPolicy:
+    """GRESO's pre-rollout filter on history alone (no predictor): a prompt whose last group (of at least 2
+    rollouts) came out all-right or all-wrong is likely to again.
+
+    Args:
+      explore_probability: chance such a prompt is still treated as any other this step (GRESO's exploration:
+        a prompt the policy has since learned can come back).
+      down_weight: with no candidates to spare, a flagged prompt in the batch gets this share of an unflagged
+        prompt's rollouts (at least 1); 0 skips it.
+
+    ``select_prompts`` keeps unflagged candidates first (at random), then flagged ones if the batch is short;
+    ``run`` spends the budget on roots, uniform over the batch with flagged prompts down-weighted.
+    """
+
+    explore_probability: float = 0.1
+    down_weight: float = 0.25
+
+    def __post_init__(self):
+        if not 0 <= self.explore_probability <= 1 or not 0 <= self.down_weight <= 1:
+            raise ValueError("greso needs 0 <= explore_probability <= 1 and 0 <= down_weight <= 1")
+
+    def _flagged(self, ctx: AllocationContext) -> np.ndarray:
+        flagged = ctx.last_all_equal(range(len(ctx.trees)))
+        return flagged & (ctx.rng.random(len(ctx.trees)) >= self.explore_probability)
+
+    def select_prompts(self, ctx: AllocationContext, num: int) -> np.ndarray:
+        flagged = self._flagged(ctx)
+        order = np.lexsort((ctx.rng.random(len(ctx.trees)), flagged))  # unflagged first, random within each
+        ctx.notes["greso/skipped"] = float(min(flagged.sum(), len(ctx.trees) - num))
+        return np.sort(order[:num])
+
+    def run(self, ctx: AllocationContext) -> None:
+        roots = [(t, ROOT) for t in range(len(ctx.trees))]
+        if not roots:
+            return
+        total = ctx.affordable_rollouts(float(ctx.costs(roots[:1])[0]))
+        flagged = self._flagged(ctx)
+        weight = np.where(flagged, self.down_weight, 1.0)
+        counts = np.floor(total * weight / max(weight.sum(), 1e-9)).astype(np.int64)
+        if self.down_weight > 0:
+            counts[flagged] = np.maximum(counts[flagged], 1)
+        while counts.sum() > total:  # the floor of 1 may overshoot a tiny budget: take back from the largest
+            counts[np.argmax(counts)] -= 1
+        spare = total - int(counts.sum())
+        receivers = np.flatnonzero(weight == weight.max())
+        counts[ctx.rng.permutation(receivers)[: spare % receivers.size]] += 1
+        counts[receivers] += spare // receivers.size
+        ctx.notes["greso/down_weighted"] = float(flagged.sum())
+        ctx.dispatch(roots, counts)
+
+
 def _fresh_copy(tree: RolloutTree) -> RolloutTree:
     """The same prompt with no rollouts (root feature and info kept)."""
     fresh = RolloutTree(tree.root.token_ids, tree.task, tree.prompt_index)
@@ -250,6 +323,7 @@ POLICIES: Registry[Callable[..., AllocationPolicy]] = Registry(
         "tree_entropy": lambda **kw: StagedPolicy(**{"stage1": "uniform", "stage2": "entropy", **kw}),
         "trace": lambda **kw: StagedPolicy(**{"stage1": "active", "stage2": "active", **kw}),
         "oracle": lambda **kw: StagedPolicy(**{"stage1": "active", "stage2": "active", "scorer": "oracle", **kw}),
+        "greso": GresoPolicy,
     },
 )
 

@@ -36,6 +36,7 @@ from flax import nnx
 from jax.scipy.special import betaln
 
 from trace_jax.allocation.anchors import AnchorBatch
+from trace_jax.allocation.history import HISTORY_FEATURES
 from trace_jax.allocation.replay import ReplayBuffer
 from trace_jax.buckets import power_of_two
 from trace_jax.models import ModelConfig, create_model
@@ -208,6 +209,10 @@ class MLPPredictor:
         the Beta-binomial likelihood of the outcomes under each anchor (:meth:`predict_dispersion`). A prompt
         the features cannot tell between all-pass and all-fail gets a high dispersion, so the solvers'
         expected ``V_root`` no longer promises it a mixed group (``allocation.solvers``).
+      history: *(ours)* also read the prompt's outcome history on earlier visits (``AnchorBatch.history_nh``,
+        :class:`trace_jax.allocation.history.PromptHistory`: a Beta posterior over its past rollouts, their count,
+        the age of the last visit, whether it was all-equal). A prompt never seen has zero history features (and
+        a 0 seen bit), so its prediction is the network's from the hidden state alone.
     """
 
     def __init__(
@@ -222,9 +227,10 @@ class MLPPredictor:
         feature_dim: int | None = None,
         seed: int = 0,
         dispersion: bool = False,
+        history: bool = False,
     ):
         self.hidden, self.num_layers, self.max_depth = hidden, num_layers, max_depth
-        self.dispersion = dispersion
+        self.dispersion, self.history = dispersion, history
         self.train_steps, self.batch_size = train_steps, batch_size
         self.seed = seed
         self.optimizer = adam(float(learning_rate))
@@ -236,7 +242,7 @@ class MLPPredictor:
     # ---------------------------------------------------------------------------------------- set-up
     def _build(self, feature_dim: int) -> None:
         self.feature_dim = feature_dim
-        in_dim = feature_dim + 1 + self.max_depth + 1
+        in_dim = feature_dim + 1 + self.max_depth + 1 + (HISTORY_FEATURES if self.history else 0)
         model = _MLP(in_dim, self.hidden, self.num_layers, nnx.Rngs(self.seed), self.dispersion)
         self.graphdef, self.params = nnx.split(model, nnx.Param)
         self.opt_state = self.optimizer.init(self.params)
@@ -262,11 +268,21 @@ class MLPPredictor:
             return np.zeros((len(anchors), self.feature_dim), np.float32)
         return anchors.features_nd
 
-    def _inputs(self, features_nd: np.ndarray, has_feature_n: np.ndarray, depths_n: np.ndarray) -> np.ndarray:
+    def _history(self, anchors: AnchorBatch) -> np.ndarray:
+        """float32 [N, HISTORY_FEATURES] history features (zeros when the anchors carry none); [N, 0] without."""
+        if not self.history:
+            return np.zeros((len(anchors), 0), np.float32)
+        if anchors.history_nh is None:
+            return np.zeros((len(anchors), HISTORY_FEATURES), np.float32)
+        return anchors.history_nh
+
+    def _inputs(
+        self, features_nd: np.ndarray, has_feature_n: np.ndarray, depths_n: np.ndarray, history_nh: np.ndarray
+    ) -> np.ndarray:
         std = np.sqrt(self.m2 / max(self.count - 1.0, 1.0)) + 1e-6
         x = np.where(has_feature_n[:, None], (features_nd - self.mean) / std, 0.0)
         depth = np.eye(self.max_depth + 1)[np.minimum(depths_n, self.max_depth)]
-        return np.concatenate([x, has_feature_n[:, None], depth], axis=1).astype(np.float32)
+        return np.concatenate([x, has_feature_n[:, None], depth, history_nh], axis=1).astype(np.float32)
 
     # ------------------------------------------------------------------------------------------- use
     def _heads(self, anchors: AnchorBatch) -> np.ndarray | None:
@@ -274,7 +290,7 @@ class MLPPredictor:
         n = len(anchors)
         if not self._ensure_built(anchors):
             return None
-        x = self._inputs(self._features(anchors), anchors.has_feature_n, anchors.depths_n)
+        x = self._inputs(self._features(anchors), anchors.has_feature_n, anchors.depths_n, self._history(anchors))
         padded = np.zeros((_bucket(n), x.shape[1]), np.float32)
         padded[:n] = x
         probs = np.asarray(_predict(self.graphdef, self.params, (padded,)))[:n]
@@ -304,15 +320,17 @@ class MLPPredictor:
             "depths": anchors.depths_n[keep],
             "targets": anchors.targets_n[keep],
             "weights": anchors.weights_n[keep],
+            **({"history": self._history(anchors)[keep]} if self.history else {}),
         }
         self._update_statistics(new["features"][new["has_feature"]])
         self.replay.add(new)
         rng = np.random.default_rng([self.seed, self.updates])  # reproducible after a checkpoint restore
         losses = []
+        no_history = np.zeros((self.batch_size, 0), np.float32)
         for _ in range(self.train_steps):
             batch = self.replay.sample(rng, self.batch_size)
             # inputs per minibatch: with policy-sized features (thousands of dims) the whole replay would not fit
-            x = self._inputs(batch["features"], batch["has_feature"], batch["depths"])
+            x = self._inputs(batch["features"], batch["has_feature"], batch["depths"], batch.get("history", no_history))
             train_step = _dispersion_train_step if self.dispersion else _train_step
             self.params, self.opt_state, loss = train_step(
                 self.graphdef,

@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from trace_jax.allocation.anchors import training_anchors
-from trace_jax.allocation.calibration import calibration_metrics
+from trace_jax.allocation.anchors import AnchorBatch, training_anchors
+from trace_jax.allocation.calibration import calibration_metrics, weighted_auc
 from trace_jax.allocation.context import AllocationContext, Budget, CostModel
+from trace_jax.allocation.history import PromptHistory
 from trace_jax.allocation.policies import AllocationPolicy, make_policy
 from trace_jax.allocation.predictor import SuccessPredictor, make_predictor
 from trace_jax.rollout import figures
@@ -58,6 +59,12 @@ class SchedulerConfig:
       step, ``warm_up`` samples groups of ``predictor_warmup_rollouts`` on that many prompts and trains the
       predictor ``predictor_warmup_updates`` times on their anchors, so stage 1 does not start from an untrained
       predictor. Its cost is logged apart (``alloc/warmup/*`` at step 0). 0 prompts: no warm-up.
+    prefix_auc_window: *(ours)* the held-out AUC on prefixes a gated stage 2 reads (``policy_kwargs.gate_auc``;
+      logged as ``alloc/gate/auc``) pools the predictions of this many recent batches, made before the
+      predictor learned from them.
+    compare_without_history: *(ours)* with a predictor that reads prompt history (``predictor_kwargs.history``),
+      also train the same predictor without it on the same anchors (it allocates nothing) and log its held-out
+      figures as ``alloc/predictor/no_history/*``: history's worth, measured on identical anchors.
     """
 
     policy: str = "trace"
@@ -74,6 +81,8 @@ class SchedulerConfig:
     predictor_warmup_prompts: int = 0
     predictor_warmup_rollouts: int = 8
     predictor_warmup_updates: int = 8
+    prefix_auc_window: int = 4
+    compare_without_history: bool = False
 
     def __post_init__(self):
         if not self.candidates_per_prompt >= 1:
@@ -84,10 +93,25 @@ class SchedulerConfig:
             raise ValueError(
                 "the predictor warm-up needs predictor_warmup_rollouts >= 2 and predictor_warmup_updates >= 1"
             )
+        if self.prefix_auc_window < 1:
+            raise ValueError(f"prefix_auc_window must be >= 1 (batches), got {self.prefix_auc_window}")
+        if self.compare_without_history and not self.predictor_kwargs.get("history"):
+            raise ValueError("compare_without_history needs a predictor that reads history: predictor_kwargs.history")
 
     def candidates(self, batch_size: int) -> int:
         """How many prompts to draw for a batch of ``batch_size``."""
         return max(batch_size, round(batch_size * self.candidates_per_prompt))
+
+
+def held_out_metrics(prefix: str, pred_n: np.ndarray, anchors: AnchorBatch) -> dict[str, float]:
+    """Calibration of predictions made before learning from ``anchors``: on all of them
+    (``<prefix>/{brier,auc,ece}``), on the roots alone (``<prefix>/root/*``) and on deeper prefixes alone
+    (``<prefix>/prefix/*``)."""
+    metrics = {}
+    for name, keep in (("", slice(None)), ("root/", anchors.depths_n == 0), ("prefix/", anchors.depths_n > 0)):
+        figures = calibration_metrics(pred_n[keep], anchors.targets_n[keep], anchors.weights_n[keep])
+        metrics.update({f"{prefix}/{name}{k}": v for k, v in figures.items() if not (name and k == "ece")})
+    return metrics
 
 
 @dataclasses.dataclass
@@ -120,7 +144,26 @@ class TreeScheduler:
         self.policy = policy or make_policy(cfg.policy, **cfg.policy_kwargs)
         self.predictor = predictor or make_predictor(cfg.predictor, **cfg.predictor_kwargs)
         self.cost_model = CostModel(cfg.max_depth, cfg.prior_tokens_per_rollout)
+        self.history = PromptHistory()
+        self.without_history = (
+            make_predictor(cfg.predictor, **{**cfg.predictor_kwargs, "history": False})
+            if cfg.compare_without_history
+            else None
+        )
+        self.recent_prefixes: list[np.ndarray] = []  # per recent batch: [3, N] held-out prediction, target, weight
         self.step = 0
+
+    @property
+    def prefix_auc(self) -> float:
+        """The predictor's held-out AUC on the prefixes of the last ``prefix_auc_window`` batches (NaN before any)."""
+        if not self.recent_prefixes:
+            return float("nan")
+        pred, target, weight = np.concatenate(self.recent_prefixes, axis=1)
+        return weighted_auc(pred, target, weight)
+
+    def _context(self, trees: Sequence[RolloutTree], budget: Budget, rng: np.random.Generator) -> AllocationContext:
+        args = (trees, self.backend, budget, self.predictor, self.cost_model, rng)
+        return AllocationContext(*args, history=self.history, prefix_auc=self.prefix_auc)
 
     def budget(self, batch_size: int) -> Budget:
         cfg = self.config
@@ -144,20 +187,26 @@ class TreeScheduler:
         rng = np.random.default_rng([self.config.seed, self.step])
         budget = self.budget(batch_size)
         if batch_size < len(trees):
-            candidates = AllocationContext(trees, self.backend, budget, self.predictor, self.cost_model, rng)
+            candidates = self._context(trees, budget, rng)
             trees = [trees[i] for i in self.policy.select_prompts(candidates, batch_size)]
-        ctx = AllocationContext(trees, self.backend, budget, self.predictor, self.cost_model, rng)
+        ctx = self._context(trees, budget, rng)
         self.policy.run(ctx)
         allocate_seconds = time.perf_counter() - start - ctx.backend_seconds
 
-        anchors = training_anchors(ctx.trees, with_prefix_ids=getattr(self.predictor, "needs_prefix_ids", False))
-        metrics: dict[str, float] = {}
+        anchors = training_anchors(ctx.trees, with_prefix_ids=self._prefix_ids, history=self.history)
+        metrics: dict[str, float] = dict(ctx.notes)
         if len(anchors):
             pred = self.predictor.predict(anchors)  # before it learns from these trees: held out
-            held_out = calibration_metrics(pred, anchors.targets_n, anchors.weights_n)
-            metrics.update({f"predictor/{k}": v for k, v in held_out.items()})
+            metrics.update(held_out_metrics("predictor", pred, anchors))
+            prefixes = anchors.depths_n > 0
+            held = np.stack([pred, anchors.targets_n, anchors.weights_n])[:, prefixes]
+            self.recent_prefixes = [*self.recent_prefixes, held][-self.config.prefix_auc_window :]
             metrics.update(self.predictor.update(anchors))
+            if self.without_history is not None:
+                metrics.update(held_out_metrics("predictor/no_history", self.without_history.predict(anchors), anchors))
+                self.without_history.update(anchors)
         self.cost_model.update(ctx.trees)
+        self.history.observe(ctx.trees)  # after training: an anchor is trained on the history it was predicted with
         self.step += 1
 
         metrics.update(figures.batch_figures(ctx.trees, generated_tokens=ctx.spent.generated_tokens))
@@ -174,6 +223,10 @@ class TreeScheduler:
             }
         )
         return ScheduleResult(ctx.trees, ctx.spent, metrics)
+
+    @property
+    def _prefix_ids(self) -> bool:
+        return getattr(self.predictor, "needs_prefix_ids", False)
 
     def _featurize(self, trees: Sequence[RolloutTree]) -> None:
         featurize = getattr(self.backend, "featurize_roots", None)
@@ -192,11 +245,14 @@ class TreeScheduler:
         stats = self.backend.continue_anchors(
             [ContinuationRequest(tree, ROOT, cfg.predictor_warmup_rollouts) for tree in trees]
         )
-        anchors = training_anchors(trees, with_prefix_ids=getattr(self.predictor, "needs_prefix_ids", False))
+        anchors = training_anchors(trees, with_prefix_ids=self._prefix_ids, history=self.history)
         fitted: dict[str, float] = {}
         for _ in range(cfg.predictor_warmup_updates):
             fitted = self.predictor.update(anchors)
+            if self.without_history is not None:
+                self.without_history.update(anchors)
         self.cost_model.update(trees)
+        self.history.observe(trees)
         return {
             "prompts": float(len(trees)),
             "rollouts": float(stats.rollouts),
@@ -207,14 +263,31 @@ class TreeScheduler:
 
     # ------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Predictor (params, optimizer, statistics), cost model and step: plain dicts / numpy arrays."""
-        return {
+        """Predictor (params, optimizer, statistics), prompt history, the recent held-out prefix predictions (the
+        gate's), cost model and step: plain dicts / numpy arrays."""
+        state = {
             "predictor": self.predictor.state_dict(),
+            "history": self.history.state_dict(),
+            # One [3, 1 + N] array (a padding column first: a checkpoint cannot hold an empty array) and each
+            # batch's N (a 0 first).
+            "recent_prefixes": np.concatenate([np.zeros((3, 1)), *self.recent_prefixes], axis=1),
+            "recent_prefix_sizes": np.asarray([0] + [held.shape[1] for held in self.recent_prefixes], np.int64),
             "cost_model": self.cost_model.state_dict(),
             "step": self.step,
         }
+        if self.without_history is not None:
+            state["without_history"] = self.without_history.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.predictor.load_state_dict(state["predictor"])
         self.cost_model.load_state_dict(state["cost_model"])
         self.step = int(state["step"])
+        if "history" in state:  # a checkpoint written before the scheduler kept prompt history holds none
+            self.history.load_state_dict(state["history"])
+        if "recent_prefixes" in state:
+            held = np.asarray(state["recent_prefixes"], float).reshape(3, -1)[:, 1:]
+            sizes = np.asarray(state["recent_prefix_sizes"], np.int64).reshape(-1)[1:]
+            self.recent_prefixes = np.split(held, np.cumsum(sizes)[:-1], axis=1) if sizes.size else []
+        if self.without_history is not None and "without_history" in state:
+            self.without_history.load_state_dict(state["without_history"])

@@ -2,8 +2,8 @@
 
     python -m trace_jax.bench.train_curve [--config-file configs/ablation.py] [--seeds 0,1,2]
         [--policies trace,uniform] [--steps 16] [--prompts 8] [--tokens-per-prompt 240] [--eval-questions 100]
-        [--eval-every 4] [--workdir runs/train_curve] [--compile-cache DIR] [--quick] [--report-only]
-        [--out bench_results/train_curve.json]
+        [--eval-every 4] [--pool-size 32 --epochs 3] [--workdir runs/train_curve] [--compile-cache DIR] [--quick]
+        [--report-only] [--out bench_results/train_curve.json]
 
 Every (seed, policy) run is the main job, ``trace_jax.job.train.train``, on ``<config-file>:<policy>`` (default
 ``configs/ablation.py``; ``configs/realistic.py`` is the realistic-difficulty world) with a smaller RL budget
@@ -20,6 +20,12 @@ interpolated between its evaluations onto a common token axis, and "EM @ equal t
 smallest total any run reached ("EM @ equal time" likewise on cumulative RL-step wall seconds, evaluations
 excluded). With several policies over the same seeds, ``paired`` holds per-seed differences against the
 first policy named ``uniform`` (else the last one): mean, standard error and wins.
+
+Multi-epoch runs: ``--pool-size N --epochs E`` trains on a pool of N train questions (``rl.pool_size``), each
+visited once per epoch in a fresh seeded order, for E epochs: ``--steps`` is then derived per policy
+(``schema.steps_for_epochs``; a policy that draws more candidates a step has fewer steps an epoch). Each
+run's per-step predictor figures on held-out anchors (AUC on roots and on prefixes, and without history where
+an arm measures that) are averaged per epoch in ``policies.<name>.per_epoch``.
 
 A run whose directory already holds a finished run is resumed, which only re-evaluates it, so adding seeds
 to a finished experiment trains only the new ones; ``--report-only`` re-aggregates finished runs without any
@@ -48,13 +54,24 @@ import numpy as np
 from absl import logging as absl_logging
 
 from trace_jax.config_utils import load_config_file
-from trace_jax.job import build
+from trace_jax.job import build, schema
 from trace_jax.job.train import train
 from trace_jax.metrics import format_mean_std, format_table, mean_std_curve, plot_mean_std, read_jsonl
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 BEFORE_FILE = "eval_before.json"
 WARMUP_KEYS = ("alloc/warmup/generated_tokens", "time/warmup_s")  # the predictor warm-up's cost, at step 0
+# Per-step figures kept beside the main ones: the predictor on held-out anchors, by kind, with and without
+# history (``SchedulerConfig.compare_without_history``), and the stage-2 gate.
+PER_STEP_KEYS = {
+    "root_auc": "alloc/predictor/root/auc",
+    "root_brier": "alloc/predictor/root/brier",
+    "prefix_auc": "alloc/predictor/prefix/auc",
+    "prefix_brier": "alloc/predictor/prefix/brier",
+    "no_history_root_auc": "alloc/predictor/no_history/root/auc",
+    "no_history_prefix_auc": "alloc/predictor/no_history/prefix/auc",
+    "gate_open": "alloc/gate/open",
+}
 
 
 @dataclasses.dataclass
@@ -71,6 +88,8 @@ class RunCurve:
     seconds: wall time of the run (0 when unknown).
     warmup_tokens / warmup_seconds: the predictor warm-up's generated tokens and wall seconds before step 1
       (``alloc/warmup/generated_tokens``, ``time/warmup_s``; 0 without one): both cost axes start there.
+    extra: float64 [S] per logged key of :data:`PER_STEP_KEYS` (predictor figures on roots and prefixes, with
+      and without history, the stage-2 gate), NaN where a step did not log it.
     """
 
     policy: str
@@ -89,6 +108,20 @@ class RunCurve:
     signal_token_share: np.ndarray | None = None
     warmup_tokens: float = 0.0
     warmup_seconds: float = 0.0
+    extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    steps_per_epoch: int = 0  # RL steps of one pass over the prompt pool; 0: no pool (fresh prompts)
+
+    def per_epoch(self) -> dict[str, list[float]]:
+        """Each :data:`PER_STEP_KEYS` figure and the effective ratio, averaged over each epoch's steps (NaN-aware);
+        {} for a run without a pool."""
+        if not self.steps_per_epoch:
+            return {}
+        epoch = (self.steps - 1) // self.steps_per_epoch
+        columns = {**self.extra, "effective_ratio": self.effective_ratio}
+        return {
+            name: [_nanmean(values[epoch == e]) for e in range(int(epoch.max()) + 1)]
+            for name, values in columns.items()
+        }
 
     @property
     def total_tokens(self) -> float:
@@ -120,7 +153,14 @@ class RunCurve:
         return float(self.cumulative_seconds_at(self.steps[-1:])[0])
 
 
-def run_curve(policy: str, seed: int, records: Sequence[Mapping[str, Any]], sft_em: float, seconds: float = 0.0):
+def run_curve(
+    policy: str,
+    seed: int,
+    records: Sequence[Mapping[str, Any]],
+    sft_em: float,
+    seconds: float = 0.0,
+    steps_per_epoch: int = 0,
+):
     """A :class:`RunCurve` from a run's ``metrics.jsonl`` records and the SFT policy's held-out EM."""
     steps = [r for r in records if r.get("alloc/effective_ratio") is not None]
     if not steps:
@@ -152,6 +192,8 @@ def run_curve(policy: str, seed: int, records: Sequence[Mapping[str, Any]], sft_
         column("alloc/nonzero_adv_token_share"),
         warmup.get(WARMUP_KEYS[0], 0.0),
         warmup.get(WARMUP_KEYS[1], 0.0),
+        {name: column(key) for name, key in PER_STEP_KEYS.items()},
+        steps_per_epoch,
     )
 
 
@@ -284,6 +326,16 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
                 "predictor_brier": [_nanmean(run.predictor_brier) for run in group],
             }.items()
         }
+        epochs = [run.per_epoch() for run in group if run.steps_per_epoch]
+        if epochs:  # per figure: mean over seeds of each epoch's mean, and the per-seed values
+            numbers[policy]["per_epoch"] = {
+                name: {
+                    "mean": np.nanmean([e[name] for e in epochs], axis=0).tolist(),
+                    "values": [e[name] for e in epochs],
+                }
+                for name in epochs[0]
+                if len({len(e[name]) for e in epochs}) == 1 and np.isfinite([e[name] for e in epochs]).any()
+            }
         em_tokens = mean_std_curve([(grid, run.em_at_tokens(grid)) for run in group])
         em_seconds = mean_std_curve([(time_grid, run.em_at_seconds(time_grid)) for run in group])
         em_steps = mean_std_curve([(run.eval_steps, run.eval_em) for run in group])
@@ -372,9 +424,11 @@ def run_config(policy: str, seed: int, args: argparse.Namespace):
     config.allocation.tokens_per_prompt = float(args.tokens_per_prompt)
     config.allocation.rollouts_per_prompt = float(args.max_rollouts_per_prompt)
     config.allocation.prior_tokens_per_rollout = float(args.prior_tokens_per_rollout)
-    config.rl.steps = args.steps
     config.rl.prompts_per_step = args.prompts
-    config.rl.checkpoint_every = args.steps  # checkpoints are for resuming, not for this comparison
+    if args.pool_size:
+        config.rl.pool_size = args.pool_size
+    config.rl.steps = schema.steps_for_epochs(config, args.epochs) if args.epochs else args.steps
+    config.rl.checkpoint_every = config.rl.steps  # checkpoints are for resuming, not for this comparison
     config.rl.keep_checkpoints = 1
     config.eval.num_questions = args.eval_questions
     config.eval.every = args.eval_every
@@ -437,7 +491,9 @@ def load_run(policy: str, seed: int, rundir: pathlib.Path, seconds: float | None
         seconds_file = rundir / "bench_seconds.json"
         recorded = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
         seconds = recorded.get("seconds", summary.get("total_seconds", 0.0))
-    return run_curve(policy, seed, read_jsonl(rundir / "metrics.jsonl"), sft_em, seconds)
+    saved = rundir / build.CONFIG_FILE
+    per_epoch = schema.steps_per_epoch(json.loads(saved.read_text())) if saved.is_file() else 0
+    return run_curve(policy, seed, read_jsonl(rundir / "metrics.jsonl"), sft_em, seconds, per_epoch)
 
 
 def _ints(text: str) -> list[int]:
@@ -464,6 +520,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--eval-questions", type=int, default=100, help="held-out (test split) questions")
     parser.add_argument("--eval-every", type=int, default=4, help="RL steps between held-out evaluations")
+    parser.add_argument(
+        "--pool-size", type=int, default=0, help="train on a pool of this many questions (0: the config's rl.pool_size)"
+    )
+    parser.add_argument(
+        "--epochs", type=float, default=0.0, help="passes over the pool; sets each policy's steps (0: --steps)"
+    )
     parser.add_argument("--workdir", default="runs/train_curve")
     parser.add_argument(
         "--compile-cache", default=None, help="JAX compilation cache dir (default WORKDIR/jax_cache; 'none': off)"
@@ -478,6 +540,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.seeds, args.steps, args.prompts, args.eval_questions, args.eval_every = args.seeds[:1], 2, 4, 10, 1
     if args.steps < 1 or args.prompts < 1 or args.eval_every < 1 or args.tokens_per_prompt <= 0:
         parser.error("--steps, --prompts, --eval-every and --tokens-per-prompt must be positive")
+    if args.pool_size < 0 or args.epochs < 0:
+        parser.error("--pool-size and --epochs must be >= 0")
     if not pathlib.Path(args.config_file).is_file():
         parser.error(f"--config-file {args.config_file} does not exist (e.g. configs/realistic.py)")
     return args
@@ -510,6 +574,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "reward": r.reward.tolist(),
             "step_seconds": None if r.step_seconds is None else r.step_seconds.tolist(),
             "seconds": r.seconds,
+            "steps_per_epoch": r.steps_per_epoch,
+            "per_step": {name: values.tolist() for name, values in r.extra.items()},
         }
         for r in runs
     ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -55,6 +56,10 @@ class RLConfig:
     steps: number of RL updates; a finished run is extended by rerunning it with a larger value. The learning-rate
       schedule spans the whole run: rl.steps × ppo.ppo_epochs × ppo.mini_batches optimizer steps.
     prompts_per_step: training questions per step (each grows one rollout tree).
+    pool_size: the prompt pool, evenly spaced over the train split (every kind keeps its share; the same pool
+      for every seed); each epoch visits it once in a fresh seeded order (``trace_jax.data.prompts``). 0: the
+      whole split. The epochs a run makes follow from rl.steps (``rl.epochs`` under [derived]); synthetic
+      recipe only.
     advantage: advantage estimator, a key of ``trace_jax.rl.advantages.ESTIMATORS``.
     warmup_steps: linear learning-rate warm-up over this many RL steps, i.e. over the first rl.warmup_steps ×
       ppo.ppo_epochs × ppo.mini_batches optimizer steps (rounded); fractions count (0.5: the first half of step
@@ -71,6 +76,7 @@ class RLConfig:
 
     steps: int = 30
     prompts_per_step: int = 16
+    pool_size: int = 0
     advantage: str = "grpo"
     warmup_steps: float = 0.5
     checkpoint_every: int = 5
@@ -139,16 +145,43 @@ def steps_per_rl_step(config: Mapping[str, Any]) -> int:
 def derived(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The values the job computes from other keys, by the name of the field they set (in optimizer steps)."""
     per_step = steps_per_rl_step(config)
-    return {
+    values = {
         # At least 1: a run of 0 RL steps (evaluation only) still builds its optimizer.
         "optim.total_steps": max(config.rl.steps * per_step, 1),
         "optim.warmup_steps": int(config.rl.warmup_steps * per_step + 0.5),  # rounded half up
     }
+    if config.rl.get("pool_size"):
+        values["rl.epochs"] = epochs(config)
+    return values
+
+
+def prompts_drawn_per_step(config: Mapping[str, Any]) -> int:
+    """Prompts an RL step draws: ``rl.prompts_per_step``, times ``allocation.candidates_per_prompt`` when the
+    allocation policy selects the step's batch from more candidates."""
+    return from_config(SchedulerConfig, config.get("allocation")).candidates(config["rl"]["prompts_per_step"])
+
+
+def steps_per_epoch(config: Mapping[str, Any]) -> int:
+    """RL steps of one pass over the prompt pool (``rl.pool_size``): the pool's whole batches of drawn prompts
+    (a batch never straddles two epochs); 0 without a pool."""
+    pool = config["rl"].get("pool_size", 0)
+    return max(pool // prompts_drawn_per_step(config), 1) if pool else 0
+
+
+def epochs(config: Mapping[str, Any]) -> float:
+    """Passes over the prompt pool that rl.steps make (``rl.epochs`` under [derived])."""
+    return config["rl"]["steps"] / steps_per_epoch(config)
+
+
+def steps_for_epochs(config: Mapping[str, Any], num_epochs: float) -> int:
+    """The rl.steps that visit the pool (``rl.pool_size``) ``num_epochs`` times (rounded up to whole steps)."""
+    return math.ceil(num_epochs * steps_per_epoch(config) - 1e-9)
 
 
 DERIVED_DOCS = {
     "optim.total_steps": "optimizer steps of the whole run: rl.steps × ppo.ppo_epochs × ppo.mini_batches",
     "optim.warmup_steps": "optimizer steps of warm-up: rl.warmup_steps × ppo.ppo_epochs × ppo.mini_batches",
+    "rl.epochs": "passes over the prompt pool: rl.steps / (rl.pool_size // prompts drawn a step), not a key",
 }
 
 

@@ -138,7 +138,8 @@ class SyntheticSource:
         )
 
     def prompt_stream(self, config, world):
-        return PromptStream(world.world.questions("train"), build.prompts_drawn_per_step(config), config.seed)
+        rows = world.world.questions("train")
+        return PromptStream(rows, build.prompts_drawn_per_step(config), config.seed, config.rl.get("pool_size", 0))
 
     def finish(self, config, workdir, policy):
         return {}
@@ -220,6 +221,8 @@ class SearchR1Source:
         return Start(world, model_config, params, source, message, facts, hf_dir, _tokenizer_dir(config), token_ids)
 
     def prompt_stream(self, config, world):
+        if config.rl.get("pool_size"):
+            raise ValueError("rl.pool_size is for the synthetic recipe; a search_r1 run streams its whole train split")
         # Every process reads the whole step's batch: all of them run the scheduler over every tree, and each
         # samples the trees it owns (``trace_jax.job.sharded_rollouts``).
         return world.world.stream(config.data.train_split, build.prompts_drawn_per_step(config), config.seed, 0, 1)
