@@ -169,7 +169,7 @@ def splash_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_
 
 def _splash_available() -> bool:
     try:
-        from jax.experimental.pallas.ops.tpu import splash_attention  # noqa: F401
+        from jax.experimental.pallas.ops.tpu import splash_attention  # noqa: F401 (a probe: does the TPU kernel import)
     except ImportError:
         return False
     return True

@@ -255,7 +255,7 @@ def _pallas_paged_attention_applies(implementation: str) -> bool:
     if jax.default_backend() != "tpu" or implementation not in ("auto", "splash"):
         return False
     try:
-        from jax.experimental.pallas.ops.tpu import paged_attention  # noqa: F401
+        from jax.experimental.pallas.ops.tpu import paged_attention  # noqa: F401 (a probe: does the TPU kernel import)
     except ImportError:
         return False
     return True
