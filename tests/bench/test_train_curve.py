@@ -189,14 +189,13 @@ def test_stage_ablation_arms_run_trace_with_one_stage_swapped():
 def test_prompt_selection_arms_draw_three_candidates_per_trained_prompt():
     from trace_jax.allocation.scheduler import SchedulerConfig
     from trace_jax.config_utils import from_config
-    from trace_jax.job import build
 
     args = train_curve.parse_args(["--quick", "--config-file", str(train_curve.CONFIG_DIR / "realistic.py")])
     drawn = {}
     for arm in ("trace_select3", "root_only_select3", "active1_uniform2_select3", "trace"):
         config = train_curve.run_config(arm, 0, args)
         scheduler = from_config(SchedulerConfig, config.allocation)
-        drawn[arm] = (scheduler.policy, build.prompts_drawn_per_step(config) / config.rl.prompts_per_step)
+        drawn[arm] = (scheduler.policy, schema.prompts_drawn_per_step(config) / config.rl.prompts_per_step)
     assert drawn == {
         "trace_select3": ("trace", 3.0),
         "root_only_select3": ("root_only", 3.0),

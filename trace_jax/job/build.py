@@ -22,7 +22,7 @@ from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.data.tokenizer import load_tokenizer, train_world_tokenizer
 from trace_jax.envs.react import ReActConfig, ReActEnv
 from trace_jax.envs.retriever import RetrieverConfig, build_retriever
-from trace_jax.job import rundir, schema
+from trace_jax.job import rundir
 from trace_jax.job.processes import Processes
 from trace_jax.job.sft import SFTConfig, SFTResult, run_sft
 from trace_jax.job.warm_start import CacheEntry, WarmStartCache, WarmStartConfig, key_material
@@ -96,11 +96,6 @@ def build_runner(
 
 def build_scheduler(config: ml_collections.ConfigDict, backend: Any) -> TreeScheduler:
     return TreeScheduler(backend, from_config(SchedulerConfig, config.allocation))
-
-
-def prompts_drawn_per_step(config: ml_collections.ConfigDict) -> int:
-    """Prompts an RL step draws (``schema.prompts_drawn_per_step``)."""
-    return schema.prompts_drawn_per_step(config)
 
 
 @dataclasses.dataclass

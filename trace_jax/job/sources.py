@@ -39,7 +39,7 @@ from trace_jax.data.tfds_builders import search_r1_files
 from trace_jax.data.tokenizer import load_tokenizer
 from trace_jax.envs.react import ReActConfig, ReActEnv
 from trace_jax.envs.retriever import RetrieverConfig, build_retriever
-from trace_jax.job import build
+from trace_jax.job import build, schema
 from trace_jax.models import ModelConfig
 from trace_jax.parallel import multihost
 from trace_jax.registry import Registry
@@ -139,7 +139,7 @@ class SyntheticSource:
 
     def prompt_stream(self, config, world):
         rows = world.world.questions("train")
-        return PromptStream(rows, build.prompts_drawn_per_step(config), config.seed, config.rl.get("pool_size", 0))
+        return PromptStream(rows, schema.prompts_drawn_per_step(config), config.seed, config.rl.get("pool_size", 0))
 
     def finish(self, config, workdir, policy):
         return {}
@@ -225,7 +225,7 @@ class SearchR1Source:
             raise ValueError("rl.pool_size is for the synthetic recipe; a search_r1 run streams its whole train split")
         # Every process reads the whole step's batch: all of them run the scheduler over every tree, and each
         # samples the trees it owns (``trace_jax.job.sharded_rollouts``).
-        return world.world.stream(config.data.train_split, build.prompts_drawn_per_step(config), config.seed, 0, 1)
+        return world.world.stream(config.data.train_split, schema.prompts_drawn_per_step(config), config.seed, 0, 1)
 
     def finish(self, config, workdir, policy):
         out = paths.as_path(workdir) / EXPORT_DIR
