@@ -10,7 +10,8 @@ from flax import nnx
 
 from tests.helpers import build_hf_checkpoint, torch_logits
 from trace_jax.checkpoint.hf import load_hf
-from trace_jax.models.qwen import PRESETS, KVCache, ModelConfig, Qwen, abstract_model, num_params
+from trace_jax.models import abstract_model
+from trace_jax.models.qwen import PRESETS, KVCache, ModelConfig, Qwen, num_params
 
 CASES = {
     "qwen3-tied-theta1e6-headdim24": ("qwen3", dict(tie_word_embeddings=True, rope_theta=1e6, head_dim=24)),

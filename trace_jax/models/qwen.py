@@ -586,11 +586,3 @@ class Qwen(nnx.Module):
             tokens_bt, cache, num_new_b, positions_bt=positions_bt, kv_visible_end_bt=kv_visible_end_bt
         )
         return ModelOutput(self.logits(hidden_btd), hidden_btd, cache)
-
-
-def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    """``(graphdef, abstract params)`` of ``Qwen(config)``: shapes, dtypes and logical axes, no memory.
-
-    ``nnx.merge(graphdef, params)`` turns any matching params (loaded, sharded, updated) into a model.
-    """
-    return nnx.split(nnx.eval_shape(lambda: Qwen(config, rngs=nnx.Rngs(0))), nnx.Param)
