@@ -1,0 +1,108 @@
+"""JetStream's own orchestrator drives ``JetStreamEngine``: greedy requests get the engine's own tokens.
+
+Runs only where google-jetstream is installed (``pip install -e ".[jetstream]"``: TensorFlow comes with it
+through seqio, ~2.2 GB, so CI does not install it and this module skips there)."""
+
+import asyncio
+import logging
+
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip(
+    "jetstream.engine.engine_api",
+    reason='google-jetstream is not installed (pip install -e ".[jetstream]"; ~2.2 GB with TensorFlow)',
+)
+
+from trace_jax.models import ModelConfig, Qwen, abstract_model  # noqa: E402 (after the skip)
+from trace_jax.rollout.engine import Engine, EngineConfig  # noqa: E402
+from trace_jax.rollout.jetstream_engine import JetStreamEngine  # noqa: E402
+from trace_jax.rollout.sampling import SamplingConfig  # noqa: E402
+
+CONFIG = ModelConfig.preset("qwen3-tiny", vocab_size=96)
+PROMPTS = [[5, 17, 3, 9, 42, 8, 1], [64, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [7, 7, 30]]
+MAX_TOKENS = 9
+
+
+def _engine(params, **fields) -> Engine:
+    base = dict(max_len=64, length_buckets=(64,), sampling=SamplingConfig.make_greedy(), weight_dtype=None)
+    engine = Engine(abstract_model(CONFIG)[0], CONFIG, EngineConfig(**{**base, **fields}))
+    engine.set_params(params)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def params():
+    params = nnx.split(Qwen(CONFIG, rngs=nnx.Rngs(3)), nnx.Param)[1]
+    params["embed"].value = params["embed"].value * 0.05  # unit-variance tied embeddings give peaky argmaxes
+    return params
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+    """Each prompt's greedy tokens from the engine alone: all prompts in one insert, several steps a call."""
+    engine = _engine(params, max_slots=len(PROMPTS), steps_per_call=4)
+    state = engine.init_decode_state()
+    slots = list(range(len(PROMPTS)))
+    state, _ = engine.insert(None, state, PROMPTS, slots, [0] * len(PROMPTS), greedy=True, turn_limit=MAX_TOKENS)
+    tokens = [[] for _ in PROMPTS]
+    while state.running.any():
+        state, out = engine.generate(None, state)
+        for slot in slots:
+            tokens[slot] += out.tokens[slot, : out.num_tokens[slot]].tolist()
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def served_engine(params):
+    """Two JetStream slots (and the scratch slot) for four requests: slots are reused."""
+    return _engine(params, max_slots=3, steps_per_call=1)
+
+
+@pytest.fixture(scope="module")
+def orchestrator():
+    # Importing JetStream's orchestrator sets the root logger to DEBUG with a stdout handler; undo that after.
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    from jetstream.core import orchestrator  # noqa: PLC0415 (its import reconfigures logging; restored below)
+
+    root.setLevel(level)
+    root.handlers[:] = handlers
+    return orchestrator
+
+
+def _serve(orchestrator, served: JetStreamEngine, interleaved: bool) -> list[list[int]]:
+    """Every prompt sent to JetStream's orchestrator at once as a token-id request; the ids each gets back."""
+    from jetstream.core.proto import jetstream_pb2  # noqa: PLC0415 (only importable with google-jetstream)
+
+    weights = served.load_params()
+    driver = orchestrator.Driver([served], [served], [weights], [weights], interleaved_mode=interleaved)
+    server = orchestrator.LLMOrchestrator(driver)
+
+    async def decode(prompt):
+        content = jetstream_pb2.DecodeRequest.TokenContent(token_ids=prompt)
+        ids = []
+        async for response in server.Decode(jetstream_pb2.DecodeRequest(token_content=content, max_tokens=MAX_TOKENS)):
+            ids += list(response.stream_content.samples[0].token_ids)
+        return ids
+
+    async def decode_all():
+        return await asyncio.gather(*(decode(prompt) for prompt in PROMPTS))
+
+    try:
+        return asyncio.run(decode_all())
+    finally:
+        driver.stop()
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "disaggregated"])
+def test_jetstream_orchestrator_decodes_the_engines_greedy_tokens(orchestrator, served_engine, reference, interleaved):
+    """Fails if ``prefill`` keeps JetStream's BOS, if ``insert`` forks the wrong prefix or into the wrong slot,
+    if a reused slot keeps its old sequence, or if ``ResultTokens`` misreports tokens, validity or lengths."""
+    assert all(len(ids) == MAX_TOKENS for ids in reference)
+    assert len({tuple(ids) for ids in reference}) == len(PROMPTS)  # distinct: a swap of requests shows
+    served = JetStreamEngine(served_engine)
+    assert served.max_concurrent_decodes == 2 < len(PROMPTS)  # requests wait for a freed slot
+    assert _serve(orchestrator, served, interleaved) == reference
+    assert served.engine.compilations["fork"] == 1  # insert forked the prefix; nothing was recomputed
