@@ -6,6 +6,8 @@
 The engine follows JetStream's engine interface plus a fork (one prefix into k slots) and per-slot extends;
 ``runner`` turns continuation requests into turns, observations and ``RolloutTree`` nodes; ``figures`` computes
 the public figures of a batch of trees (effective ratio, signal-token share).
+``jetstream_engine`` (imported by no module here: it imports JetStream) serves the engine to JetStream's
+orchestrator and server.
 """
 
 from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend, RolloutStats
