@@ -74,18 +74,33 @@ def orchestrator():
     return orchestrator
 
 
-def _serve(orchestrator, served: JetStreamEngine, interleaved: bool) -> list[list[int]]:
-    """Every prompt sent to JetStream's orchestrator at once as a token-id request; the ids each gets back."""
+class WordTokenizer:
+    """Ids written as words: ``encode("5 17") == [5, 17]``, ``decode([5]) == "5 "``."""
+
+    def encode(self, text: str) -> list[int]:
+        return [int(word) for word in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"{i} " for i in ids)
+
+
+def _serve(orchestrator, served: JetStreamEngine, interleaved: bool, text: bool = False) -> list:
+    """Every prompt sent to JetStream's orchestrator at once; what each request gets back: its ids, or with
+    ``text`` (the prompt sent as words, tokenized by the served tokenizer) its text."""
     weights = served.load_params()
     driver = orchestrator.Driver([served], [served], [weights], [weights], interleaved_mode=interleaved)
     server = orchestrator.LLMOrchestrator(driver)
 
     async def decode(prompt):
-        content = jetstream_pb2.DecodeRequest.TokenContent(token_ids=prompt)
-        ids = []
-        async for response in server.Decode(jetstream_pb2.DecodeRequest(token_content=content, max_tokens=MAX_TOKENS)):
+        if text:
+            content = {"text_content": jetstream_pb2.DecodeRequest.TextContent(text=" ".join(map(str, prompt)))}
+        else:
+            content = {"token_content": jetstream_pb2.DecodeRequest.TokenContent(token_ids=prompt)}
+        ids, words = [], ""
+        async for response in server.Decode(jetstream_pb2.DecodeRequest(max_tokens=MAX_TOKENS, **content)):
             ids += list(response.stream_content.samples[0].token_ids)
-        return ids
+            words += response.stream_content.samples[0].text
+        return words if text else ids
 
     async def decode_all():
         # A request JetStream never sees end (its lengths or validity misreported) fails here, not hangs.
@@ -121,3 +136,10 @@ def test_jetstream_orchestrator_decodes_the_engines_greedy_tokens(
     # One prefill (append) per request, then one fork into its slot: the prompt is never computed twice.
     for name in ("append_calls", "forked_sequences"):
         assert served_engine.counters[name] - counters.get(name, 0) == len(PROMPTS)
+
+
+def test_text_requests_go_through_the_served_tokenizer(orchestrator, served_engine, reference):
+    """Fails if ``EngineTokenizer.encode`` lets a BOS reach the engine or its ids differ from the tokenizer's,
+    or if ``decode`` is not the given tokenizer's."""
+    served = JetStreamEngine(served_engine, tokenizer=WordTokenizer())
+    assert _serve(orchestrator, served, True, text=True) == [WordTokenizer().decode(ids) for ids in reference]
