@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.models import attention as attention_lib
+from trace_jax.parallel.mesh import constrain
 
 TRASH_PAGE = 0
 
@@ -219,10 +220,11 @@ class PagedKVCache:
         of ``page_size * head_dim`` values per index, not one position at a time."""
         b, window = self.table_bp.shape[0], self.max_len
         columns = min(-(-window // self.page_size), self.table_bp.shape[1])
-        table_bn = self.table_bp[:, :columns]
+        table_bn = constrain(self.table_bp[:, :columns], ("batch", None))
 
         def read(pool_lkpze):
-            blocks_kbnze = pool_lkpze[layer][:, table_bn]
+            blocks_kbnze = constrain(pool_lkpze[layer], (None, None, None, None))[:, table_bn]
+            blocks_kbnze = constrain(blocks_kbnze, (None, "batch", None, None, None))
             k, _, _, z, e = blocks_kbnze.shape
             bits_bwke = jnp.moveaxis(blocks_kbnze.reshape(k, b, columns * z, e)[:, :, :window], 0, 2)
             return jax.lax.bitcast_convert_type(bits_bwke, self.dtype)
