@@ -223,6 +223,7 @@ class PagedKVCache:
         table_bn = constrain(self.table_bp[:, :columns], ("batch", None))
 
         def read(pool_lkpze):
+            # The layer's pool whole on each slot shard, then the shard's own slots (see ``layout``'s limit).
             blocks_kbnze = constrain(pool_lkpze[layer], (None, None, None, None))[:, table_bn]
             blocks_kbnze = constrain(blocks_kbnze, (None, "batch", None, None, None))
             k, _, _, z, e = blocks_kbnze.shape
