@@ -11,7 +11,8 @@ import pytest
 
 from trace_jax.models import ModelConfig
 from trace_jax.parallel.mesh import make_mesh
-from trace_jax.plan.compile import train_step_memory
+from trace_jax.plan.__main__ import slots_per_chip
+from trace_jax.plan.compile import generate_memory, train_step_memory
 from trace_jax.plan.topology import GIB, parse_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -102,3 +103,26 @@ def test_the_planner_says_plainly_when_nothing_fits(tmp_path):
     stdout, plan = _plan(tmp_path, "--memory-gib", "0.001", "--prune", "1e9", "--max-compiles", "1")
     assert plan["train"]["fits"] is None and plan["train"]["tried"]
     assert "train: nothing fits" in stdout
+
+
+# Layer weights and the KV pool of about the same size, so a float32 copy of either breaks the bound below.
+DECODE_MODEL = dataclasses.replace(FOUR_LAYERS, dtype="bfloat16", param_dtype="bfloat16")
+
+
+def test_the_decode_program_keeps_temporaries_under_half_its_weights_and_cache():
+    """Fails if the KV pools go back to float storage (XLA:CPU then scatters each token into a float32 copy of the
+    whole pool) or if the layer scan slices the weight stack dynamically on CPU (the float32 cast of every
+    layer's weights is hoisted out of the decode loop): either adds about twice that array to the temporaries."""
+    report = generate_memory(DECODE_MODEL, _one_device(), slots=8, max_len=512, steps_per_call=8)
+    kinds = report.by_kind
+    assert kinds["kv_cache"] > 0.3 * kinds["weights"]  # premise: the pool weighs as much as the layers
+    assert report.temporaries <= 0.5 * (kinds["weights"] + kinds["kv_cache"]), (report.temporaries, kinds)
+
+
+def test_slots_per_chip_solve_the_line_through_two_compiles_per_shard():
+    """Fails if the slots are not divided by the shards that split them (data x fsdp) or the line is mis-solved."""
+    one = {"mesh": {"data": 4, "fsdp": 2, "tensor": 1}, "settings": {"slots": 64, "max_len": 4096}, "peak_gib": 20.0}
+    twice = {**one, "settings": {"slots": 128, "max_len": 4096}, "peak_gib": 24.0, "per_device_gib": {"temporaries": 1}}
+    fit = slots_per_chip(one, twice, int(60 * GIB))
+    # 8 -> 16 slots a chip add 4 GiB: 0.5 GiB a slot over 16 GiB fixed; (60 - 16) / 0.5 = 88.
+    assert (fit["per_slot_gib"], fit["fixed_gib"], fit["fit"], fit["max_len"]) == (0.5, 16.0, 88, 4096)

@@ -60,6 +60,28 @@ AttentionFn = Callable[..., jax.Array]
 ATTENTION: Registry[AttentionFn] = Registry("attention implementation")
 
 
+# The unsigned integer of each width: a cache pool holds its values' bits (see ``as_bits``).
+_BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def bits_dtype(dtype: Any) -> jnp.dtype:
+    """The unsigned integer dtype of ``dtype``'s width."""
+    return jnp.dtype(_BITS[jnp.dtype(dtype).itemsize])
+
+
+def as_bits(x: jax.Array) -> jax.Array:
+    """``x``'s bits as the unsigned integer of its width (the identity on unsigned integers). Scatters into a
+    bf16 array run on XLA:CPU through a float32 copy of the whole array (it has no bf16 scatter); on the
+    bits they run in place, with the same values landing."""
+    return jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype))
+
+
+def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """``jnp.take(table, ids, axis=0)`` gathered on the bits (the same values): XLA:CPU gathers from a bf16
+    table through a float32 copy of the whole table otherwise."""
+    return jax.lax.bitcast_convert_type(jnp.take(as_bits(table), ids, axis=0), table.dtype)
+
+
 def visible_mask(query_index_bt: jax.Array, num_keys: int, kv_end_bs: jax.Array | None) -> jax.Array:
     """bool [B, T, S]: the visibility contract of the module docstring."""
     q_bt1 = query_index_bt[:, :, None]

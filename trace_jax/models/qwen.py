@@ -34,6 +34,7 @@ The layer scan touches the cache only through ``KVCache.write_layer`` / ``read_l
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -453,6 +454,14 @@ def stacked_layers(
     return layers
 
 
+def _layer_by_branch(layer_state: Any, position: jax.Array) -> Any:
+    """Layer ``position`` of the stacked weights, each layer a static slice in a ``lax.switch`` branch (XLA:CPU
+    runs a bf16 dynamic slice on a float32 copy of the whole stack, which it hoists out of every loop)."""
+    count = jax.tree.leaves(layer_state)[0].shape[0]
+    branches = [functools.partial(jax.tree.map, lambda w, i=i: w[i]) for i in range(count)]
+    return jax.lax.switch(position, branches, layer_state)
+
+
 def scan_layers(
     config: ModelConfig,
     layers: nnx.Module,
@@ -466,9 +475,13 @@ def scan_layers(
     *extra_carry)`` returns the new ``(x_btd, cache, *extra_carry)``; ``layer_index`` (int32, one per stacked
     layer) is each layer's position in the whole decoder (its KV cache row). Remat per ``config.remat``."""
     graphdef, layer_state = nnx.split(layers)
+    # Decoding on XLA:CPU: each layer's weights are taken by a branch of static slices (``_layer_by_branch``).
+    by_branch = cache is not None and jax.default_backend() == "cpu"
 
     def one_layer(carry, xs):
         state, index = xs
+        if by_branch:
+            state = _layer_by_branch(layer_state, state)
         x_btd, cache, *rest = body(nnx.merge(graphdef, state), *carry[:2], index, *carry[2:])
         return (constrain(x_btd, _ACTIVATION_AXES), cache, *rest), None
 
@@ -476,7 +489,8 @@ def scan_layers(
     if cache is None and policy is not None:  # remat matters only where a backward pass may follow
         one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=False)
     # The cache rides in the carry (updated in place layer by layer), never stacked as a scan output.
-    carry, _ = jax.lax.scan(one_layer, (x_btd, cache, *extra_carry), (layer_state, layer_index))
+    xs = jnp.arange(layer_index.shape[0]) if by_branch else layer_state
+    carry, _ = jax.lax.scan(one_layer, (x_btd, cache, *extra_carry), (xs, layer_index))
     return carry
 
 
@@ -535,7 +549,7 @@ class Qwen(nnx.Module):
         else:
             positions_bt = cache.lengths[:, None] + jnp.arange(t)[None, :]
         # Gather the rows first, then cast: the whole table is never copied in the compute dtype.
-        x_btd = jnp.take(self.embed.value, tokens_bt, axis=0).astype(self.config.compute_dtype)
+        x_btd = attention_lib.take_rows(self.embed.value, tokens_bt).astype(self.config.compute_dtype)
         x_btd = constrain(x_btd, _ACTIVATION_AXES)
         x_btd, cache, extra = self.run_layers(x_btd, positions_bt, cache, kv_visible_end_bt, token_mask_bt)
         if cache is not None:

@@ -6,7 +6,9 @@ For the train step the candidates are (fsdp x tensor meshes over all chips) x mi
 tried in order of expected speed (no remat before matmul-saving before full remat; fewer micro-batches and
 less tensor parallelism first). A rough analytic estimate skips candidates that cannot fit; each remaining one
 is compiled (the real ``RLTrainer`` step) until XLA's per-device peak fits the chip's memory less the margin.
-The engine (``Engine.generate``, slots x max_len) tries data x tensor meshes the same way. A 4-layer copy of
+The engine (``Engine.generate``, slots x max_len) tries data x tensor meshes the same way; on the mesh chosen
+it is compiled once more at twice the slots, and the line through the two peaks (per chip: fixed bytes +
+bytes per slot) gives the slots per chip that fit the budget at that length (``slots_per_chip``). A 4-layer copy of
 the chosen train step is compiled too, to show that compile time does not grow with depth (scanned layers).
 
 The numbers are XLA:CPU's estimate of per-device memory; XLA:TPU schedules differently (treat as an estimate).
@@ -180,7 +182,34 @@ class Planner:
             if entry["fits"]:
                 out["fits"] = entry
                 break
+        chosen = out["fits"]
+        if chosen is not None:
+            mesh = make_mesh(**chosen["mesh"], devices=devices)
+            twice = self._report(
+                json.dumps(["engine", {"mesh": chosen["mesh"], "slots": 2 * args.slots}]),
+                lambda: plan_compile.generate_memory(
+                    config, mesh, 2 * args.slots, max_len, args.steps_per_call, args.engine_dtype
+                ),
+            )
+            chosen["slots_per_chip"] = slots_per_chip(chosen, twice, budget)
         return out
+
+
+def slots_per_chip(one: dict[str, Any], twice: dict[str, Any], budget: int) -> dict[str, Any]:
+    """Slots per chip that fit ``budget`` at the engine's length, from two compiles of the same mesh at
+    ``n`` and ``2n`` slots: per-chip peak = fixed + per_slot x slots, solved for the budget."""
+    shards = one["mesh"]["data"] * one["mesh"]["fsdp"]
+    n, m = one["settings"]["slots"] // shards, twice["settings"]["slots"] // shards
+    per_slot = (twice["peak_gib"] - one["peak_gib"]) / (m - n)
+    fixed = one["peak_gib"] - per_slot * n
+    fit = int((budget / GIB - fixed) // per_slot) if per_slot > 0 else None
+    return {
+        "max_len": one["settings"]["max_len"],
+        "fit": fit,
+        "per_slot_gib": round(per_slot, 4),
+        "fixed_gib": round(fixed, 3),
+        "temporaries_at_2x_gib": twice["per_device_gib"]["temporaries"],
+    }
 
 
 def plan_one(planner: Planner, topology: Topology, depth_check: bool) -> dict[str, Any]:
@@ -235,6 +264,12 @@ def summary(result: dict[str, Any]) -> str:
         chosen = result[part]["fits"]
         if chosen is not None:
             lines.append(f"{part}: FITS  {_row(chosen)}")
+            if "slots_per_chip" in chosen:
+                fit = chosen["slots_per_chip"]
+                lines.append(
+                    f"engine slots per chip that fit at {fit['max_len']}: {fit['fit']} "
+                    f"(peak = {fit['fixed_gib']} GiB + {fit['per_slot_gib']} GiB a slot)"
+                )
         else:
             lines.append(f"{part}: nothing fits among the {len(result[part]['tried'])} compiled candidates")
     if "depth_check" in result["train"]:

@@ -133,7 +133,8 @@ def append_program(
     # rows' tables point at the trash page).
     k_pages = pages.copy_pages(state.k_pages, copy_from_k, copy_to_k)
     v_pages = pages.copy_pages(state.v_pages, copy_from_k, copy_to_k)
-    cache = pages.PagedKVCache(k_pages, v_pages, table_kp, lengths_k, jnp.arange(window))
+    dtype = cfg.kv_dtype(model.config.compute_dtype)
+    cache = pages.PagedKVCache(k_pages, v_pages, table_kp, lengths_k, jnp.arange(window), dtype)
     hidden_ktd, cache = model.hidden(tokens_kt, cache, num_new_k)
     # Only the first h rows can be an item's last chunk (items <= slots): the slot state is set from them.
     h = min(tokens_kt.shape[0], cfg.max_slots)

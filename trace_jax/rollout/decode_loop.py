@@ -46,7 +46,8 @@ def decode_program(
     idle_b = ~host_running_b & (reason_b == StopReason.RUNNING)
     state = state._replace(stop_reason_b=jnp.where(idle_b, StopReason.IDLE, reason_b))
     # Attention reads each slot's first ``window`` positions through its page table, layer by layer.
-    cache = pages.PagedKVCache(state.k_pages, state.v_pages, table_bp, state.lengths_b, jnp.arange(window))
+    dtype = cfg.kv_dtype(model.config.compute_dtype)
+    cache = pages.PagedKVCache(state.k_pages, state.v_pages, table_bp, state.lengths_b, jnp.arange(window), dtype)
 
     def step_fn(carry):
         step, st, cache, out, num_b, ended = carry

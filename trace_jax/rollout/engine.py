@@ -51,6 +51,7 @@ import numpy as np
 from flax import nnx
 
 from trace_jax.models import ModelConfig, abstract_model
+from trace_jax.models import attention as attention_lib
 from trace_jax.parallel.mesh import make_mesh
 from trace_jax.rollout import pages
 from trace_jax.rollout.append import APPEND_FIELDS, append_program, pack_append
@@ -181,10 +182,10 @@ class Engine:
         cfg, mc = self.config, self.model_config
         b, width = cfg.max_slots, cfg.max_stop_len
         pool_shape = (mc.num_layers, mc.num_kv_heads, cfg.pool_pages, cfg.page, mc.head_dim)
-        dtype = jnp.dtype(cfg.cache_dtype) if cfg.cache_dtype else mc.compute_dtype
+        bits = attention_lib.bits_dtype(cfg.kv_dtype(mc.compute_dtype))  # the pools hold the values' bits
         return DecodeState(
-            k_pages=jnp.zeros(pool_shape, dtype),
-            v_pages=jnp.zeros(pool_shape, dtype),
+            k_pages=jnp.zeros(pool_shape, bits),
+            v_pages=jnp.zeros(pool_shape, bits),
             lengths_b=jnp.zeros((b,), jnp.int32),
             logits_bv=jnp.zeros((b, mc.vocab_size), jnp.float32),
             hidden_bd=jnp.zeros((b, mc.hidden_size), jnp.float32),

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
 
 from trace_jax.buckets import bucket
 from trace_jax.rollout.sampling import SamplingConfig
@@ -123,6 +126,10 @@ class EngineConfig:
             most = bucket(self.max_slots * -(-window // self.append_width), self.append_rows, "append rows")
             shapes += [(rows, window) for rows in self.append_rows if rows <= most]
         return tuple(shapes)
+
+    def kv_dtype(self, compute_dtype: Any) -> jnp.dtype:
+        """The KV cache's value dtype: ``cache_dtype``, else the model's ``compute_dtype``."""
+        return jnp.dtype(self.cache_dtype) if self.cache_dtype else jnp.dtype(compute_dtype)
 
     def length_bucket(self, n: int, what: str) -> int:
         if n > self.max_len:

@@ -11,9 +11,12 @@ the sampling dtype (bf16 by default) and moves them into this layout in one comp
 policy update (``Engine.set_params``, a program of the engine's set); the trainer's copy is left alone.
 
 Limit (say it plainly): the reference attention path gathers pages through the page table with a plain XLA
-gather; the partitioner does not know that a slot's pages live on its own shard, so on a pod it may gather
-the pool across shards. A shard-local gather (``shard_map``) or the Pallas paged-attention kernel belongs
-there; on one host and on fake CPU devices this layout is exact and tested.
+gather, and a slot's pages may lie on any shard (forks share prefix pages across slots). So the read all-
+gathers one layer's pool over the slot shards and then gathers the shard's own slots (one layer's pool
+alive at a time; left to itself the partitioner gathered every slot's window on every chip and summed
+them, twice the bytes). On a pod that is a layer's pool over the interconnect per step: a shard-aware page
+allocator with a shard-local gather (``shard_map``) or the Pallas paged-attention kernel belongs there; on
+one host and on fake CPU devices this layout is exact and tested.
 """
 
 from __future__ import annotations

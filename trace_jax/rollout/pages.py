@@ -17,20 +17,24 @@ Device side: ``PagedKVCache`` is the cache type the model runs on (``write_layer
 ``trace_jax.models.attention.attend_cached``): a layer's new keys and values are scattered straight into
 their pages, and attention reads a slot's positions through its table, one layer at a time (the gather-
 based reference path, every backend), or with the TPU Pallas paged-attention kernel where it applies. Any
-page size, contiguous included, is the same code.
+page size, contiguous included, is the same code. The pools hold the values' bits (an unsigned integer of
+the cache dtype's width, ``attention.as_bits``): the scatter of new keys and values then runs in place on
+every backend (XLA:CPU has no bf16 scatter and would scatter into a float32 copy of the whole pool at every
+layer of every step), and a layer's window is viewed in the cache dtype after its gather.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.models import attention as attention_lib
+from trace_jax.parallel.mesh import constrain
 
 TRASH_PAGE = 0
 
@@ -158,16 +162,20 @@ def position_index(table_bp: jax.Array, positions_bs: jax.Array, page_size: int)
 
 
 def copy_pages(pool_lkpze: jax.Array, source_n: jax.Array, dest_n: jax.Array) -> jax.Array:
-    """Copies pages ``source_n[i] -> dest_n[i]`` in every layer (the fork's copy of a partly filled page)."""
+    """Copies pages ``source_n[i] -> dest_n[i]`` in every layer (the fork's copy of a partly filled page; the
+    pool holds bits, so the scatter runs in place)."""
     return pool_lkpze.at[:, :, dest_n].set(pool_lkpze[:, :, source_n])
 
 
-class PagedKVCache(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
     """The KV cache the model sees when it runs on engine slots: the page pools plus the slots' page tables.
 
     k_pages / v_pages: [layers, kv_heads, pages, page_size, head_dim] (the layout of the Pallas paged-
-    attention kernel); table_bp: int32 [B, pages per slot]; lengths: int32 [B] valid positions per slot;
-    window_w: int32 [W] = 0..W-1, the positions attention reads (its length is the static window).
+    attention kernel), the bits of ``dtype`` values (``attention.bits_dtype``); table_bp: int32 [B, pages per
+    slot]; lengths: int32 [B] valid positions per slot; window_w: int32 [W] = 0..W-1, the positions attention
+    reads (its length is the static window); dtype (static): the cache's value dtype.
 
     It has the two methods ``trace_jax.models.attention.attend_cached`` needs (``write_layer``,
     ``read_layer``: the gather-based reference path, any backend) and ``attend_layer``, which runs the TPU
@@ -179,6 +187,11 @@ class PagedKVCache(NamedTuple):
     table_bp: jax.Array
     lengths: jax.Array
     window_w: jax.Array
+    dtype: Any = dataclasses.field(metadata={"static": True}, default=jnp.bfloat16)
+
+    def _replace(self, **fields: Any) -> PagedKVCache:
+        """A copy with ``fields`` replaced (the interface the model's caches share)."""
+        return dataclasses.replace(self, **fields)
 
     @property
     def page_size(self) -> int:
@@ -196,7 +209,8 @@ class PagedKVCache(NamedTuple):
         # is a traced scalar or a Python int.
         heads_11k = jnp.arange(self.k_pages.shape[1])[None, None, :]
         index = (layer, heads_11k, pages_bt[..., None], offsets_bt[..., None])
-        write = lambda pool, new_btke: pool.at[index].set(new_btke.astype(pool.dtype), mode="drop")
+        bits = lambda new_btke: attention_lib.as_bits(new_btke.astype(self.dtype))
+        write = lambda pool, new_btke: pool.at[index].set(bits(new_btke), mode="drop")
         return self._replace(k_pages=write(self.k_pages, k_btke), v_pages=write(self.v_pages, v_btke))
 
     def read_layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -206,12 +220,15 @@ class PagedKVCache(NamedTuple):
         of ``page_size * head_dim`` values per index, not one position at a time."""
         b, window = self.table_bp.shape[0], self.max_len
         columns = min(-(-window // self.page_size), self.table_bp.shape[1])
-        table_bn = self.table_bp[:, :columns]
+        table_bn = constrain(self.table_bp[:, :columns], ("batch", None))
 
         def read(pool_lkpze):
-            blocks_kbnze = pool_lkpze[layer][:, table_bn]
+            # The layer's pool whole on each slot shard, then the shard's own slots (see ``layout``'s limit).
+            blocks_kbnze = constrain(pool_lkpze[layer], (None, None, None, None))[:, table_bn]
+            blocks_kbnze = constrain(blocks_kbnze, (None, "batch", None, None, None))
             k, _, _, z, e = blocks_kbnze.shape
-            return jnp.moveaxis(blocks_kbnze.reshape(k, b, columns * z, e)[:, :, :window], 0, 2)
+            bits_bwke = jnp.moveaxis(blocks_kbnze.reshape(k, b, columns * z, e)[:, :, :window], 0, 2)
+            return jax.lax.bitcast_convert_type(bits_bwke, self.dtype)
 
         return read(self.k_pages), read(self.v_pages)
 
@@ -241,8 +258,8 @@ class PagedKVCache(NamedTuple):
         block = max(d for d in (8, 4, 2, 1) if pages_per_slot % d == 0)
         out_bhe = paged_attention(
             (q_bthe[:, 0] / jnp.sqrt(jnp.float32(e))).astype(q_bthe.dtype),
-            self.k_pages[layer],
-            self.v_pages[layer],
+            jax.lax.bitcast_convert_type(self.k_pages[layer], self.dtype),
+            jax.lax.bitcast_convert_type(self.v_pages[layer], self.dtype),
             positions_bt[:, 0] + 1,  # the new token sees itself and every earlier position
             self.table_bp,
             pages_per_compute_block=block,
