@@ -14,7 +14,7 @@ Per mode: the median step time of each block's steps 2..N, the generated tokens 
 them (the two modes sample different trees, so "equal tokens" is checked, not forced), the median rollout and train
 seconds, and the overlap fraction: the share of the trainer's time (batch + update) during which rollouts ran, over
 the same steps. ``speedup`` is the k = 0 median over the k = 1 median. The default config is the main job's
-(``configs/default.py``) with the tiny world of the job tests' warm start (``WORLD`` below): the default RL step
+(``configs/default.py``) with the tiny world of the job tests' warm start (``TINY_WORLD`` below): the default RL step
 (16 questions, 8 rollouts' budget each, 32 slots) on a warm start that trains in minutes.
 """
 
@@ -30,8 +30,9 @@ from typing import Any
 
 from trace_jax.bench.report import emit
 
-# The job tests' tiny world and warm start (``tests/helpers.TINY_MAIN_JOB``); the RL step is the default one.
-WORLD = [
+# A tiny world whose 200-step warm start answers about a third of its training questions (the job tests' world,
+# ``tests/helpers.TINY_MAIN_JOB``, starts with it); the RL step on it is the default one.
+TINY_WORLD = [
     "--config.world.scale=2",
     "--config.world.questions_per_hop=40",
     "--config.world.ood_questions=10",
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cli.quiet_third_party(0)
     total = 2 * steps * rounds
     bench = [
-        *WORLD,
+        *TINY_WORLD,
         "--config.mesh.rollout_devices=1",
         f"--config.rl.steps={total}",
         f"--config.rl.checkpoint_every={steps}",  # block ends are pipeline boundaries; nothing is saved
