@@ -1,25 +1,30 @@
 """Rollouts beside training: the main job's RL step time with sampling and training on disjoint devices, sampling
 in turn (``rl.max_staleness = 0``) against sampling one step ahead (``= 1``), side by side in one process.
 
-    python -m trace_jax.bench.overlap [--steps=4] [--rounds=1] [--config.KEY=VALUE ...] [--out=FILE.json]
+    python -m trace_jax.bench.overlap [--steps=5] [--rounds=1] [--shared-cores] [--config.KEY=VALUE ...]
+                                      [--out=FILE.json]
 
 Two devices, one sampling (``mesh.rollout_devices = 1``) and one training: on a CPU host, two XLA host devices
-(``--xla_force_host_platform_device_count=2``, set here before JAX starts). One ``Training`` runs blocks of
-``--steps`` RL steps, alternately at k = 0 and k = 1 (each round swaps the order, so a drift in the machine's load
-falls on both), on the same engine and trainer (nothing compiles twice). Checkpoints are never written, but the
-checkpoint period is the block length, so a block's last step is a boundary of the pipeline: nothing is in flight
-when the mode changes, and each block's first step samples in turn (its figures are left out).
+(``--xla_force_host_platform_device_count=2``, set here before JAX starts), each program on one thread
+(``ONE_CORE_EACH``): one core samples and one trains, and sampling in turn leaves one of them idle. One
+``Training`` runs blocks of ``--steps`` RL steps, alternately at k = 0 and k = 1 (each round swaps the order, so
+a drift in the machine's load falls on both), on the same engine and trainer (nothing compiles twice).
+Checkpoints are never written, but the checkpoint period is the block length, so a block's last step is a
+boundary of the pipeline: nothing is in flight when the mode changes, and each block's first step samples in
+turn and its last step samples nothing ahead (the pipeline's ends): the figures are those of steps 2..N-1
+of each block, the steady state (the first one also compiles).
 
-Per mode: the median step time of each block's steps 2..N, the generated tokens and the step time per thousand of
-them (the two modes sample different trees, so "equal tokens" is checked, not forced), the median rollout and train
-seconds, and the overlap fraction: the share of the trainer's time (batch + update) during which rollouts ran, over
-the same steps. ``speedup`` is the k = 0 median over the k = 1 median. The default config is the main job's
-(``configs/default.py``) with the tiny world of the job tests' warm start (``TINY_WORLD`` below): the default RL step
-(16 questions, 8 rollouts' budget each, 32 slots) on a warm start that trains in minutes.
+Per mode, over those steps: the median step time, the generated tokens and the step time per thousand of them (the
+two modes sample different trees, so "equal tokens" is checked, not forced), the median rollout and train seconds,
+and the overlap fraction: the share of the trainer's time (batch + update) during which rollouts ran. ``speedup`` is
+the k = 0 median over the k = 1 median. The default config is the main job's (``configs/default.py``) with the tiny
+world of the job tests' warm start (``TINY_WORLD`` below): the default RL step (16 questions, 8 rollouts' budget
+each, 32 slots) on a warm start that trains in minutes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import statistics
@@ -41,6 +46,9 @@ TINY_WORLD = [
     "--config.sft.practice_worlds=0",
 ]
 DEVICES_FLAG = "--xla_force_host_platform_device_count=2"
+# Each XLA:CPU program on one thread, so the sampling device and the training device each use one core (the
+# split the benchmark measures); ``--shared-cores`` leaves XLA's thread pool, which both devices share, alone.
+ONE_CORE_EACH = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def _flag(argv: list[str], name: str, default: str) -> str:
@@ -50,11 +58,16 @@ def _flag(argv: list[str], name: str, default: str) -> str:
 def _block(run: Any, staleness: int, steps: int) -> list[dict[str, float]]:
     """``steps`` RL steps at ``rl.max_staleness = staleness``; the metrics of each."""
     run.pipeline.max_staleness = staleness
-    return [run.rl_step() for _ in range(steps)]
+    records = []
+    for _ in range(steps):
+        records.append(run.rl_step())
+        timings = {k: round(v, 3) for k, v in records[-1].items() if k.startswith("time/")}
+        print(json.dumps({"k": staleness, "step": run.step, **timings}), file=sys.stderr, flush=True)
+    return records
 
 
 def _mode(blocks: list[list[dict[str, float]]]) -> dict[str, Any]:
-    counted = [record for block in blocks for record in block[1:]]  # each block's steps 2..N
+    counted = [record for block in blocks for record in block[1:-1]]  # each block's steps 2..N-1
     tokens = sum(r["alloc/budget/generated_tokens"] for r in counted)
     step_s = [r["time/step_s"] for r in counted]
     train_s = sum(r["time/train_s"] for r in counted)
@@ -75,10 +88,13 @@ def _mode(blocks: list[list[dict[str, float]]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv if argv is None else argv)
     if DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):  # must be set before JAX starts: a fresh interpreter
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {DEVICES_FLAG}".strip())
+        flags = [os.environ.get("XLA_FLAGS", ""), DEVICES_FLAG, "" if "--shared-cores" in argv else ONE_CORE_EACH]
+        env = dict(os.environ, XLA_FLAGS=" ".join(f for f in flags if f))
         env.setdefault("JAX_PLATFORMS", "cpu")
         sys.exit(subprocess.run([sys.executable, "-m", "trace_jax.bench.overlap", *argv[1:]], env=env).returncode)
-    steps, rounds = int(_flag(argv, "steps", "4")), int(_flag(argv, "rounds", "1"))
+    steps, rounds = int(_flag(argv, "steps", "5")), int(_flag(argv, "rounds", "1"))
+    if steps < 3:
+        sys.exit("--steps must be >= 3: each block's first and last steps are left out")
     out = _flag(argv, "out", "bench_results/overlap.json")
     overrides = [a for a in argv[1:] if a.startswith("--config")]
     # Imported here: JAX must start after XLA_FLAGS names the two devices.
@@ -115,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "config": [*bench, *overrides],
         "devices": {"sampling": 1, "training": jax.device_count() - 1, "platform": jax.devices()[0].platform},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "load_average": os.getloadavg(),
         "k0": sync,
         "k1": ahead,
