@@ -121,6 +121,9 @@ class Training:
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save(self, force: bool = False) -> None:
+        if not (force or self.checkpointer.should_save(self.step)):
+            return  # nothing read: the scheduler, prompts and runner may be sampling ahead on another thread
+        self._engine_idle("a checkpoint")
         # The policy is its own entry (evaluation restores just it); "train" holds the rest of the state once.
         state = {
             "params": self.state.params,
