@@ -5,15 +5,12 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from trace_jax.bench.overlap import TINY_WORLD
+
 # The main job on a tiny world whose 200-step warm start answers about a third of its training questions, so
 # rollout rewards are mixed and RL gradients non-zero (tests of the whole job add their step counts).
 TINY_MAIN_JOB = [
-    "--config.world.scale=2",
-    "--config.world.questions_per_hop=40",
-    "--config.world.ood_questions=10",
-    "--config.tokenizer.vocab_size=400",
-    "--config.sft.max_steps=200",
-    "--config.sft.practice_worlds=0",
+    *TINY_WORLD,
     "--config.engine.max_slots=8",
     "--config.engine.append_windows=(512,)",  # one append window: 7 append programs to compile, not 18
     "--config.allocation.rollouts_per_prompt=3.0",

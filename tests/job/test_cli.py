@@ -74,6 +74,8 @@ def test_show_config_lists_every_key_with_value_and_doc(capsys):
         (["--config.rl.advantage=bogus"], ExitCode.CONFIG, ["rl.advantage='bogus'", "grpo"]),
         (["--config.loss.policy_loss=bogus"], ExitCode.CONFIG, ["config.loss", "policy_loss 'bogus'"]),
         (["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], ExitCode.CONFIG, ["at most one axis may be -1"]),
+        (["--config.mesh.rollout_devices=-1"], ExitCode.CONFIG, ["config.mesh.rollout_devices=-1", ">= 0"]),
+        (["--config.rl.max_staleness=-1"], ExitCode.CONFIG, ["config.rl.max_staleness=-1", ">= 0"]),
         (["--config.rl.steps=abc"], ExitCode.CONFIG, ["rl.steps"]),
         (["--config.rl.learnin_rate=1e-5"], ExitCode.CONFIG, ["unknown config key 'rl.learnin_rate'"]),
         (["stray"], ExitCode.CONFIG, ["unexpected arguments ['stray']"]),
@@ -94,6 +96,10 @@ def test_a_mesh_that_does_not_match_the_devices_is_refused_before_work(capsys, t
     code, _, err = run(capsys, f"--workdir={workdir}", "--config.mesh.data=3", "--config.mesh.fsdp=1")
     assert code == ExitCode.CONFIG
     assert_one_line_error(err, "mesh.data=3", "does not fit the 1 available device")
+    assert not (workdir / "config.json").exists() and not (workdir / "checkpoints").exists()
+    code, _, err = run(capsys, f"--workdir={workdir}", "--config.mesh.rollout_devices=1")
+    assert code == ExitCode.CONFIG
+    assert_one_line_error(err, "rollout_devices=1 leaves no device to train")
     assert not (workdir / "config.json").exists() and not (workdir / "checkpoints").exists()
 
 

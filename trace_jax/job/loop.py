@@ -19,10 +19,12 @@ from trace_jax.cli import Console
 from trace_jax.config_utils import from_config
 from trace_jax.job import build, rundir, schema, sources
 from trace_jax.job.evaluate import evaluate
+from trace_jax.job.pipeline import RolloutPipeline, Sampled
+from trace_jax.job.placement import Placement
 from trace_jax.job.processes import Processes
 from trace_jax.models import abstract_model
 from trace_jax.optim import make_optimizer
-from trace_jax.parallel.mesh import make_mesh, shard_state
+from trace_jax.parallel.mesh import shard_state
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batch import BatchConfig, build_batch
 from trace_jax.rl.losses import LossConfig
@@ -36,12 +38,30 @@ def eval_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {f"eval/em/{row['group']}" if row["group"] != "all" else "eval/em": row["em"] for row in rows}
 
 
+def evaluates_after(config: ml_collections.ConfigDict, step: int) -> bool:
+    """Whether the held-out evaluation runs after RL step ``step`` (every ``eval.every`` steps and the last)."""
+    return step == config.rl.steps or bool(config.eval.every and step % config.eval.every == 0)
+
+
+def staleness(trees: list[RolloutTree], version: int) -> dict[str, float]:
+    """How many versions behind policy ``version`` the trees' generated tokens were sampled (token-weighted mean
+    and max over the trees that generated any)."""
+    lags = [(version - tree.policy_version, sum(node.token_ids.size for node in tree.nodes[1:])) for tree in trees]
+    tokens = sum(n for _, n in lags)
+    return {
+        "rollout/staleness_mean": float(sum(lag * n for lag, n in lags) / tokens) if tokens else 0.0,
+        "rollout/staleness_max": float(max((lag for lag, n in lags if n), default=0)),
+    }
+
+
 class Training:
     """Everything one run holds between steps, and the step itself."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, console: Console, timer: Any):
         self.config, self.workdir, self.console, self.timer = config, workdir, console, timer
-        self.mesh = make_mesh(**config.mesh)
+        self.step = 0  # RL updates done: the trainer's policy version
+        self.placement = Placement.of(config.mesh)  # which devices train, and which sample (if apart)
+        self.mesh = self.placement.train_mesh
         self.processes = Processes()  # one or several JAX processes: who samples what, who writes
         # config.recipe.kind: the synthetic world + SFT warm start, or a HF checkpoint + Search-R1 data.
         self.source = sources.source_of(config)
@@ -72,15 +92,17 @@ class Training:
                 BatchConfig, config.batch, row_buckets=None, row_multiple=1, pad_id=self.world.tokenizer.pad_token_id
             )
             # One engine (its own sampling copy of the weights) serves both the rollouts and the evaluation; with
-            # several processes each has its own, on its own devices.
-            engine = build.build_engine(config, self.model_config, mesh=self.processes.sampling_mesh(self.mesh))
+            # several processes each has its own, on its own devices; with sampling devices apart, on those.
+            sampling_mesh = self.placement.engine_mesh(self.processes.sampling_mesh(self.mesh))
+            engine = build.build_engine(config, self.model_config, mesh=sampling_mesh)
             self.runner = build.build_runner(
                 config, self.model_config, None, self.world, seed=config.seed, engine=engine
             )
             self.eval_runner = build.build_runner(
                 config, self.model_config, None, self.world, greedy=True, engine=engine
             )
-            self._set_params()
+            self.engine_version = -1  # the policy version (RL updates) of the engine's weights
+            self._sync_weights()
             # Each process samples the trees it owns; all hold every tree, so the allocation is the same everywhere.
             self.rollouts = self.processes.backend(self.runner)
             self.scheduler = build.build_scheduler(config, self.rollouts)
@@ -88,7 +110,9 @@ class Training:
             self.checkpointer = StateCheckpointer(
                 workdir / rundir.CHECKPOINTS, save_every=config.rl.checkpoint_every, keep=config.rl.keep_checkpoints
             )
-        self.step = 0
+            # Where nothing may be in flight: a checkpoint, an evaluation, the last step (trace_jax.job.pipeline).
+            boundary = lambda step: self.checkpointer.should_save(step) or evaluates_after(config, step)
+            self.pipeline = RolloutPipeline(self._sample, config.rl.get("max_staleness", 0), boundary)
         self.resumes = 0
         self.slowest_save_s = 0.0  # wall-clock seconds of the slowest checkpoint so far (the SIGTERM grace)
         self.eval_before: list[dict[str, Any]] = []
@@ -97,6 +121,9 @@ class Training:
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save(self, force: bool = False) -> None:
+        if not (force or self.checkpointer.should_save(self.step)):
+            return  # nothing read: the scheduler, prompts and runner may be sampling ahead on another thread
+        self._engine_idle("a checkpoint")
         # The policy is its own entry (evaluation restores just it); "train" holds the rest of the state once.
         state = {
             "params": self.state.params,
@@ -130,14 +157,21 @@ class Training:
         self.eval_before, self.last_eval = meta.get("eval_before", []), meta.get("last_eval", [])
         self.timer.load_state_dict(meta.get("timings", {}))
         self.resumes = meta.get("resumes", 0) + 1
-        self._set_params()
         self.step = restored.step
+        self._sync_weights()
         return True
 
-    def _set_params(self) -> None:
-        weights = self.processes.engine_weights(self.state.params, self.runner.engine.layout)
+    def _sync_weights(self) -> float:
+        """The trainer's policy (version ``self.step``) as the engine's weights, in its sampling layout on its
+        devices; returns the seconds it took (transfer and reshard, waited for)."""
+        start = time.perf_counter()
+        layout = self.runner.engine.layout
+        weights = self.placement.to_engine(self.processes.engine_weights(self.state.params, layout), layout)
         self.runner.set_params(weights)
         self.eval_runner.set_params(weights)  # the same engine: free
+        jax.block_until_ready(self.runner.engine.params)
+        self.engine_version = self.step
+        return time.perf_counter() - start
 
     def _drop_held(self) -> None:
         """Each phase that grows trees (a step, the warm-up, an evaluation) starts from an engine that holds
@@ -147,21 +181,33 @@ class Training:
         self.runner.drop_held()
         self.eval_runner.drop_held()
 
+    def _engine_idle(self, phase: str) -> None:
+        if self.pipeline.in_flight:
+            raise RuntimeError(f"{phase} needs the engine, but rollouts sampled ahead are in flight")
+
     # ------------------------------------------------------------------------------------------- step
     def rl_step(self) -> dict[str, float]:
-        """One RL update; returns its metrics (rollout, allocation, loss, timings)."""
+        """One RL update; returns its metrics (rollout, allocation, loss, timings). With ``rl.max_staleness >= 1``
+        the next step's trees are sampled while this one trains (``trace_jax.job.pipeline``)."""
 
         start = time.perf_counter()
-        self._drop_held()
-        evicted = self.runner.evicted_holds
-        trees = self._roots(self.prompts.next_batch())
-        scheduled = self.scheduler.run(trees, batch_size=self.config.rl.prompts_per_step)
-        rollout_seconds = time.perf_counter() - start
+        step = self.step + 1
+        sampled = self.pipeline.take(step, self.engine_version)  # sampled ahead, or now
+        waited = time.perf_counter() - start
+        sync_seconds = 0.0
+        if self.engine_version != self.step:  # the engine sampled ahead with older weights; it is idle now
+            sync_seconds += self._sync_weights()
+        if self.pipeline.ahead(step):
+            self.pipeline.launch(step + 1, self.engine_version)
+        scheduled = sampled.result
+        train_start = time.perf_counter()
         advantages = compute_advantages(self.config.rl.advantage, scheduled.trees)
         batch, info = build_batch(scheduled.trees, advantages, self.batch_config, self.trainer.loss_config)
         self.state, train_metrics = self.trainer.update(self.state, batch)  # every process: all rows, its own fed
-        self._set_params()
-        self.step += 1
+        train_end = time.perf_counter()
+        version, self.step = self.step, step
+        if not self.pipeline.in_flight:  # the new weights now; else once the engine is done sampling ahead
+            sync_seconds += self._sync_weights()
         rewards = np.concatenate([tree.leaf_rewards() for tree in scheduled.trees])
         metrics = {f"alloc/{k}": v for k, v in scheduled.metrics.items()}
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
@@ -170,7 +216,7 @@ class Training:
                 "rollout/mean_reward": float(rewards.mean()),
                 "rollout/leaves": float(rewards.size),
                 # Held prefixes the KV pool gave back for room (each one continued costs a re-prefill).
-                "rollout/evicted_holds": float(self.runner.evicted_holds - evicted),
+                "rollout/evicted_holds": float(sampled.evicted_holds),
                 "rollout/retrieval_failures": float(
                     sum(bool(node.info.get("retrieval_failed")) for tree in scheduled.trees for node in tree.nodes)
                 ),
@@ -178,12 +224,31 @@ class Training:
                 "alloc/nonzero_adv_token_share": figures.nonzero_advantage_share(scheduled.trees)["tokens"],
                 "batch/rows": float(info.num_rows),
                 "batch/trained_tokens": float(info.num_trained_tokens),
-                "time/rollout_s": rollout_seconds,
+                "time/rollout_s": sampled.seconds,
+                "time/train_s": train_end - train_start,
+                "time/weight_sync_s": sync_seconds,
                 "time/step_s": time.perf_counter() - start,
             }
         )
+        if self.pipeline.max_staleness:
+            metrics.update(staleness(scheduled.trees, version))
+            metrics["time/rollout_wait_s"] = waited
+            # Seconds of this step's training during which the next step's rollouts ran.
+            metrics["time/overlap_s"] = self.pipeline.busy_during(train_start, train_end)
         self.sampled_by_process = self.processes.sampled_questions(self.rollouts, scheduled.trees)
         return self.processes.reduce(metrics)
+
+    def _sample(self, step: int, version: int) -> Sampled:
+        """Step ``step``'s trees, grown by the scheduler with the engine's weights (policy ``version``)."""
+        started = time.perf_counter()
+        self._drop_held()
+        evicted = self.runner.evicted_holds
+        trees = self._roots(self.prompts.next_batch())
+        scheduled = self.scheduler.run(trees, batch_size=self.config.rl.prompts_per_step)
+        for tree in scheduled.trees:
+            tree.policy_version = version
+        evicted = self.runner.evicted_holds - evicted
+        return Sampled(step, version, scheduled, evicted, started, time.perf_counter())
 
     def _roots(self, tasks: list[Any]) -> list[Any]:
         """One unsampled tree per task, numbered by its position (the sharded backend's owner key)."""
@@ -198,6 +263,7 @@ class Training:
         if not wanted:
             return {}
         start = time.perf_counter()
+        self._engine_idle("the predictor warm-up")
         self._drop_held()
         tasks: list[Any] = []
         while len(tasks) < wanted:
@@ -212,6 +278,7 @@ class Training:
         """Greedy EM/F1 rows (per hop group, then ``all``) on ``config.eval``'s questions, with a progress bar."""
 
         config = self.config
+        self._engine_idle("an evaluation")
         self._drop_held()
         tasks = self.world.world.questions(config.eval.split)
         if config.eval.num_questions < len(tasks):  # evenly spaced: the split is ordered by hops, keep every group

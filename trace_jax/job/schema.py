@@ -72,6 +72,14 @@ class RLConfig:
       the exit: the RL step under way finishes if it can, a checkpoint is written and the job exits with code
       143; a step still running when too little of the grace is left to write the checkpoint is abandoned
       (the last checkpoint stays the resume point). Rerunning the same command resumes exactly.
+    max_staleness: how many policy versions the trees a step trains on may lag the policy it trains (0: every
+      step samples its trees with the policy it then updates, strictly one after the other). k >= 1: while the
+      trainer updates at step t, a background thread samples step t + 1's trees with the weights the engine
+      has (the policy of step t - 1: one version old; one engine samples one step at a time, so the lag never
+      exceeds 1); the PPO ratio corrects the lag with the sampler's log-probs (``trace_jax.job.pipeline``).
+      A step that ends at a checkpoint or an evaluation, and the last step, do not sample ahead (the next
+      step samples with the newest policy), so checkpoints never hold work in flight and a resume is exact.
+      One process only.
     """
 
     steps: int = 30
@@ -83,6 +91,7 @@ class RLConfig:
     keep_checkpoints: int = 2
     logprob_chunk: int | None = None
     preemption_grace_s: float = 25.0
+    max_staleness: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +115,17 @@ class MeshConfig:
     data, fsdp, tensor: the size of each mesh axis; one of them may be -1 (it takes the remaining devices).
     expert: the expert-parallel axis: a mixture-of-experts model's experts are split over it (and the batch
         with data and fsdp); 1 (the default) changes nothing, and dense models have no expert weights.
+    rollout_devices: how many devices only sample: the first ones of ``jax.devices()``; the engine decodes on
+        them (slots split over fsdp) with its own copy of the weights, which each update sends there
+        (``time/weight_sync_s``), and the axes above lay out the remaining devices, which train. 0 (the
+        default): colocated, the engine decodes on the training devices. One process only.
     """
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
     expert: int = 1
+    rollout_devices: int = 0
 
 
 SECTIONS: dict[str, type] = {

@@ -40,7 +40,7 @@ from trace_jax import heap, paths
 from trace_jax.cli import TERMINATION, Console, Interrupted, Preempted
 from trace_jax.config_utils import from_config
 from trace_jax.job import build, rundir, validate
-from trace_jax.job.loop import Training, eval_metrics
+from trace_jax.job.loop import Training, eval_metrics, evaluates_after
 from trace_jax.metrics import (
     JSONL_NAME,
     TENSORBOARD_DIR,
@@ -86,6 +86,7 @@ def _summary(run: Training, records: list[dict[str, Any]]) -> dict[str, Any]:
         "warm_start_dir": str(run.start.directory),
         # Which process sampled which questions in the last step (one list per process).
         "processes": {**run.processes.describe(), "last_step_questions": run.sampled_by_process},
+        "placement": run.placement.describe(),
         "note": "wall-clock figures: they depend on the machine and its load",
     }
     return summary
@@ -155,7 +156,7 @@ def _stop_requested(run: Training) -> bool:
 def _train(
     config: ml_collections.ConfigDict, workdir: epath.Path, console: Console, logs: paths.LocalMirror
 ) -> dict[str, Any]:
-    validate.check_mesh(config, jax.device_count())
+    validate.check_mesh(config, jax.device_count(), jax.process_count())
     console.log(f"start: {' '.join(sys.argv[1:]) or '(defaults)'}")
     distributed.run_on_main(build.save_run_config, config, workdir)
     timer = PhaseTimer()
@@ -181,6 +182,10 @@ def _train(
         with console.progress(steps, "TRACE RL", initial=run.step) as bar, TERMINATION.grace(float("inf")):
             while run.step < steps:
                 if _stop_requested(run):
+                    if run.pipeline.in_flight:  # the next step's trees, sampled ahead: not in any checkpoint
+                        run.pipeline.drain()
+                        console.info(f"SIGTERM: stopped after RL step {run.step} (it sampled ahead: not checkpointed)")
+                        raise Preempted(f"stopped by SIGTERM after RL step {run.step}; {_resume_point(workdir)}")
                     run.save(force=True)  # a no-op when this step is already checkpointed
                     console.info(f"SIGTERM: stopped after RL step {run.step} (checkpointed)")
                     raise Preempted(f"stopped by SIGTERM after RL step {run.step}; {_resume_point(workdir)}")
@@ -188,7 +193,7 @@ def _train(
                     with timer.phase("rl"):
                         metrics = run.rl_step()
                     last = run.step == steps
-                    if last or (config.eval.every and run.step % config.eval.every == 0):
+                    if evaluates_after(config, run.step):
                         run.last_eval = run.evaluate(f"evaluation at step {run.step}", leave=False)
                         metrics.update(eval_metrics(run.last_eval))
                 # Past here the step is complete: logging and checkpointing it are never abandoned.
@@ -201,6 +206,7 @@ def _train(
                 )
                 bar.update(1)
     finally:
+        run.pipeline.close()
         writer.close()
         run.checkpointer.close()
     final = dataclasses.replace(run.start, params=run.state.params, source=f"rl step {run.step}")

@@ -109,6 +109,11 @@ RULES: list[Rule] = [
     Rule("rl.keep_checkpoints", at_least(1), "an integer >= 1"),
     Rule("rl.logprob_chunk", lambda v: v is None or at_least(1)(v), "None, or an integer >= 1"),
     Rule("rl.preemption_grace_s", lambda v: _is_number(v) and v >= 0, "a number of seconds >= 0"),
+    Rule(
+        "rl.max_staleness",
+        at_least(0),
+        "an integer >= 0 (0: sample and train in turn; k >= 1: sample the next step's trees while training)",
+    ),
     Rule("rl.advantage", one_of(_estimators), lambda: f"one of {', '.join(_estimators())}"),
     Rule(
         "allocation.policy",
@@ -140,6 +145,7 @@ RULES: list[Rule] = [
     Rule("eval.num_questions", at_least(1), "an integer >= 1"),
     Rule("eval.every", at_least(0), "an integer >= 0 (0: only before and after RL)"),
     Rule("seed", _is_int, "an integer"),
+    Rule("mesh.rollout_devices", at_least(0), "an integer >= 0 (0: the engine decodes on the training devices)"),
     *(
         Rule(f"mesh.{axis}", lambda v: _is_int(v) and (v >= 1 or v == -1), "an integer >= 1, or -1")
         for axis in MESH_AXES
@@ -202,14 +208,35 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError("; ".join(found))
 
 
-def check_mesh(config: ml_collections.ConfigDict, device_count: int) -> None:
-    """Raises :class:`ConfigError` unless the mesh axes fit ``device_count`` devices exactly."""
+def check_mesh(config: ml_collections.ConfigDict, device_count: int, process_count: int = 1) -> None:
+    """Raises :class:`ConfigError` unless the sampling devices (``mesh.rollout_devices``) leave at least one
+    device to train, and the mesh axes fit the training devices exactly; a split placement and sampling ahead
+    (``rl.max_staleness``) need one process."""
+    sampling = config.mesh.get("rollout_devices", 0)
+    if process_count > 1:
+        for key, value in (("mesh.rollout_devices", sampling), ("rl.max_staleness", config.rl.get("max_staleness", 0))):
+            if value:
+                raise ConfigError(
+                    f"config.{key}={value} needs one JAX process; this job has {process_count} (with several, "
+                    "each process already samples on its own devices and the rollouts are gathered step by step)"
+                )
+    if sampling >= device_count:
+        raise ConfigError(
+            f"config.mesh.rollout_devices={sampling} leaves no device to train: {device_count} device(s) are "
+            f"available; allowed 0 (colocated) to {device_count - 1}"
+        )
+    training = device_count - sampling
     sizes = {axis: config.mesh.get(axis, 1) for axis in MESH_AXES}
     known = math.prod(s for s in sizes.values() if s != -1)
-    fits = device_count % known == 0 if -1 in sizes.values() else known == device_count
+    fits = training % known == 0 if -1 in sizes.values() else known == training
     if not fits:
         shown = ", ".join(f"mesh.{a}={s}" for a, s in sizes.items())
+        which = (
+            f"training device(s) ({device_count} minus mesh.rollout_devices={sampling})"
+            if sampling
+            else "available device(s)"
+        )
         raise ConfigError(
-            f"config {shown} does not fit the {device_count} available device(s): the axes' product must equal "
-            f"{device_count} (one axis may be -1 to take the rest)"
+            f"config {shown} does not fit the {training} {which}: the axes' product must equal {training} (one "
+            "axis may be -1 to take the rest)"
         )

@@ -62,6 +62,18 @@ def make_mesh(
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def split_devices(devices: Sequence[jax.Device], sampling: int) -> tuple[list[jax.Device], list[jax.Device]]:
+    """``devices`` as (the ones that only sample, the ones that train): the first ``sampling`` sample, the rest
+    train. ``sampling = 0`` is the colocated placement: ``([], devices)``, the engine decodes on the trainer's."""
+    devices = list(devices)
+    if not 0 <= sampling < len(devices):
+        raise ValueError(
+            f"{sampling} sampling device(s) out of {len(devices)}: allowed 0 (colocated) to {len(devices) - 1} "
+            "(at least one device must train)"
+        )
+    return devices[:sampling], devices[sampling:]
+
+
 def logical_to_spec(
     logical_axes: Sequence[str | None], mesh: Mesh, shape: Sequence[int] | None = None
 ) -> PartitionSpec:

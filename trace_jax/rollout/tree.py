@@ -100,6 +100,8 @@ class RolloutTree:
     def __init__(self, prompt_ids: Sequence[int] | np.ndarray, task: Any = None, prompt_index: int = 0):
         self.task = task
         self.prompt_index = prompt_index
+        # The policy version (RL updates behind the weights) that sampled it, when the job records it.
+        self.policy_version: int | None = None
         ids = _ids(prompt_ids)
         zeros = np.zeros(ids.shape[0], np.float32)
         self.nodes: list[Node] = [Node(ROOT, None, 0, ids, zeros, zeros, zeros, _ids(None))]

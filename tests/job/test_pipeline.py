@@ -1,0 +1,128 @@
+"""Sampling ahead of the trainer (``trace_jax.job.pipeline``), the split of devices into sampling and training
+(``trace_jax.job.placement``, ``parallel.mesh.split_devices``) and the checks that refuse impossible splits."""
+
+import threading
+import time
+
+import jax
+import ml_collections
+import pytest
+
+from trace_jax.cli import ConfigError
+from trace_jax.job.pipeline import RolloutPipeline, Sampled
+from trace_jax.job.placement import Placement
+from trace_jax.job.validate import check_mesh
+from trace_jax.parallel.mesh import split_devices
+
+
+class Recorder:
+    """A ``sample`` function that records the thread and arguments of each call (and can be held running)."""
+
+    def __init__(self, hold: threading.Event | None = None):
+        self.calls: list[tuple[int, int, str]] = []
+        self.hold = hold
+        self.running = threading.Event()
+
+    def __call__(self, step: int, version: int) -> Sampled:
+        self.running.set()
+        if self.hold is not None:
+            assert self.hold.wait(30)
+        self.calls.append((step, version, threading.current_thread().name))
+        return Sampled(step, version, f"trees of step {step}", 0, 0.0, 0.0)
+
+
+def test_without_staleness_every_step_samples_now_in_the_calling_thread():
+    """Fails if k = 0 samples ahead anywhere or samples off the main thread (today's run, exactly)."""
+    sample = Recorder()
+    pipeline = RolloutPipeline(sample, max_staleness=0, boundary=lambda step: False)
+    assert not any(pipeline.ahead(step) for step in range(1, 10))
+    got = pipeline.take(1, version=0)
+    assert got.result == "trees of step 1" and not pipeline.in_flight
+    assert sample.calls == [(1, 0, threading.current_thread().name)]
+
+
+def test_sampling_ahead_runs_on_another_thread_and_hands_its_trees_to_the_next_step():
+    """Fails if the launched rollouts run on the caller's thread (no overlap), if ``take`` samples again
+    instead of returning them, or if the version they were sampled with is lost."""
+    hold = threading.Event()
+    sample = Recorder(hold)
+    pipeline = RolloutPipeline(sample, max_staleness=1, boundary=lambda step: step % 2 == 0)
+    assert pipeline.ahead(1) and not pipeline.ahead(2)  # step 2 ends at a boundary
+    pipeline.launch(2, version=0)
+    assert sample.running.wait(30) and pipeline.in_flight
+    with pytest.raises(RuntimeError, match="still in flight"):
+        pipeline.launch(3, version=0)
+    with pytest.raises(RuntimeError, match="for step 2, asked for step 3"):
+        pipeline.take(3, version=1)
+    hold.set()
+    got = pipeline.take(2, version=1)
+    assert (got.step, got.version, got.result) == (2, 0, "trees of step 2")
+    assert len(sample.calls) == 1 and sample.calls[0][2] != threading.current_thread().name
+    assert not pipeline.in_flight
+    pipeline.close()
+
+
+def test_busy_during_counts_the_background_rollouts_inside_an_interval():
+    """Fails if a running rollout (no end yet) or a finished one is left out of the overlap."""
+    hold = threading.Event()
+    sample = Recorder(hold)
+    pipeline = RolloutPipeline(sample, max_staleness=1, boundary=lambda step: False)
+    assert pipeline.busy_during(0.0, 1e12) == 0.0
+    pipeline.launch(2, version=0)
+    assert sample.running.wait(30)
+    now = time.perf_counter()
+    assert pipeline.busy_during(now - 1e6, now) > 0.0  # running: counted up to the interval's end
+    hold.set()
+    pipeline.take(2, version=1)
+    assert pipeline.busy_during(now - 1e6, time.perf_counter()) > 0.0
+    assert pipeline.busy_during(-2.0, -1.0) == 0.0  # an interval before it ran
+    pipeline.close()
+
+
+def test_split_devices_keeps_at_least_one_device_to_train():
+    """Fails if the split takes sampling devices from the back or lets sampling take every device."""
+    devices = ["d0", "d1", "d2"]
+    assert split_devices(devices, 0) == ([], devices)
+    assert split_devices(devices, 1) == (["d0"], ["d1", "d2"])
+    for bad in (-1, 3):
+        with pytest.raises(ValueError, match="at least one device must train"):
+            split_devices(devices, bad)
+
+
+def test_colocated_placement_is_the_training_mesh_and_leaves_weights_alone():
+    """Fails if the default placement moves the weights or builds a separate engine mesh."""
+    placement = Placement.of({"data": 1, "fsdp": -1, "tensor": 1, "expert": 1, "rollout_devices": 0})
+    assert not placement.apart
+    assert placement.train_mesh.devices.size == jax.device_count()
+    colocated = object()
+    assert placement.engine_mesh(colocated) is colocated
+    weights = {"w": 1}
+    assert placement.to_engine(weights, layout=None) is weights
+
+
+def _config(rollout_devices, staleness=0, **axes):
+    mesh = {"data": 1, "fsdp": -1, "tensor": 1, "expert": 1, "rollout_devices": rollout_devices, **axes}
+    return ml_collections.ConfigDict({"mesh": mesh, "rl": {"max_staleness": staleness}})
+
+
+@pytest.mark.parametrize(
+    "config, devices, processes, fragment",
+    [
+        (_config(2), 2, 1, "rollout_devices=2 leaves no device to train"),
+        (_config(1, data=2, fsdp=1), 2, 1, "does not fit the 1 training device(s) (2 minus mesh.rollout_devices=1)"),
+        (_config(1), 4, 2, "config.mesh.rollout_devices=1 needs one JAX process"),
+        (_config(0, staleness=1), 4, 2, "config.rl.max_staleness=1 needs one JAX process"),
+    ],
+)
+def test_impossible_splits_are_config_errors(config, devices, processes, fragment):
+    """Fails if a split that leaves nothing to train, axes that count the sampling devices, or a split or
+    sampling ahead with several processes get past the check."""
+    with pytest.raises(ConfigError) as error:
+        check_mesh(config, devices, processes)
+    assert fragment in str(error.value)
+
+
+def test_possible_splits_pass():
+    check_mesh(_config(1), 2)
+    check_mesh(_config(1, data=3, fsdp=1), 4)
+    check_mesh(_config(0, staleness=2), 1)

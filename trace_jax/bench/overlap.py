@@ -1,0 +1,147 @@
+"""Rollouts beside training: the main job's RL step time with sampling and training on disjoint devices, sampling
+in turn (``rl.max_staleness = 0``) against sampling one step ahead (``= 1``), side by side in one process.
+
+    python -m trace_jax.bench.overlap [--steps=5] [--rounds=1] [--shared-cores] [--config.KEY=VALUE ...]
+                                      [--out=FILE.json]
+
+Two devices, one sampling (``mesh.rollout_devices = 1``) and one training: on a CPU host, two XLA host devices
+(``--xla_force_host_platform_device_count=2``, set here before JAX starts), each program on one thread
+(``ONE_CORE_EACH``): one core samples and one trains, and sampling in turn leaves one of them idle. One
+``Training`` runs blocks of ``--steps`` RL steps, alternately at k = 0 and k = 1 (each round swaps the order, so
+a drift in the machine's load falls on both), on the same engine and trainer (nothing compiles twice).
+Checkpoints are never written, but the checkpoint period is the block length, so a block's last step is a
+boundary of the pipeline: nothing is in flight when the mode changes, and each block's first step samples in
+turn and its last step samples nothing ahead (the pipeline's ends): the figures are those of steps 2..N-1
+of each block, the steady state (the first one also compiles).
+
+Per mode, over those steps: the median step time, the generated tokens and the step time per thousand of them (the
+two modes sample different trees, so "equal tokens" is checked, not forced), the median rollout and train seconds,
+and the overlap fraction: the share of the trainer's time (batch + update) during which rollouts ran. ``speedup`` is
+the k = 0 median over the k = 1 median. The default config is the main job's (``configs/default.py``) with the tiny
+world of the job tests' warm start (``TINY_WORLD`` below): the default RL step (16 questions, 8 rollouts' budget
+each, 32 slots) on a warm start that trains in minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from trace_jax.bench.report import emit
+
+# A tiny world whose 200-step warm start answers about a third of its training questions (the job tests' world,
+# ``tests/helpers.TINY_MAIN_JOB``, starts with it); the RL step on it is the default one.
+TINY_WORLD = [
+    "--config.world.scale=2",
+    "--config.world.questions_per_hop=40",
+    "--config.world.ood_questions=10",
+    "--config.tokenizer.vocab_size=400",
+    "--config.sft.max_steps=200",
+    "--config.sft.practice_worlds=0",
+]
+DEVICES_FLAG = "--xla_force_host_platform_device_count=2"
+# Each XLA:CPU program on one thread, so the sampling device and the training device each use one core (the
+# split the benchmark measures); ``--shared-cores`` leaves XLA's thread pool, which both devices share, alone.
+ONE_CORE_EACH = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def _flag(argv: list[str], name: str, default: str) -> str:
+    return next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}=")), default)
+
+
+def _block(run: Any, staleness: int, steps: int) -> list[dict[str, float]]:
+    """``steps`` RL steps at ``rl.max_staleness = staleness``; the metrics of each."""
+    run.pipeline.max_staleness = staleness
+    records = []
+    for _ in range(steps):
+        records.append(run.rl_step())
+        timings = {k: round(v, 3) for k, v in records[-1].items() if k.startswith("time/")}
+        print(json.dumps({"k": staleness, "step": run.step, **timings}), file=sys.stderr, flush=True)
+    return records
+
+
+def _mode(blocks: list[list[dict[str, float]]]) -> dict[str, Any]:
+    counted = [record for block in blocks for record in block[1:-1]]  # each block's steps 2..N-1
+    tokens = sum(r["alloc/budget/generated_tokens"] for r in counted)
+    step_s = [r["time/step_s"] for r in counted]
+    train_s = sum(r["time/train_s"] for r in counted)
+    return {
+        "steps_counted": len(counted),
+        "median_step_s": statistics.median(step_s),
+        "step_s": [round(s, 3) for s in step_s],
+        "generated_tokens": tokens,
+        "step_s_per_1k_tokens": sum(step_s) / tokens * 1000 if tokens else None,
+        "median_rollout_s": statistics.median(r["time/rollout_s"] for r in counted),
+        "median_train_s": statistics.median(r["time/train_s"] for r in counted),
+        "median_weight_sync_s": statistics.median(r["time/weight_sync_s"] for r in counted),
+        "overlap_fraction": sum(r.get("time/overlap_s", 0.0) for r in counted) / train_s if train_s else 0.0,
+        "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in counted),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv if argv is None else argv)
+    if DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):  # must be set before JAX starts: a fresh interpreter
+        flags = [os.environ.get("XLA_FLAGS", ""), DEVICES_FLAG, "" if "--shared-cores" in argv else ONE_CORE_EACH]
+        env = dict(os.environ, XLA_FLAGS=" ".join(f for f in flags if f))
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        sys.exit(subprocess.run([sys.executable, "-m", "trace_jax.bench.overlap", *argv[1:]], env=env).returncode)
+    steps, rounds = int(_flag(argv, "steps", "5")), int(_flag(argv, "rounds", "1"))
+    if steps < 3:
+        sys.exit("--steps must be >= 3: each block's first and last steps are left out")
+    out = _flag(argv, "out", "bench_results/overlap.json")
+    overrides = [a for a in argv[1:] if a.startswith("--config")]
+    # Imported here: JAX must start after XLA_FLAGS names the two devices.
+    import jax
+
+    from trace_jax import cli
+    from trace_jax.job import commands, loop, validate
+    from trace_jax.metrics import PhaseTimer
+
+    cli.quiet_third_party(0)
+    total = 2 * steps * rounds
+    bench = [
+        *TINY_WORLD,
+        "--config.mesh.rollout_devices=1",
+        f"--config.rl.steps={total}",
+        f"--config.rl.checkpoint_every={steps}",  # block ends are pipeline boundaries; nothing is saved
+        "--config.eval.every=0",
+    ]
+    config, _ = commands.load_config(["overlap", *bench, *overrides])
+    validate.validate(config)
+    validate.check_mesh(config, jax.device_count())
+    blocks: dict[int, list[list[dict[str, float]]]] = {0: [], 1: []}
+    with tempfile.TemporaryDirectory() as workdir:
+        run = loop.Training(config, pathlib.Path(workdir), cli.Console(verbosity=-1), PhaseTimer())
+        try:
+            run.warm_up_predictor()
+            for round_ in range(rounds):
+                for staleness in (0, 1) if round_ % 2 == 0 else (1, 0):
+                    blocks[staleness].append(_block(run, staleness, steps))
+        finally:
+            run.pipeline.close()
+            run.checkpointer.close()
+    sync, ahead = _mode(blocks[0]), _mode(blocks[1])
+    result = {
+        "config": [*bench, *overrides],
+        "devices": {"sampling": 1, "training": jax.device_count() - 1, "platform": jax.devices()[0].platform},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "load_average": os.getloadavg(),
+        "k0": sync,
+        "k1": ahead,
+        "speedup": sync["median_step_s"] / ahead["median_step_s"],
+        "speedup_per_token": (
+            sync["step_s_per_1k_tokens"] / ahead["step_s_per_1k_tokens"] if ahead["step_s_per_1k_tokens"] else None
+        ),
+    }
+    return emit(result, out)
+
+
+if __name__ == "__main__":
+    main()

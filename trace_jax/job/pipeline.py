@@ -1,0 +1,134 @@
+"""Sampling one RL step ahead of the trainer (``rl.max_staleness >= 1``): one-step-off-policy rollouts.
+
+With ``max_staleness = 0`` a step samples its trees with the policy it then updates, and nothing overlaps.
+With ``k >= 1``, while the trainer updates θ_{t-1} -> θ_t at step t, a background thread samples step t + 1's
+trees with the weights the engine holds, θ_{t-1}: the trainer of step t + 1 (θ_t) trains on trees one version
+old. The lag is bounded by 1 whatever k >= 1 allows, because one engine samples one step at a time and the
+trainer never runs two steps ahead of it. Each tree records the policy version it was sampled under
+(``RolloutTree.policy_version``); the PPO ratio corrects the lag because the behaviour log-probs are the
+sampler's own. Inside a sampled step nothing changes: the scheduler's stage 2 waits for its own stage 1, and the
+predictor learns from the trees as they finish, all on the sampling thread (the trainer never touches them).
+
+Determinism. Which steps sample ahead is a function of the step number alone (:meth:`RolloutPipeline.ahead`),
+so a run is reproducible and its schedule does not depend on the load: a step that ends at a checkpoint, an
+evaluation or the run's last step does not sample ahead, and the step after it samples with the newest policy.
+Checkpoints therefore never hold work in flight (the prompt stream, seeds and scheduler state they save are
+exactly those of the steps done), and a resume is exact. A SIGTERM after a step that sampled ahead waits for
+those rollouts and stops without a checkpoint (the last one stays the resume point).
+
+Timeline. The pipeline records when its background rollouts ran; :meth:`RolloutPipeline.busy_during` is how long
+they ran inside an interval (the trainer's), from which a step logs its overlap.
+
+JAX releases the GIL inside compiled calls, so the thread's decode programs run while the main thread's
+update does; on disjoint devices (``mesh.rollout_devices``) they do not compete for device memory either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+
+@dataclasses.dataclass
+class Sampled:
+    """One step's sampled trees. ``result``: the scheduler's ``ScheduleResult``; ``version``: the policy version
+    (RL updates behind the weights) they were sampled with; ``started`` / ``ended``: ``time.perf_counter``."""
+
+    step: int
+    version: int
+    result: Any
+    evicted_holds: int
+    started: float
+    ended: float
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+
+class RolloutPipeline:
+    """A step's rollouts, sampled now or one step ahead on a background thread.
+
+    Args:
+      sample: ``sample(step, version) -> Sampled``: samples step ``step``'s trees with the engine's weights,
+        which are policy version ``version``.
+      max_staleness: ``rl.max_staleness`` (0: never ahead).
+      boundary: ``boundary(step)``: whether step ``step`` ends where nothing may be in flight (a checkpoint, an
+        evaluation, the last step).
+    """
+
+    def __init__(self, sample: Callable[[int, int], Sampled], max_staleness: int, boundary: Callable[[int], bool]):
+        self._sample = sample
+        self.max_staleness = max_staleness
+        self._boundary = boundary
+        self._executor: ThreadPoolExecutor | None = None
+        self._ahead: Future | None = None
+        self._ahead_step = 0
+        self._lock = threading.Lock()
+        self._intervals: list[tuple[float, float]] = []  # background rollouts: (start, end)
+        self._running_since: float | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._ahead is not None
+
+    def ahead(self, step: int) -> bool:
+        """Whether step ``step`` samples step ``step + 1``'s trees while it trains."""
+        return self.max_staleness >= 1 and not self._boundary(step)
+
+    def take(self, step: int, version: int) -> Sampled:
+        """Step ``step``'s trees: the ones sampled ahead for it (waiting for them), else sampled now (this thread)
+        with the engine's weights (policy version ``version``)."""
+        if self._ahead is not None:
+            if self._ahead_step != step:
+                raise RuntimeError(f"rollouts sampled ahead for step {self._ahead_step}, asked for step {step}")
+            future, self._ahead = self._ahead, None
+            return future.result()
+        return self._sample(step, version)
+
+    def launch(self, step: int, version: int) -> None:
+        """Starts sampling step ``step``'s trees in the background with the engine's weights (``version``)."""
+        if self._ahead is not None:
+            raise RuntimeError(f"step {self._ahead_step}'s rollouts are still in flight")
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts-ahead")
+        self._ahead_step = step
+        self._ahead = self._executor.submit(self._timed, step, version)
+
+    def _timed(self, step: int, version: int) -> Sampled:
+        with self._lock:
+            self._running_since = time.perf_counter()
+        try:
+            return self._sample(step, version)
+        finally:
+            with self._lock:
+                self._intervals.append((self._running_since, time.perf_counter()))
+                self._running_since = None
+
+    def drain(self) -> Sampled | None:
+        """Waits for the rollouts in flight (if any) and drops them: what a stop without a checkpoint does."""
+        if self._ahead is None:
+            return None
+        future, self._ahead = self._ahead, None
+        return future.result()
+
+    def busy_during(self, start: float, end: float) -> float:
+        """Seconds within [start, end] during which background rollouts ran."""
+        with self._lock:
+            spans = list(self._intervals)
+            if self._running_since is not None:
+                spans.append((self._running_since, end))
+        return sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
+
+    def close(self) -> None:
+        """Waits for what is in flight (dropped, its error too: the run is ending) and ends the thread."""
+        if self._ahead is not None:
+            self._ahead.exception()
+            self._ahead = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
