@@ -345,18 +345,21 @@ def _gradient_recorder() -> optax.GradientTransformation:
     )
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
-def test_mini_batches_sum_to_the_full_batch_objective_and_gradient(aggregation):
+@pytest.mark.parametrize(
+    "aggregation, policy_loss", [("token-mean", "ppo"), ("seq-mean-token-mean", "ppo"), ("seq-mean-token-mean", "gspo")]
+)
+def test_mini_batches_sum_to_the_full_batch_objective_and_gradient(aggregation, policy_loss):
     # Catches the mutant "each mini-batch divides by its own rows' Σ weights / path count": the mini-batch losses
     # then no longer sum to the full-batch loss (different path counts per mini-batch, shared-prefix tokens whose
-    # paths end in the other mini-batch).
+    # paths end in the other mini-batch). gspo: every path's ratio comes from the whole batch before each step,
+    # so a mini-batch's rows still see the ratios of paths that continue in the other one.
     graphdef, params, _ = shared_setup()
     rng = np.random.default_rng(5)
     trees = [branching_tree()] + [random_tree(rng) for _ in range(5)]
-    loss = LossConfig(aggregation=aggregation)
+    loss = LossConfig(aggregation=aggregation, policy_loss=policy_loss)
     # One row per path: a shared turn trains in the first row holding it, with the weight of every path through it.
     config = dataclasses.replace(BATCH_CONFIG, layout="paths")
-    batch, _ = build_batch(trees, compute_advantages("grpo", trees), config, loss)
+    batch, info = build_batch(trees, compute_advantages("grpo", trees), config, loss)
     rows = np.flatnonzero(batch.lengths > 0)
     carried = batch.weights[rows].sum(1) / np.maximum((batch.weights[rows] > 0).sum(1), 1)
     assert rows.size >= 4 and carried.max() > carried.min(), "premise: rows carrying other rows' paths"
@@ -366,7 +369,7 @@ def test_mini_batches_sum_to_the_full_batch_objective_and_gradient(aggregation):
         update = UpdateConfig(ppo_epochs=1, mini_batches=mini_batches, micro_rows=2, behaviour_logprobs="recompute")
         trainer.update_config = update
         state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
-        state, metrics = trainer.update(state, batch)
+        state, metrics = trainer.update(state, batch, info.path_tokens)
         assert metrics["steps"] == mini_batches and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-5)
         results.append((metrics["loss"], jax.tree.leaves(_host(state.opt_state))))
     (full_loss, full_grads), (split_loss, split_grads) = results

@@ -159,7 +159,8 @@ class Training:
         rollout_seconds = time.perf_counter() - start
         advantages = compute_advantages(self.config.rl.advantage, scheduled.trees)
         batch, info = build_batch(scheduled.trees, advantages, self.batch_config, self.trainer.loss_config)
-        self.state, train_metrics = self.trainer.update(self.state, batch)  # every process: all rows, its own fed
+        # Every process: all rows, its own fed.
+        self.state, train_metrics = self.trainer.update(self.state, batch, info.path_tokens)
         self._set_params()
         self.step += 1
         rewards = np.concatenate([tree.leaf_rewards() for tree in scheduled.trees])

@@ -62,6 +62,7 @@ from trace_jax.rl.losses import (
     finalize_metrics,
     loss_denominator,
 )
+from trace_jax.rl.sequences import PathTokens, sequence_terms
 from trace_jax.rollout.sampling import SamplingConfig
 
 # Where the behaviour ("old") log-probs of PPO's ratio come from (see ``UpdateConfig``).
@@ -328,6 +329,8 @@ class RLTrainer:
             segment_ids=micro.segment_ids,
             ref_logprobs=micro.ref_logprobs if self.loss_config.kl_coef else None,
             entropies=entropies,
+            seq_loss=micro.seq_loss,
+            seq_grad=micro.seq_grad,
         )
         out = compute_loss(inputs, self.loss_config)
         return out.numerator / denominator, out.metrics
@@ -445,10 +448,24 @@ class RLTrainer:
         metrics["masked_nonfinite_tokens"] = masked
         return state, metrics
 
-    def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
+    def sequence_step_batch(
+        self, state: TrainState, batch: TrainBatch, path_tokens: PathTokens
+    ) -> tuple[TrainBatch, dict[str, Any]]:
+        """Host ``batch`` with sequence-level GSPO's per-token terms at ``state.params`` (a forward pass over
+        the whole batch: a path's ratio needs all its tokens, wherever they sit), and the per-path ratio and
+        clip metrics as (sum, weight) pairs."""
+        logprobs = self.logprobs(state.params, batch)
+        seq_loss, seq_grad, pairs = sequence_terms(path_tokens, logprobs, batch.old_logprobs, self.loss_config)
+        return batch._replace(seq_loss=seq_loss, seq_grad=seq_grad), pairs
+
+    def update(
+        self, state: TrainState, batch: TrainBatch, path_tokens: PathTokens | None = None
+    ) -> tuple[TrainState, dict[str, float]]:
         """PPO on one rollout batch: ``prepare``, then ``ppo_epochs`` passes, each over ``mini_batches``
         reshuffled mini-batches of rows, one optimizer step each, its gradient accumulated over micro-batches
         of exactly ``micro_rows`` rows (rows without tokens are dropped; the batch may have any row count).
+        ``path_tokens`` (``BatchInfo.path_tokens``) is needed by ``policy_loss="gspo"`` only: before each of
+        its steps every path's sequence ratio is computed at the step's params (``sequence_step_batch``).
 
         Metrics: the loss metrics pooled over every step (``ratio`` is the mean ratio, ``ratio_max`` the
         largest, ``clip_fraction`` the clipped share; each measured at the start of its step), the same per
@@ -459,6 +476,9 @@ class RLTrainer:
         shape) pairs so far).
         """
         config = self.update_config
+        sequence_level = self.loss_config.policy_loss == "gspo"
+        if sequence_level and path_tokens is None:
+            raise ValueError("policy_loss 'gspo' needs update(state, batch, path_tokens=info.path_tokens)")
         prepared = self.prepare(state, batch)
         real = np.flatnonzero(np.asarray(prepared.lengths) > 0)  # padding rows carry nothing: not run
         if not real.size:
@@ -482,12 +502,16 @@ class RLTrainer:
             parts = np.array_split(order, calls)
             outs.append([])
             for group in np.array_split(np.arange(calls), mini_batches):
-                micros = [self._micro(prepared, parts[i]) for i in group]
+                step_batch, host_pairs = prepared, {}
+                if sequence_level:
+                    step_batch, host_pairs = self.sequence_step_batch(state, prepared, path_tokens)
+                micros = [self._micro(step_batch, parts[i]) for i in group]
                 acc = fns["zero"](state.params, micros[0])
                 for micro in micros:
                     self.programs.add(("accumulate", micro.tokens.shape))
                     acc = fns["accumulate"](state.params, acc, micro, denominator)
                 state, out = fns["apply"](state, acc)
+                out["pairs"] = {**out["pairs"], **host_pairs}
                 outs[-1].append(out)
         pooled: dict[str, Any] | None = None
         scalars: dict[str, list[float]] = {"loss": [], "grad_norm": [], "update_applied": []}
