@@ -66,7 +66,7 @@ from trace_jax.rl.sequences import PathTokens, sequence_terms
 from trace_jax.rollout.sampling import SamplingConfig
 
 # Where the behaviour ("old") log-probs of PPO's ratio come from (see ``UpdateConfig``).
-BEHAVIOUR_LOGPROBS = ("sampler", "recompute")
+BEHAVIOUR_LOGPROBS = ("sampler", "recompute", "untruncated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,11 @@ class UpdateConfig:
         truncated); "recompute": the trainer recomputes them in float32 before the first step under the
         same transform (temperature, top-k, top-p: ``RLTrainer(sampling=...)``), removing the sampler's
         numeric mismatch (e.g. bf16 decoding). Either way the trained policy is the tempered one,
-        ``softmax(logits / temperature)``; at the first step the ratio is ``π_T(y) / π_T,truncated(y) <= 1``.
+        ``softmax(logits / temperature)``; at the first step the ratio is ``π_T(y) / π_T,truncated(y) <= 1``,
+        the mass top-k / top-p kept at that position. "untruncated": the trainer recomputes them in float32
+        under the trained policy's own distribution ``softmax(logits / temperature)`` (no top-k / top-p), so
+        the first step's ratio is 1 whatever the truncation (the ratio then measures the policy's move only,
+        not the sampler's truncation).
       entropy_metric: compute (and log) the policy entropy even when ``entropy_coef`` is 0 (costs a pass
         over the vocabulary per position).
       micro_rows: rows per forward/backward call; every call has this shape, so the update compiles once.
@@ -194,6 +198,11 @@ class RLTrainer:
         self._under_mesh = (lambda fn: fn) if mesh is None else (lambda fn: traced_under(mesh, fn))
         self._logprobs_fn = jax.jit(self._under_mesh(self._policy_logprobs))
         self._behaviour_fn = jax.jit(self._under_mesh(self._behaviour_logprobs))
+        # Recomputed behaviour log-probs by ``behaviour_logprobs``: (program name, program).
+        self._recomputed_behaviour = {
+            "recompute": ("behaviour", self._behaviour_fn),
+            "untruncated": ("logprobs", self._logprobs_fn),
+        }
 
     # ------------------------------------------------------------------------------------ placement
     @property
@@ -296,16 +305,17 @@ class RLTrainer:
         return self._map_rows("logprobs", self._logprobs_fn, params, batch)
 
     def prepare(self, state: TrainState, batch: TrainBatch, recompute_old_logprobs: bool | None = None) -> TrainBatch:
-        """Host batch with its behaviour log-probs (recomputed if ``UpdateConfig.behaviour_logprobs`` is
-        "recompute", or if asked here) and, when ``kl_coef != 0``, the reference log-probs; both computed
-        over fixed-shape micro-batches of ``micro_rows`` rows."""
+        """Host batch with its behaviour log-probs (recomputed as ``UpdateConfig.behaviour_logprobs`` says; asked
+        here, True recomputes them, under the sampling transform when the config says "sampler", and False
+        keeps the sampler's) and, when ``kl_coef != 0``, the reference log-probs; both computed over
+        fixed-shape micro-batches of ``micro_rows`` rows."""
         batch = jax.tree.map(multihost.to_host, batch)  # whole rows on every process
-        recompute = recompute_old_logprobs
-        if recompute is None:
-            recompute = self.update_config.behaviour_logprobs == "recompute"
+        mode = self.update_config.behaviour_logprobs
+        if recompute_old_logprobs is not None:
+            mode = ("recompute" if mode == "sampler" else mode) if recompute_old_logprobs else "sampler"
         trained = np.asarray(batch.weights) > 0
-        if recompute:
-            old = self._map_rows("behaviour", self._behaviour_fn, state.params, batch)
+        if mode in self._recomputed_behaviour:
+            old = self._map_rows(*self._recomputed_behaviour[mode], state.params, batch)
             batch = batch._replace(old_logprobs=np.where(trained, old, 0.0).astype(np.float32))
         if self.loss_config.kl_coef:
             if self.reference_params is None:
