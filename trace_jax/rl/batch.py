@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from trace_jax.buckets import bucket, round_up
-from trace_jax.rl.advantages import ESTIMATORS, NodeAdvantages, compute_advantages
+from trace_jax.rl.advantages import ESTIMATORS, NodeAdvantages
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig
 from trace_jax.rl.packing import LAYOUTS, RowLayout
 from trace_jax.rl.sequences import PathTokens
@@ -375,16 +375,3 @@ def take_rows(batch: TrainBatch, rows: np.ndarray, count: int) -> TrainBatch:
         return np.concatenate([x, pad.astype(x.dtype)])
 
     return TrainBatch(*(take(name, x) for name, x in zip(TrainBatch._fields, batch, strict=True)))
-
-
-def trees_to_batch(
-    trees: Sequence[RolloutTree],
-    estimator: str,
-    config: BatchConfig | None = None,
-    loss: LossConfig | None = None,
-    eps: float = 1e-6,
-) -> tuple[TrainBatch, BatchInfo, list[NodeAdvantages]]:
-    """``compute_advantages(estimator, trees)`` then ``build_batch``; also returns the advantages (for metrics)."""
-    advantages = compute_advantages(estimator, trees, eps=eps)
-    batch, info = build_batch(trees, advantages, config, loss)
-    return batch, info, advantages
