@@ -133,22 +133,21 @@ def test_full_context_ends_the_rollout_instead_of_overflowing():
     assert tree[leaf].depth == 1 and tree[leaf].info["forced_end"] == "context_exhausted"
 
 
+def _tiny_engine_config(**fields):
+    """A sampling engine for the real tiny model: 2 slots of 48 positions in pages of 8, fp32 weights (teacher
+    forcing runs them too)."""
+    base = dict(
+        max_slots=2, max_len=48, steps_per_call=6, max_turn_tokens=4, length_buckets=(48,), row_buckets=(2,),
+        sampling=SamplingConfig(temperature=1.3, top_k=20), weight_dtype=None, page_size=8,
+    )  # fmt: skip
+    return EngineConfig(**{**base, **fields})
+
+
 def test_real_engine_records_the_policy_logprobs_and_features_teacher_forcing_reproduces():
     config = ModelConfig.preset("qwen3-tiny", vocab_size=32)
     model = Qwen(config, rngs=nnx.Rngs(0))
     params = nnx.split(model, nnx.Param)[1]
-    engine_config = EngineConfig(
-        max_slots=2,
-        max_len=48,
-        steps_per_call=6,
-        max_turn_tokens=4,
-        length_buckets=(48,),
-        row_buckets=(2,),
-        sampling=SamplingConfig(temperature=1.3, top_k=20),
-        weight_dtype=None,  # teacher forcing below runs the fp32 weights
-        page_size=8,
-    )
-    engine = Engine.for_model(config, engine_config)
+    engine = Engine.for_model(config, _tiny_engine_config())
     env = ToyEnv(max_turns=2, truncation_ends=False)
     runner = RolloutRunner(engine, params, env, RunnerConfig(seed=3))
     trees = _trees(env, [1, 2])
@@ -242,18 +241,8 @@ def test_a_resumed_runner_continues_exactly_as_the_uninterrupted_one_after_new_w
     job's metrics), the resumed one none. (On this CPU model the sampled trees stay equal either way.)"""
     config = ModelConfig.preset("qwen3-tiny", vocab_size=32)
     weights = [nnx.split(Qwen(config, rngs=nnx.Rngs(seed)), nnx.Param)[1] for seed in (0, 1)]
-    engine_config = EngineConfig(
-        max_slots=2,
-        max_len=48,
-        steps_per_call=6,
-        max_turn_tokens=4,
-        length_buckets=(48,),
-        row_buckets=(2,),
-        sampling=SamplingConfig(temperature=1.3, top_k=20),
-        weight_dtype=None,
-        page_size=8,
-        num_pages=14,  # 13 usable pages: fewer than phase 1's holds and phase 2's together
-    )
+    # 13 usable pages: fewer than phase 1's holds and phase 2's together.
+    engine_config = _tiny_engine_config(num_pages=14)
     env = ToyEnv(max_turns=2, truncation_ends=False)
 
     def phase(runner, tasks):
