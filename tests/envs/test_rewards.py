@@ -71,16 +71,23 @@ def test_adversarial_answer_blocks(text, expected):
     assert rewards.extract_answer(text) == expected
 
 
+def _answer_reward(text, golds, metric="em"):
+    """The reward of a generated text as the ReAct env scores an answer: ``metric`` on its last ``<answer>``
+    block, 0.0 when there is none."""
+    answer = rewards.extract_answer(text)
+    return 0.0 if answer is None else rewards.get_metric(metric)(answer, golds)
+
+
 @settings(max_examples=50)
 @given(texts)
 def test_answer_reward_never_raises_and_is_binary_for_em(text):
-    assert rewards.answer_reward(text, ["paris", "lyon"], metric="em") in (0.0, 1.0)
+    assert _answer_reward(text, ["paris", "lyon"], metric="em") in (0.0, 1.0)
 
 
 def test_answer_reward_uses_the_named_metric():
     text = "<think>hmm</think><answer>The Paris city</answer>"
-    assert rewards.answer_reward(text, ["paris"], "em") == 0.0
-    assert rewards.answer_reward(text, ["paris"], "f1") == pytest.approx(2 / 3)
-    assert rewards.answer_reward("<answer>the PARIS.</answer>", "paris") == 1.0
+    assert _answer_reward(text, ["paris"], "em") == 0.0
+    assert _answer_reward(text, ["paris"], "f1") == pytest.approx(2 / 3)
+    assert _answer_reward("<answer>the PARIS.</answer>", "paris") == 1.0
     with pytest.raises(ValueError, match="unknown answer metric 'bleu'"):
-        rewards.answer_reward(text, ["paris"], "bleu")
+        _answer_reward(text, ["paris"], "bleu")

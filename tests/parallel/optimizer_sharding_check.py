@@ -15,8 +15,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tests.helpers import abstract_like
 from tests.rl.test_trainer import CONFIG, _batch
-from trace_jax.checkpoint.state import StateCheckpointer, abstract_like
+from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.models import Qwen
 from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import create_sharded, make_mesh

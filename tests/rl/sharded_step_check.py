@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tests.helpers import abstract_like
 from tests.rl.test_trainer import CONFIG, _batch, _trainer
-from trace_jax.checkpoint.state import StateCheckpointer, abstract_like
+from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.models import Qwen
 from trace_jax.parallel.mesh import create_sharded, make_mesh
 from trace_jax.rl.losses import LossConfig

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from tests.rl.trees import branching_tree, random_tree
-from trace_jax.rl.advantages import ESTIMATORS, compute_advantages, nonzero_advantage_token_share
+from trace_jax.rl.advantages import ESTIMATORS, compute_advantages
 from trace_jax.rollout.tree import RolloutTree
 
 # Leaves b, c, d of branching_tree() have rewards 1, 0, 0: mean 1/3, population std sqrt(2/9).
@@ -103,15 +103,3 @@ def test_dedup_matches_per_path_sums_on_random_trees(name):
 def test_unknown_estimator_names_the_choices():
     with pytest.raises(ValueError, match="treerl"):
         compute_advantages("tree-rl", [branching_tree()])
-
-
-def test_nonzero_advantage_token_share():
-    tree = branching_tree()
-    advantages = compute_advantages("grpo", [tree])
-    assert nonzero_advantage_token_share([tree], advantages) == 1.0
-    flat = RolloutTree([1])
-    flat.add_turn(0, [2, 3, 4], reward=0.0)
-    flat.add_turn(0, [5], reward=0.0)
-    both = [tree, flat]
-    # branching_tree samples 2 + 1 + 2 + 1 = 6 tokens, all with non-zero advantage; flat's 4 have zero.
-    assert nonzero_advantage_token_share(both, compute_advantages("grpo", both)) == pytest.approx(6 / 10)

@@ -8,7 +8,7 @@ import pytest
 from tests.rl.trees import branching_tree, random_tree
 from trace_jax.config_utils import from_config
 from trace_jax.rl.advantages import ESTIMATORS, compute_advantages
-from trace_jax.rl.batch import BatchConfig, build_batch, take_rows, trees_to_batch
+from trace_jax.rl.batch import BatchConfig, build_batch, take_rows
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig, LossInputs, compute_loss, loss_denominator
 from trace_jax.rollout.tree import RolloutTree
 
@@ -216,14 +216,6 @@ def test_segment_weight_one_trains_each_turn_with_weight_one():
     assert set(np.unique(batch.weights)) == {0.0, 1.0}
     with pytest.raises(ValueError, match="segment_weight"):
         BatchConfig(segment_weight="paths")
-
-
-def test_trees_to_batch_is_advantages_then_rows():
-    trees = [branching_tree(), branching_tree()]
-    batch, info, advantages = trees_to_batch(trees, "rloo")
-    expected, _ = build_batch(trees, compute_advantages("rloo", trees))
-    np.testing.assert_array_equal(batch.advantages, expected.advantages)
-    assert len(advantages) == 2 and info.num_rows == 1
 
 
 def test_batch_config_from_config_dict():

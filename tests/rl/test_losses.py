@@ -14,6 +14,7 @@ from trace_jax.rl.losses import (
     finalize_metrics,
     loss_denominator,
 )
+from trace_jax.rl.sequences import PathTokens, sequence_terms
 
 
 def _inputs(logprobs, old, adv, weights, segments=None, ref=None, entropies=None):
@@ -59,7 +60,7 @@ def test_tool_tokens_carry_no_loss_and_no_gradient():
     weights = jnp.array([[1.0, 1.0, 0.0, 1.0]])
     ref = old + 0.1
     ent = jnp.array([[0.5, 0.5, 100.0, 0.5]])
-    for name in ("ppo", "gspo", "gspo_turn"):
+    for name in ("ppo", "gspo_turn"):  # gspo's terms come from whole paths: test_packing, test_trainer
         config = LossConfig(policy_loss=name, kl_coef=0.1, entropy_coef=0.01)
 
         def f(lp, config=config):
@@ -181,28 +182,45 @@ def test_entropy_bonus_lowers_the_loss():
     assert finalize_metrics(metrics)["entropy"] == pytest.approx(3.0)
 
 
+def _with_sequence_terms(inputs, paths, config, at_logprobs=None):
+    """``inputs`` with gspo's per-token terms for ``paths`` at ``at_logprobs`` (default: ``inputs.logprobs``)."""
+    at = inputs.logprobs if at_logprobs is None else at_logprobs
+    seq_loss, seq_grad, metrics = sequence_terms(paths, np.asarray(at), np.asarray(inputs.old_logprobs), config)
+    return inputs._replace(seq_loss=jnp.asarray(seq_loss), seq_grad=jnp.asarray(seq_grad)), metrics
+
+
+def _row_paths(mask, advantages, coefficients):
+    """Each row one path over its masked tokens."""
+    rows, cols = np.nonzero(mask)
+    t = mask.shape[1]
+    return PathTokens(rows, rows * t + cols, np.asarray(advantages, np.float64)[rows, cols], np.asarray(coefficients))
+
+
 def test_gspo_sequence_and_turn_ratios():
     # Row log-ratios 0.2, 0.4 in turn 1 and 0.0 in turn 2; advantage 1, clip wide open.
     log_ratio = np.array([[0.2, 0.4, 0.0]])
     inputs = _inputs(log_ratio - 1.0, -np.ones((1, 3)), np.ones((1, 3)), np.ones((1, 3)), [[1, 1, 2]])
     config = dict(clip_low=0.9, clip_high=10.0)
-    _, seq = _loss(inputs, LossConfig(policy_loss="gspo", **config))
+    gspo = LossConfig(policy_loss="gspo", **config)
+    with pytest.raises(ValueError, match="path_tokens"):
+        _loss(inputs, gspo)
+    paths = _row_paths(np.ones((1, 3)), np.ones((1, 3)), [1.0])
+    seq_inputs, seq = _with_sequence_terms(inputs, paths, gspo)
     assert finalize_metrics(seq)["ratio"] == pytest.approx(np.exp(0.2), rel=1e-5)  # exp(mean(0.2, 0.4, 0))
     _, turn = _loss(inputs, LossConfig(policy_loss="gspo_turn", **config))
     assert finalize_metrics(turn)["ratio"] == pytest.approx((2 * np.exp(0.3) + 1.0) / 3, rel=1e-5)
-    # GSPO-token gradient: d loss / d log π_t = −A · s_i · w_t / Σw.
-    grad = jax.grad(lambda lp: _loss(inputs._replace(logprobs=lp), LossConfig(policy_loss="gspo", **config))[0])(
-        inputs.logprobs
-    )
+    # d loss / d log π_t = −A · s · (c |ℓ|) / |ℓ| / Σw with c = 1: −s / 3 on every token.
+    loss, grad = jax.value_and_grad(lambda lp: _loss(seq_inputs._replace(logprobs=lp), gspo)[0])(inputs.logprobs)
     np.testing.assert_allclose(grad, -np.exp(0.2) / 3 * np.ones((1, 3)), rtol=1e-5)
+    assert float(loss) == pytest.approx(-np.exp(0.2), rel=1e-5)
 
 
 def test_gspo_gives_the_papers_sequence_level_gradient_with_seq_mean_token_mean():
     # GSPO (Zheng et al. 2025): J = 1/G Σ_i min(s_i A_i, clip(s_i) A_i), s_i = (π_θ(y_i) / π_old(y_i))^(1/|y_i|).
     # A tiny policy (one logit vector per position, V = 3) and a group of sequences of lengths 3, 2, 1, 2,
     # enumerated by hand; one sequence's ratio is outside the clip range. Each row is one whole sequence.
-    # Catches the mutant "GSPO's value uses the token ratio" (ρ_t for s_i in losses._gspo) and any drift of the
-    # sequence ratio's length normalisation.
+    # Catches any drift of the sequence ratio's length normalisation (a sum for the mean in
+    # sequences.sequence_terms).
     theta = jnp.asarray(np.random.default_rng(0).normal(size=(3, 3)), jnp.float32)
     old_theta = theta + jnp.asarray([[0.1, -0.2, 0.0], [0.0, 0.3, -0.1], [0.2, 0.0, 0.0]], jnp.float32)
     seqs = [[0, 2, 1], [1, 1], [2], [0, 0]]
@@ -228,11 +246,14 @@ def test_gspo_gives_the_papers_sequence_level_gradient_with_seq_mean_token_mean(
     assert np.any(np.abs(s - 1) > clip) and np.any(np.abs(s - 1) < clip), f"premise: clipped and unclipped, {s}"
 
     def ours(th, aggregation):
+        # The sequence terms are taken at theta (the params the gradient is taken at), as the trainer does.
         config = LossConfig(policy_loss="gspo", clip_low=clip, clip_high=clip, aggregation=aggregation)
-        coef = mask / lengths[:, None] if aggregation == "seq-mean-token-mean" else mask
+        coef = 1.0 / lengths if aggregation == "seq-mean-token-mean" else np.ones(4)
         inputs = LossInputs.from_advantages(
-            token_logprobs(th), old, jnp.asarray(adv)[:, None] * mask, jnp.asarray(coef), jnp.zeros((4, 3), jnp.int32)
+            token_logprobs(th), old, adv[:, None] * mask, coef[:, None] * mask, jnp.zeros((4, 3), jnp.int32)
         )
+        paths = _row_paths(mask, adv[:, None] * mask, coef)
+        inputs, _ = _with_sequence_terms(inputs, paths, config, at_logprobs=token_logprobs(theta))
         return _loss(inputs, config, paths=jnp.ones(4))[0]
 
     expected = -jax.grad(paper)(theta)  # our loss is −J

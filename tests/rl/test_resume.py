@@ -1,8 +1,9 @@
 import jax
 import numpy as np
 
+from tests.helpers import abstract_like
 from tests.rl.test_trainer import _batch, fresh_state, shared_setup
-from trace_jax.checkpoint.state import StateCheckpointer, abstract_like
+from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.rl.trainer import TrainState
 
 

@@ -259,6 +259,27 @@ def test_update_runs_epochs_times_mini_batches_steps_on_shuffled_rows():
         UpdateConfig(behaviour_logprobs="untempered")
 
 
+def _tempered_top_p(ids, temperature, top_p):
+    """``(probs, keep)`` [len(ids), V] of the tiny model after each prefix of ``ids``, written from the
+    definitions: ``softmax(logits / T)`` and the smallest set of most likely tokens holding ``top_p``."""
+    logits = np.asarray(_model()(jnp.asarray([ids])).logits_btv[0], np.float64) / temperature
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    order = np.argsort(-probs, axis=-1)
+    before = np.cumsum(np.take_along_axis(probs, order, -1), -1) - np.take_along_axis(probs, order, -1)
+    keep = np.zeros(probs.shape, bool)
+    np.put_along_axis(keep, order, before < top_p, -1)
+    return probs, keep
+
+
+def _trained_positions(tree, info, leaf):
+    """(batch column, index along the leaf's path) of every token the batch trains on ``leaf``'s path (row 0)."""
+    for column in np.nonzero(info.layout.trains[0])[0]:
+        node = int(info.layout.node[0, column])
+        if node and node in tree.path(leaf):
+            yield column, tree.prefix_length(tree[node].parent) + int(info.layout.offset[0, column])
+
+
 def test_recomputed_behaviour_logprobs_are_the_sampling_distribution_at_t07_top_p09():
     graphdef, params, _ = shared_setup()
     sampling = SamplingConfig(temperature=0.7, top_p=0.9)
@@ -273,31 +294,58 @@ def test_recomputed_behaviour_logprobs_are_the_sampling_distribution_at_t07_top_
     turn(0, [125], reward=0.0)
     batch, info = build_batch([tree], compute_advantages("grpo", [tree]), BATCH_CONFIG)
     old = np.asarray(trainer.prepare(trainer.init_state(params, jax.random.key(0)), batch).old_logprobs)
-    model = _model()
     checked, truncated = 0, 0
     for leaf in tree.leaves():
         ids = tree.prefix_ids(leaf)
-        logits = np.asarray(model(jnp.asarray([ids])).logits_btv[0], np.float64) / 0.7
-        probs = np.exp(logits - logits.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        order = np.argsort(-probs, axis=-1)
-        before = np.cumsum(np.take_along_axis(probs, order, -1), -1) - np.take_along_axis(probs, order, -1)
-        keep = np.zeros(probs.shape, bool)
-        np.put_along_axis(keep, order, before < 0.9, -1)
+        probs, keep = _tempered_top_p(ids, 0.7, 0.9)
         kept = np.where(keep, probs, 0.0)
         with np.errstate(divide="ignore"):
             table = np.log(kept / kept.sum(-1, keepdims=True))
-        for column in np.nonzero(batch.weights[0] > 0)[0]:
-            node = int(info.layout.node[0, column])
-            if node in tree.path(leaf):
-                t = tree.prefix_length(tree[node].parent) + int(info.layout.offset[0, column])
-                np.testing.assert_allclose(old[0, column], table[t - 1, ids[t]], atol=1e-5)
-                truncated += int(keep[t - 1].sum() < keep.shape[-1])
-                checked += 1
+        for column, t in _trained_positions(tree, info, leaf):
+            np.testing.assert_allclose(old[0, column], table[t - 1, ids[t]], atol=1e-5)
+            truncated += int(keep[t - 1].sum() < keep.shape[-1])
+            checked += 1
     assert checked >= 6 and truncated == checked, "premise: top-p removes tokens at every checked position"
     trained = old[batch.weights > 0]
     assert np.isneginf(trained).any(), "premise: a sampled token outside the kept set"
     assert (np.isfinite(trained) & (trained < -0.05)).any(), "premise: a token inside a kept set of several"
+
+
+def test_untruncated_behaviour_logprobs_make_the_first_ratio_one_where_truncated_ones_give_the_kept_mass():
+    """At T = 0.7, top-p 0.9: "recompute" (the truncated sampling distribution) makes the first step's ratio of
+    token t the mass top-p kept at t (π_T(y) / π_T,trunc(y)); "untruncated" makes it 1. Fails if
+    "untruncated" recomputes under the sampling transform (ratio = kept mass < 1) or keeps the sampler's."""
+    graphdef, params, _ = shared_setup()
+    sampling = SamplingConfig(temperature=0.7, top_p=0.9)
+    trainer = RLTrainer(graphdef, _gradient_recorder(), LossConfig(), sampling=sampling)
+    tree = RolloutTree([7, 8], task="q")
+    turn = lambda parent, ids, **kw: tree.add_turn(parent, ids, logprobs=[-1.0] * len(ids), **kw)
+    a = turn(0, [101, 101], observation_ids=[90, 91])
+    turn(a, [91], reward=1.0)
+    turn(0, [125], reward=0.0)
+    turn(0, [15], reward=1.0)
+    batch, info = build_batch([tree], compute_advantages("grpo", [tree]), BATCH_CONFIG)
+    weights = np.asarray(batch.weights[0])
+    mass = np.zeros_like(weights)
+    for leaf in tree.leaves():
+        ids = tree.prefix_ids(leaf)
+        probs, keep = _tempered_top_p(ids, 0.7, 0.9)
+        for column, t in _trained_positions(tree, info, leaf):
+            assert keep[t - 1, ids[t]], "premise: every sampled token inside its kept set"
+            mass[column] = probs[t - 1][keep[t - 1]].sum()
+    trained = weights > 0
+    assert trained.sum() >= 5 and np.all(mass[trained] > 0)
+    assert mass[trained].min() < 0.95, "premise: top-p removes real mass somewhere"
+    expected = float(np.sum(weights * mass) / weights.sum())
+    ratios = {}
+    for mode in ("recompute", "untruncated"):  # one trainer: the mode is read at each update
+        trainer.update_config = UpdateConfig(ppo_epochs=1, mini_batches=1, behaviour_logprobs=mode)
+        state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+        _, metrics = trainer.update(state, batch)
+        ratios[mode] = (metrics["ratio"], metrics["ratio_max"])
+    assert ratios["recompute"][0] == pytest.approx(expected, abs=1e-5)
+    assert ratios["recompute"][1] == pytest.approx(float(mass[trained].max()), abs=1e-5)
+    assert ratios["untruncated"] == (pytest.approx(1.0, abs=1e-6), pytest.approx(1.0, abs=1e-6))
 
 
 def test_non_finite_loss_skips_the_update_and_training_goes_on():
@@ -345,18 +393,21 @@ def _gradient_recorder() -> optax.GradientTransformation:
     )
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
-def test_mini_batches_sum_to_the_full_batch_objective_and_gradient(aggregation):
+@pytest.mark.parametrize(
+    "aggregation, policy_loss", [("token-mean", "ppo"), ("seq-mean-token-mean", "ppo"), ("seq-mean-token-mean", "gspo")]
+)
+def test_mini_batches_sum_to_the_full_batch_objective_and_gradient(aggregation, policy_loss):
     # Catches the mutant "each mini-batch divides by its own rows' Σ weights / path count": the mini-batch losses
     # then no longer sum to the full-batch loss (different path counts per mini-batch, shared-prefix tokens whose
-    # paths end in the other mini-batch).
+    # paths end in the other mini-batch). gspo: every path's ratio comes from the whole batch before each step,
+    # so a mini-batch's rows still see the ratios of paths that continue in the other one.
     graphdef, params, _ = shared_setup()
     rng = np.random.default_rng(5)
     trees = [branching_tree()] + [random_tree(rng) for _ in range(5)]
-    loss = LossConfig(aggregation=aggregation)
+    loss = LossConfig(aggregation=aggregation, policy_loss=policy_loss)
     # One row per path: a shared turn trains in the first row holding it, with the weight of every path through it.
     config = dataclasses.replace(BATCH_CONFIG, layout="paths")
-    batch, _ = build_batch(trees, compute_advantages("grpo", trees), config, loss)
+    batch, info = build_batch(trees, compute_advantages("grpo", trees), config, loss)
     rows = np.flatnonzero(batch.lengths > 0)
     carried = batch.weights[rows].sum(1) / np.maximum((batch.weights[rows] > 0).sum(1), 1)
     assert rows.size >= 4 and carried.max() > carried.min(), "premise: rows carrying other rows' paths"
@@ -366,7 +417,7 @@ def test_mini_batches_sum_to_the_full_batch_objective_and_gradient(aggregation):
         update = UpdateConfig(ppo_epochs=1, mini_batches=mini_batches, micro_rows=2, behaviour_logprobs="recompute")
         trainer.update_config = update
         state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
-        state, metrics = trainer.update(state, batch)
+        state, metrics = trainer.update(state, batch, info.path_tokens)
         assert metrics["steps"] == mini_batches and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-5)
         results.append((metrics["loss"], jax.tree.leaves(_host(state.opt_state))))
     (full_loss, full_grads), (split_loss, split_grads) = results

@@ -133,22 +133,21 @@ def test_full_context_ends_the_rollout_instead_of_overflowing():
     assert tree[leaf].depth == 1 and tree[leaf].info["forced_end"] == "context_exhausted"
 
 
+def _tiny_engine_config(**fields):
+    """A sampling engine for the real tiny model: 2 slots of 48 positions in pages of 8, fp32 weights (teacher
+    forcing runs them too)."""
+    base = dict(
+        max_slots=2, max_len=48, steps_per_call=6, max_turn_tokens=4, length_buckets=(48,), row_buckets=(2,),
+        sampling=SamplingConfig(temperature=1.3, top_k=20), weight_dtype=None, page_size=8,
+    )  # fmt: skip
+    return EngineConfig(**{**base, **fields})
+
+
 def test_real_engine_records_the_policy_logprobs_and_features_teacher_forcing_reproduces():
     config = ModelConfig.preset("qwen3-tiny", vocab_size=32)
     model = Qwen(config, rngs=nnx.Rngs(0))
     params = nnx.split(model, nnx.Param)[1]
-    engine_config = EngineConfig(
-        max_slots=2,
-        max_len=48,
-        steps_per_call=6,
-        max_turn_tokens=4,
-        length_buckets=(48,),
-        row_buckets=(2,),
-        sampling=SamplingConfig(temperature=1.3, top_k=20),
-        weight_dtype=None,  # teacher forcing below runs the fp32 weights
-        page_size=8,
-    )
-    engine = Engine.for_model(config, engine_config)
+    engine = Engine.for_model(config, _tiny_engine_config())
     env = ToyEnv(max_turns=2, truncation_ends=False)
     runner = RolloutRunner(engine, params, env, RunnerConfig(seed=3))
     trees = _trees(env, [1, 2])
@@ -231,3 +230,38 @@ def test_new_weights_drop_the_held_prefixes_the_old_ones_computed():
     ):
         dropped, _ = forward_tokens(update)
         assert dropped == kept + prompt - 1  # the whole prompt prefilled again
+
+
+def test_a_resumed_runner_continues_exactly_as_the_uninterrupted_one_after_new_weights():
+    """Two phases on the real tiny engine with a KV pool too small for every hold, new weights between them (an
+    RL step), against a fresh engine and runner restored from the runner's state after phase 1 (a resumed run):
+    phase 2's trees (ids, log-probs) and what the job logs of it (forward tokens, evicted holds) must be equal.
+    Fails if held prefix pages outlive new weights (``RolloutRunner.set_params`` keeping them): phase 1's holds
+    then crowd the pool and the uninterrupted run's phase 2 evicts 8 of them (``rollout/evicted_holds`` in the
+    job's metrics), the resumed one none. (On this CPU model the sampled trees stay equal either way.)"""
+    config = ModelConfig.preset("qwen3-tiny", vocab_size=32)
+    weights = [nnx.split(Qwen(config, rngs=nnx.Rngs(seed)), nnx.Param)[1] for seed in (0, 1)]
+    # 13 usable pages: fewer than phase 1's holds and phase 2's together.
+    engine_config = _tiny_engine_config(num_pages=14)
+    env = ToyEnv(max_turns=2, truncation_ends=False)
+
+    def phase(runner, tasks):
+        trees = _trees(env, tasks)
+        stats = [runner.continue_anchors([ContinuationRequest(t, ROOT, 2) for t in trees])]
+        for tree in trees:  # continue from an inner node: a held history saves its prefill
+            anchor = tree.path(tree.leaves()[0])[1]
+            stats.append(runner.continue_anchors([ContinuationRequest(tree, anchor, 2)]))
+        nodes = [(n.token_ids.tolist(), n.logprobs.tolist(), n.sample_logprobs.tolist()) for t in trees for n in t]
+        return nodes, [s.forward_tokens for s in stats], runner.evicted_holds
+
+    config_runner = RunnerConfig(seed=3, reuse_prefixes=True)
+    runner = RolloutRunner(Engine.for_model(config, engine_config), weights[0], env, config_runner)
+    phase(runner, [1, 2, 3])
+    saved = runner.state_dict()
+    assert runner.evicted_holds == 0 and len(runner._held) > 0, "premise: phase 1 ends holding prefixes"
+    runner.set_params(weights[1])
+    uninterrupted = phase(runner, [4, 5, 6])
+    resumed_runner = RolloutRunner(Engine.for_model(config, engine_config), weights[1], env, config_runner)
+    resumed_runner.load_state_dict(saved)
+    resumed = phase(resumed_runner, [4, 5, 6])
+    assert resumed == uninterrupted

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trace_jax.rollout.sampling import SamplingConfig, sample, sampling_logprobs, token_sample_logprobs
+from trace_jax.rollout.sampling import SamplingConfig, sample, token_sample_logprobs, truncated_logits
 
 
 def _logits(batch=4, vocab=16, seed=0):
@@ -48,7 +48,7 @@ def test_logprobs_are_untempered_and_sample_logprobs_tempered():
 )
 def test_truncation_support_is_normalised_and_never_left(config):
     logits = _logits(batch=3, vocab=32)
-    draw = sampling_logprobs(logits, config)
+    draw = jax.nn.log_softmax(truncated_logits(logits, config), axis=-1)  # what sample draws from
     np.testing.assert_allclose(jnp.exp(draw).sum(-1), 1.0, rtol=1e-5)
     support = np.isfinite(np.asarray(draw))
     if config.top_k:
@@ -61,7 +61,7 @@ def test_truncation_support_is_normalised_and_never_left(config):
 
 def test_top_p_keeps_smallest_prefix_reaching_mass():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-    draw = np.asarray(sampling_logprobs(logits, SamplingConfig(1.0, top_p=0.75)))
+    draw = np.asarray(jax.nn.log_softmax(truncated_logits(logits, SamplingConfig(1.0, top_p=0.75)), axis=-1))
     np.testing.assert_array_equal(np.isfinite(draw[0]), [True, True, False, False])
     np.testing.assert_allclose(np.exp(draw[0, :2]), [0.5 / 0.8, 0.3 / 0.8], rtol=1e-5)
 

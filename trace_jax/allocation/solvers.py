@@ -162,11 +162,6 @@ def _repair_lone_rollout(table_bm: np.ndarray, m_b: np.ndarray, m_hi: int) -> np
     return best if max(totals) > float(value(m_b).sum()) else m_b
 
 
-def prefix_value(q: np.ndarray | float, k: np.ndarray | int) -> np.ndarray:
-    """``V_pref = 1 - q^k``: P(at least one of k continuations differs from the outcome already seen)."""
-    return 1.0 - np.clip(np.asarray(q, np.float64), 0.0, 1.0) ** np.asarray(k)
-
-
 def repeat_probability(success_n: np.ndarray, outcome_n: np.ndarray) -> np.ndarray:
     """``q = r Ṽ + (1 - r)(1 - Ṽ)``: P(a continuation repeats outcome r) given predicted success Ṽ. float64 [N]."""
     v = np.clip(np.asarray(success_n, np.float64), 0.0, 1.0)

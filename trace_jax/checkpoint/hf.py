@@ -105,20 +105,7 @@ def _template_regex(template: str) -> re.Pattern:
     return re.compile(pattern + "$")
 
 
-_ROWS = [(_template_regex(hf), hf, _template_regex(ours), ours, t) for hf, ours, t in KEY_MAP]
-
-
-def hf_to_ours(hf_key: str) -> tuple[str, Reshape | Transpose, int | None, int | None] | None:
-    """``(our key, transform, layer, expert)`` for an HF tensor name (``layer``: the HF layer, None for tensors
-    outside the layers; ``expert``: the expert of a per-expert tensor, else None), or None when no row matches.
-    Layer tensors outside the experts name the ``layers.`` key (a mixture of experts' stacks share it)."""
-    for hf_re, hf, _, ours, transform in _ROWS:
-        if match := hf_re.match(hf_key):
-            fields = match.groupdict()
-            layer = int(fields.pop("layer")) if "{layer}" in hf else None
-            expert = int(fields.pop("expert")) if "{expert}" in hf else None
-            return ours.format(**fields), transform, layer, expert
-    return None
+_ROWS = [(hf, _template_regex(ours), t) for hf, ours, t in KEY_MAP]
 
 
 def _row(our_key: str) -> tuple[str, dict[str, str], Reshape | Transpose]:
@@ -126,7 +113,7 @@ def _row(our_key: str) -> tuple[str, dict[str, str], Reshape | Transpose]:
     without a row of its own (``moe_layers.attn.q_proj``) takes the ``layers.`` row."""
     stack, _, rest = our_key.partition(".")
     for candidate in (our_key, f"layers.{rest}" if stack in _STACKS else None):
-        for _, hf, ours_re, _, transform in _ROWS:
+        for hf, ours_re, transform in _ROWS:
             if candidate and (match := ours_re.match(candidate)):
                 return hf, match.groupdict(), transform
     raise KeyError(f"parameter {our_key!r} has no row in KEY_MAP")

@@ -39,7 +39,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 from trace_jax import paths
@@ -97,18 +96,6 @@ def _abstract_key_data(leaf: Any) -> jax.ShapeDtypeStruct:
     """Restore target for the key data of a typed-key target leaf (same sharding)."""
     data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
     return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(leaf, "sharding", None))
-
-
-def abstract_like(tree: Any) -> Any:
-    """A restore target from concrete arrays: same shapes, dtypes and shardings, no memory held."""
-    return jax.tree.map(
-        lambda x: (
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-            if isinstance(x, jax.Array | np.ndarray)
-            else x
-        ),
-        tree,
-    )
 
 
 LAYERS = "layers"  # the stacked decoder layers' entry (``trace_jax.models.qwen.Qwen.layers``)

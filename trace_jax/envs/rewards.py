@@ -81,9 +81,3 @@ METRICS: Registry[Callable[[str, str | Sequence[str]], float]] = Registry(
 def get_metric(name: str) -> Callable[[str, str | Sequence[str]], float]:
     """The answer metric registered under ``name``; a clear error for an unknown name."""
     return METRICS[name]
-
-
-def answer_reward(text: str, golds: str | Sequence[str], metric: str = "em") -> float:
-    """Reward of a generated text: ``metric`` on its last ``<answer>`` block; 0.0 when there is none."""
-    answer = extract_answer(text)
-    return 0.0 if answer is None else get_metric(metric)(answer, golds)

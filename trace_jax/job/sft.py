@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax.checkpoint.state import StateCheckpointer
+from trace_jax.cli import TERMINATION
 from trace_jax.data.synthetic import SyntheticWorld
 from trace_jax.envs.react import ReActConfig, ReActEnv, render_trajectory
 from trace_jax.envs.retriever import BM25Retriever, Retriever
@@ -290,6 +291,7 @@ def run_sft(
         budget = float("inf") if config.time_budget_s is None else config.time_budget_s
         step, losses = 0, []
         while step < config.max_steps and time.monotonic() - start < budget:
+            TERMINATION.stop_if_requested()  # a warm start outside any grace stops at a SIGTERM
             width = int(rng.choice(widths, p=bucket_p))
             rows = rng.choice(buckets[width], size=config.batch_size, replace=len(buckets[width]) < config.batch_size)
             ids = jax.device_put(data.ids[rows, :width], sharding)

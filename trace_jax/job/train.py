@@ -160,7 +160,9 @@ def _train(
     console.log(f"start: {' '.join(sys.argv[1:]) or '(defaults)'}")
     distributed.run_on_main(build.save_run_config, config, workdir)
     timer = PhaseTimer()
+    TERMINATION.stop_if_requested()  # each setup phase starts only if no SIGTERM came (its interrupt may be lost)
     run = Training(config, workdir, console, timer)
+    TERMINATION.stop_if_requested()
     resumed = run.resume()
     steps = config.rl.steps
     # Only process 0 writes metrics.jsonl and TensorBoard (the metrics are reduced across processes first).
@@ -171,6 +173,7 @@ def _train(
             console.info(f"resuming at RL step {run.step} of {steps} (checkpoint in {workdir / rundir.CHECKPOINTS})")
         else:
             run.eval_before = run.last_eval = run.evaluate("evaluation before RL")
+            TERMINATION.stop_if_requested()
             writer.write(0, {**eval_metrics(run.eval_before), **run.warm_up_predictor()})
             distributed.run_on_main(logs.push)
             run.save(force=True)  # step 0: the evaluation above is logged once, whatever happens next

@@ -180,15 +180,3 @@ def node_value(trees: Sequence[RolloutTree], *, eps: float = 1e-6) -> list[NodeA
             node_adv[turns] = _normalise(values[turns], eps)
         out.append(from_node_advantages(tree, node_adv))
     return out
-
-
-# ------------------------------------------------------------------------------------------- metrics
-def nonzero_advantage_token_share(trees: Sequence[RolloutTree], advantages: Sequence[NodeAdvantages]) -> float:
-    """Share of sampled tokens (each node's turn counted once) whose advantage is non-zero."""
-    total = nonzero = 0
-    for tree, adv in zip(trees, advantages, strict=True):
-        for node in tree.nodes[1:]:
-            n = node.token_ids.shape[0]
-            total += n
-            nonzero += n if (adv.weights[node.node_id] > 0 and adv.advantages[node.node_id] != 0) else 0
-    return nonzero / total if total else 0.0

@@ -8,9 +8,11 @@ Objective. Training every root-to-leaf path separately, aggregated as ``LossConf
 the reference (``trace_jax.rl.losses``). Each sampled turn token is trained at exactly one place with the
 sums over the paths through it of ``c_ℓ``, ``c_ℓ·max(A(ℓ, y), 0)`` and ``c_ℓ·min(A(ℓ, y), 0)`` (``c_ℓ`` the
 aggregation's path coefficient), which gives the per-path loss and gradient exactly for ppo / grpo /
-gspo_turn. ``check_objective`` refuses the combinations that cannot be exact. Prompt tokens, observation
-(tool) tokens, context copies and padding have weight 0. Behaviour log-probs are the sampler's
-``sample_logprobs`` (the distribution actually sampled); the trainer may recompute them.
+gspo_turn. GSPO's sequence-level ratio needs the whole path: ``BatchInfo.path_tokens`` lists every path's
+trained tokens (``trace_jax.rl.sequences``). ``check_objective`` refuses the combinations that cannot be
+exact. Prompt tokens, observation (tool) tokens, context copies and padding have weight 0. Behaviour
+log-probs are the sampler's ``sample_logprobs`` (the distribution actually sampled); the trainer may
+recompute them.
 
 Shapes. The length ``T`` is the smallest of ``length_buckets`` that fits the longest row, or with
 ``fixed_length`` always the row capacity (``pack_length``, default the largest bucket), so every batch of a
@@ -29,9 +31,10 @@ from typing import NamedTuple
 import numpy as np
 
 from trace_jax.buckets import bucket, round_up
-from trace_jax.rl.advantages import ESTIMATORS, NodeAdvantages, compute_advantages
+from trace_jax.rl.advantages import ESTIMATORS, NodeAdvantages
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig
 from trace_jax.rl.packing import LAYOUTS, RowLayout
+from trace_jax.rl.sequences import PathTokens
 from trace_jax.rollout.tree import RolloutTree
 
 
@@ -49,6 +52,8 @@ class TrainBatch(NamedTuple):
     paths: float32 [B] number of leaf paths whose leaf turn trains in the row (seq-mean denominators).
     lengths: int32 [B] filled positions per row.
     ref_logprobs: float32 reference-policy log-probs, or None until filled in by the trainer.
+    seq_loss / seq_grad: float32 sequence-level GSPO terms (``trace_jax.rl.sequences.sequence_terms``), filled
+      in by the trainer before each optimizer step; None otherwise.
     """
 
     tokens: np.ndarray
@@ -63,6 +68,8 @@ class TrainBatch(NamedTuple):
     paths: np.ndarray
     lengths: np.ndarray
     ref_logprobs: np.ndarray | None = None
+    seq_loss: np.ndarray | None = None
+    seq_grad: np.ndarray | None = None
 
     @property
     def loss_mask(self) -> np.ndarray:
@@ -89,6 +96,7 @@ class BatchInfo:
       num_trained_tokens: tokens with non-zero weight (each sampled turn token at most once).
       num_trees_skipped: trees left out by ``skip_zero_advantage``.
       layout: where every token sits (tree / node / offset per position).
+      path_tokens: every leaf path's trained tokens and advantages (sequence-level GSPO's input).
     """
 
     num_rows: int
@@ -98,6 +106,7 @@ class BatchInfo:
     num_trained_tokens: int
     num_trees_skipped: int
     layout: RowLayout = dataclasses.field(repr=False)
+    path_tokens: PathTokens = dataclasses.field(repr=False)
 
 
 SEGMENT_WEIGHTS = ("leaves", "one")
@@ -156,18 +165,15 @@ class BatchConfig:
 def check_objective(estimator: str | None, loss: LossConfig, batch: BatchConfig) -> None:
     """Raises ValueError for a combination whose gradient is not the per-path one (call it at config time).
 
-    Every advantage estimator × aggregation is exact with ppo / grpo / gspo_turn (see the module docstring).
-    Refused: ``gspo`` (one ratio per whole path, but a turn shared by several leaves is trained in one row
-    only, so no row is a whole path), and ``segment_weight="one"`` with a per-path aggregation.
+    Every advantage estimator × aggregation is exact with every policy loss (see the module docstring).
+    Refused: ``segment_weight="one"`` with a per-path aggregation or with ``gspo`` (whose ratio is a path's).
     """
     if estimator is not None:
         ESTIMATORS[estimator]  # an unknown name raises with the choices
-    if loss.policy_loss == "gspo":
+    if batch.segment_weight == "one" and loss.policy_loss == "gspo":
         raise ValueError(
-            "policy_loss 'gspo' needs one ratio per whole root-to-leaf path, but turns shared by several leaves "
-            "are trained once, so no row holds a whole path and its sequence ratio drifts from the per-path one; "
-            "use policy_loss='gspo_turn' (a turn-level ratio, exact under sharing; GSPO's weighting with "
-            "aggregation='seq-mean-token-mean') or 'ppo'"
+            "policy_loss 'gspo' weighs whole root-to-leaf paths, but segment_weight='one' weighs turns; use "
+            "segment_weight='leaves' (or policy_loss='gspo_turn', a ratio per turn)"
         )
     if batch.segment_weight == "one" and AGGREGATIONS[loss.aggregation].per_path:
         raise ValueError(
@@ -192,6 +198,8 @@ class _NodeTables(NamedTuple):
     adv_neg: np.ndarray  # float64 [G]
     base: np.ndarray  # int64 [trees]
     logprobs: list[np.ndarray]  # per node: behaviour log-probs of token_ids + zeros for observations
+    path_coefficients: list[np.ndarray]  # per tree: float64 [leaves] c_ℓ
+    path_advantages: list[np.ndarray]  # per tree: float64 [nodes, leaves] A(ℓ, y)
 
 
 def _trained_tokens_per_path(tree: RolloutTree) -> np.ndarray:
@@ -204,13 +212,15 @@ def _node_tables(
 ) -> _NodeTables:
     path_tokens = [_trained_tokens_per_path(t) for t in trees]
     aggregation = AGGREGATIONS[loss.aggregation]
-    weights, pos, neg, logprobs, base = [], [], [], [], []
+    weights, pos, neg, logprobs, base, path_coef, path_adv = [], [], [], [], [], [], []
     for tree, adv, n_tokens in zip(trees, advantages, path_tokens, strict=True):
         num_leaves = n_tokens.shape[0]
         under = tree.subtree_sums(np.eye(num_leaves)) if num_leaves else np.zeros((len(tree), 0))
         under[0] = 0.0  # the root is never trained
-        coef = under * aggregation.path_coefficients(n_tokens, loss, config.length_buckets[-1])[None, :]
+        path_coef.append(aggregation.path_coefficients(n_tokens, loss, config.length_buckets[-1]))
+        coef = under * path_coef[-1][None, :]
         a = adv.path_advantages(tree)
+        path_adv.append(a)
         w, p, m = coef.sum(1), (coef * np.maximum(a, 0)).sum(1), (coef * np.minimum(a, 0)).sum(1)
         if config.segment_weight == "one":
             count = np.maximum(under.sum(1), 1.0)
@@ -221,7 +231,36 @@ def _node_tables(
         neg.append(m)
         logprobs += [np.r_[node.sample_logprobs, np.zeros(node.observation_ids.shape[0])] for node in tree]
     return _NodeTables(
-        np.concatenate(weights), np.concatenate(pos), np.concatenate(neg), np.asarray(base, np.int64), logprobs
+        np.concatenate(weights),
+        np.concatenate(pos),
+        np.concatenate(neg),
+        np.asarray(base, np.int64),
+        logprobs,
+        path_coef,
+        path_adv,
+    )
+
+
+def _path_tokens(trees: Sequence[RolloutTree], tables: _NodeTables, flat: np.ndarray, trains: np.ndarray) -> PathTokens:
+    """Every leaf path's trained tokens (``flat``: global node id per position; ``trains``: where it trains)."""
+    rows, cols = np.nonzero(trains)
+    node_of = flat[rows, cols]
+    order = np.argsort(node_of, kind="stable")
+    node_of, position = node_of[order], (rows * trains.shape[1] + cols)[order]
+    bounds = np.searchsorted(node_of, np.arange(len(tables.weights) + 1))
+    path, where, advantage = [], [], []
+    for t, tree in enumerate(trees):
+        for j, leaf in enumerate(tree.leaves()):
+            index = sum(len(c) for c in tables.path_coefficients[:t]) + j
+            for y in tree.path(leaf)[1:]:
+                g = tables.base[t] + y
+                span = position[bounds[g] : bounds[g + 1]]
+                path.append(np.full(span.size, index, np.int64))
+                where.append(span.astype(np.int64))
+                advantage.append(np.full(span.size, tables.path_advantages[t][y, j]))
+    cat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+    return PathTokens(
+        cat(path, np.int64), cat(where, np.int64), cat(advantage, np.float64), cat(tables.path_coefficients, np.float64)
     )
 
 
@@ -310,6 +349,7 @@ def build_batch(
         num_path_tokens=int(sum(t.prefix_length(leaf) for t in trees for leaf in t.leaves())),
         num_trained_tokens=int(trains.sum()),
         num_trees_skipped=skipped,
+        path_tokens=_path_tokens(trees, tables, flat, trains),
     )
     return batch, info
 
@@ -335,16 +375,3 @@ def take_rows(batch: TrainBatch, rows: np.ndarray, count: int) -> TrainBatch:
         return np.concatenate([x, pad.astype(x.dtype)])
 
     return TrainBatch(*(take(name, x) for name, x in zip(TrainBatch._fields, batch, strict=True)))
-
-
-def trees_to_batch(
-    trees: Sequence[RolloutTree],
-    estimator: str,
-    config: BatchConfig | None = None,
-    loss: LossConfig | None = None,
-    eps: float = 1e-6,
-) -> tuple[TrainBatch, BatchInfo, list[NodeAdvantages]]:
-    """``compute_advantages(estimator, trees)`` then ``build_batch``; also returns the advantages (for metrics)."""
-    advantages = compute_advantages(estimator, trees, eps=eps)
-    batch, info = build_batch(trees, advantages, config, loss)
-    return batch, info, advantages

@@ -18,10 +18,15 @@ that splits a batch into micro-batches computes the denominator once and sums th
 ``numerator / denominator``: the full-batch gradient exactly. Metrics are (weighted sum, weight) pairs for
 the same reason (names ending in ``_max`` are (max, 1) and combine by max).
 
-Registries, keyed by config strings: ``POLICY_LOSSES`` (ppo, grpo, gspo_turn; gspo is registered but only
-exact when every row is one whole path: ``trace_jax.rl.batch.check_objective`` refuses it, since a shared
-turn trains once in either layout), ``KL_PENALTIES`` (reverse, forward: named by the KL whose gradient they
-give), ``AGGREGATIONS`` (token-mean, seq-mean-token-mean, seq-mean-token-sum-norm).
+Registries, keyed by config strings: ``POLICY_LOSSES`` (ppo, grpo, gspo, gspo_turn), ``KL_PENALTIES`` (reverse,
+forward: named by the KL whose gradient they give), ``AGGREGATIONS`` (token-mean, seq-mean-token-mean,
+seq-mean-token-sum-norm).
+
+GSPO's sequence-level ratio ``s_ℓ`` belongs to a whole path, whose tokens a tree batch spreads over rows and
+shares with other paths, so no micro-batch can compute it: ``trace_jax.rl.sequences`` computes every path's
+``s_ℓ`` from the whole batch's log-probs at the params of the step and hands the loss, per token, the sums
+over its paths of the path's surrogate and of its slope (``sequence_surrogate``); ``gspo_loss`` turns those
+into a loss with the right value and gradient.
 """
 
 from __future__ import annotations
@@ -48,9 +53,8 @@ class LossConfig:
 
     Attributes:
       policy_loss: key of ``POLICY_LOSSES``. GSPO's paper objective needs aggregation "seq-mean-token-mean"
-        (token-mean weighs each sequence by its length); "gspo" (one ratio per whole path) is refused by
-        ``trace_jax.rl.batch.check_objective`` (a shared turn trains once, so no batch row is a whole path);
-        "gspo_turn" (one ratio per turn) is exact under sharing.
+        (token-mean weighs each sequence by its length); "gspo" has one ratio per whole root-to-leaf path
+        (its batch needs ``RLTrainer.update(..., path_tokens=info.path_tokens)``), "gspo_turn" one per turn.
       clip_low, clip_high: the ratio is clipped to [1 − clip_low, 1 + clip_high] (DAPO's "clip higher").
       dual_clip: None, or c > 1: for A < 0 the per-token loss is capped at −c·A (dual-clip PPO).
       kl_coef: weight of the KL-to-reference penalty per token (0 disables it: no reference log-probs are
@@ -104,6 +108,9 @@ class LossInputs(NamedTuple):
       weight is 0.
     ref_logprobs: log-probs under the reference policy, or None (needed when kl_coef > 0).
     entropies: per-token entropy of π_θ, or None (needed when entropy_coef > 0).
+    seq_loss / seq_grad: sequence-level GSPO only (``trace_jax.rl.sequences.sequence_terms``), else None: Σ over
+      the token's paths of V_ℓ / |ℓ| and of (dV_ℓ / d log s_ℓ) / |ℓ|, V_ℓ the path's clipped surrogate at the
+      params whose ``logprobs`` these are.
     """
 
     logprobs: jax.Array
@@ -114,6 +121,8 @@ class LossInputs(NamedTuple):
     segment_ids: jax.Array
     ref_logprobs: jax.Array | None = None
     entropies: jax.Array | None = None
+    seq_loss: jax.Array | None = None
+    seq_grad: jax.Array | None = None
 
     @classmethod
     def from_advantages(cls, logprobs, old_logprobs, advantages, weights, segment_ids, **kwargs) -> LossInputs:
@@ -206,37 +215,61 @@ def _segment_mean(values_bt: jax.Array, weights_bt: jax.Array, segment_bt: jax.A
     return (sums / jnp.maximum(counts, 1.0))[ids].reshape(b, t)
 
 
-def _gspo(inputs: LossInputs, config: LossConfig, segment_bt: jax.Array) -> tuple[jax.Array, Metrics]:
-    log_ratio = _log_ratio(inputs)
-    seq_log_ratio = _segment_mean(log_ratio, inputs.weights, segment_bt)
-    # GSPO-token: the value is the sequence ratio s_i, the gradient flows through each token's own log-prob.
-    ratio = jnp.exp(jax.lax.stop_gradient(seq_log_ratio) + inputs.logprobs - jax.lax.stop_gradient(inputs.logprobs))
-    loss, metrics = clipped_surrogate(ratio, inputs, config)
-    return loss, {**metrics, **_ratio_metrics(ratio, inputs)}
-
-
 @register_policy_loss("gspo")
 def gspo_loss(inputs: LossInputs, config: LossConfig) -> tuple[jax.Array, Metrics]:
-    """GSPO, sequence-level ratio: ``s_i = exp(mean_{t ∈ row i} log(π_θ/π_old))``, clipped like PPO.
+    """GSPO, sequence-level ratio: ``s_ℓ = exp(mean_{t ∈ ℓ} log(π_θ(t) / π_old(t)))`` over the trained tokens
+    of path ℓ, shared-prefix tokens included in every path through them, clipped like PPO.
 
-    The "sequence" is a batch row's trained tokens. With rows that are whole sequences and
-    ``aggregation="seq-mean-token-mean"`` (weights 1/|y_i|, one path per row) this is the paper's objective and
-    gradient, clipping included (checked by enumeration in tests); under ``token-mean`` sequence i weighs
-    |y_i| / mean |y| instead of 1, which is not the paper's gradient. Batches of trees (either layout) train a
-    shared turn once, so no row is a whole path: ``check_objective`` refuses it (an exact tree form needs every path's
-    sequence ratio s_ℓ at the current params before each optimizer step, i.e. a forward pass over the whole
-    batch per step, then per-token coefficients Σ_{ℓ∋t} c_ℓ·A_ℓ·s_ℓ / |ℓ| on unclipped paths). GSPO's clip
-    ranges are much tighter than PPO's (the paper uses ~3e-4 / 4e-4): set clip_low / clip_high accordingly.
+    Path ℓ contributes ``V_ℓ = c_ℓ Σ_{t∈ℓ} surrogate(s_ℓ, A(ℓ, t))``; its gradient is
+    ``(dV_ℓ / d log s_ℓ) / |ℓ| · Σ_{t∈ℓ} ∇ log π_θ(t)``. A token of several paths therefore gets the value
+    ``seq_loss = Σ_{ℓ∋t} V_ℓ / |ℓ|`` and the coefficient ``seq_grad = Σ_{ℓ∋t} (dV_ℓ / d log s_ℓ) / |ℓ|`` on
+    its own log-prob, both computed from the whole batch at the current params
+    (``trace_jax.rl.sequences.sequence_terms``): value and gradient are the per-path objective's, clipping
+    included. With ``aggregation="seq-mean-token-mean"`` (c_ℓ = 1 / |ℓ|) it is the paper's objective;
+    under ``token-mean`` path ℓ weighs |ℓ| / mean |ℓ| instead of 1. Ratio and clip metrics are per path and
+    come with the terms. GSPO's clip ranges are much tighter than PPO's (the paper uses ~3e-4 / 4e-4): set
+    clip_low / clip_high accordingly.
     """
-    return _gspo(inputs, config, jnp.zeros_like(inputs.segment_ids))
+    if inputs.seq_loss is None or inputs.seq_grad is None:
+        raise ValueError(
+            "policy_loss 'gspo' needs every path's sequence ratio from the whole batch: train with "
+            "RLTrainer.update(state, batch, path_tokens=info.path_tokens) (info from build_batch)"
+        )
+    own = inputs.logprobs - jax.lax.stop_gradient(inputs.logprobs)  # value 0, gradient ∇ log π_θ(t)
+    mask = inputs.weights > 0
+    return jnp.where(mask, inputs.seq_loss + inputs.seq_grad * own, 0.0), {}
+
+
+def sequence_surrogate(
+    log_ratio_l: jax.Array, adv_pos_l: jax.Array, adv_neg_l: jax.Array, weights_l: jax.Array, config: LossConfig
+) -> tuple[jax.Array, jax.Array, Metrics]:
+    """Per sequence ℓ with ratio ``s_ℓ = exp(log_ratio_l)``: ``(V_ℓ, dV_ℓ / d log s_ℓ, metrics)``.
+
+    ``V_ℓ`` is ``clipped_surrogate`` at ``s_ℓ`` with ``adv_pos_l / adv_neg_l`` the sums over the sequence's
+    tokens of c_ℓ·max(A, 0) / c_ℓ·min(A, 0); ``weights_l`` (c_ℓ |ℓ|) weighs the ratio metrics. 1-D arrays.
+    """
+    zeros = jnp.zeros_like(log_ratio_l)
+    inputs = LossInputs(zeros, zeros, adv_pos_l, adv_neg_l, weights_l, zeros.astype(jnp.int32))
+
+    def total(log_ratio):
+        ratio = jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+        value, metrics = clipped_surrogate(ratio, inputs, config)
+        return jnp.sum(value), (value, {**metrics, **_ratio_metrics(ratio, inputs)})
+
+    slope, (value, metrics) = jax.grad(total, has_aux=True)(log_ratio_l)
+    return value, slope, metrics
 
 
 @register_policy_loss("gspo_turn")
 def gspo_turn_loss(inputs: LossInputs, config: LossConfig) -> tuple[jax.Array, Metrics]:
     """GSPO with a turn-level ratio: ``s_y = exp(mean_{t ∈ turn y} log(π_θ/π_old))``, the same on every path
-    through the turn, hence exact under sharing. For one-turn paths with ``aggregation="seq-mean-token-mean"``
-    it is GSPO's objective; under ``token-mean`` a path weighs its length (see ``gspo_loss``)."""
-    return _gspo(inputs, config, inputs.segment_ids)
+    through the turn, hence exact under sharing; the GSPO-token form: the value is ``s_y``, the gradient flows
+    through each token's own log-prob. For one-turn paths with ``aggregation="seq-mean-token-mean"`` it is
+    GSPO's objective; under ``token-mean`` a path weighs its length (see ``gspo_loss``)."""
+    seq_log_ratio = _segment_mean(_log_ratio(inputs), inputs.weights, inputs.segment_ids)
+    ratio = jnp.exp(jax.lax.stop_gradient(seq_log_ratio) + inputs.logprobs - jax.lax.stop_gradient(inputs.logprobs))
+    loss, metrics = clipped_surrogate(ratio, inputs, config)
+    return loss, {**metrics, **_ratio_metrics(ratio, inputs)}
 
 
 # ------------------------------------------------------------------------------------- KL penalties

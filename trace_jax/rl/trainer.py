@@ -62,10 +62,11 @@ from trace_jax.rl.losses import (
     finalize_metrics,
     loss_denominator,
 )
+from trace_jax.rl.sequences import PathTokens, sequence_terms
 from trace_jax.rollout.sampling import SamplingConfig
 
 # Where the behaviour ("old") log-probs of PPO's ratio come from (see ``UpdateConfig``).
-BEHAVIOUR_LOGPROBS = ("sampler", "recompute")
+BEHAVIOUR_LOGPROBS = ("sampler", "recompute", "untruncated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,11 @@ class UpdateConfig:
         truncated); "recompute": the trainer recomputes them in float32 before the first step under the
         same transform (temperature, top-k, top-p: ``RLTrainer(sampling=...)``), removing the sampler's
         numeric mismatch (e.g. bf16 decoding). Either way the trained policy is the tempered one,
-        ``softmax(logits / temperature)``; at the first step the ratio is ``π_T(y) / π_T,truncated(y) <= 1``.
+        ``softmax(logits / temperature)``; at the first step the ratio is ``π_T(y) / π_T,truncated(y) <= 1``,
+        the mass top-k / top-p kept at that position. "untruncated": the trainer recomputes them in float32
+        under the trained policy's own distribution ``softmax(logits / temperature)`` (no top-k / top-p), so
+        the first step's ratio is 1 whatever the truncation (the ratio then measures the policy's move only,
+        not the sampler's truncation).
       entropy_metric: compute (and log) the policy entropy even when ``entropy_coef`` is 0 (costs a pass
         over the vocabulary per position).
       micro_rows: rows per forward/backward call; every call has this shape, so the update compiles once.
@@ -193,6 +198,11 @@ class RLTrainer:
         self._under_mesh = (lambda fn: fn) if mesh is None else (lambda fn: traced_under(mesh, fn))
         self._logprobs_fn = jax.jit(self._under_mesh(self._policy_logprobs))
         self._behaviour_fn = jax.jit(self._under_mesh(self._behaviour_logprobs))
+        # Recomputed behaviour log-probs by ``behaviour_logprobs``: (program name, program).
+        self._recomputed_behaviour = {
+            "recompute": ("behaviour", self._behaviour_fn),
+            "untruncated": ("logprobs", self._logprobs_fn),
+        }
 
     # ------------------------------------------------------------------------------------ placement
     @property
@@ -295,16 +305,17 @@ class RLTrainer:
         return self._map_rows("logprobs", self._logprobs_fn, params, batch)
 
     def prepare(self, state: TrainState, batch: TrainBatch, recompute_old_logprobs: bool | None = None) -> TrainBatch:
-        """Host batch with its behaviour log-probs (recomputed if ``UpdateConfig.behaviour_logprobs`` is
-        "recompute", or if asked here) and, when ``kl_coef != 0``, the reference log-probs; both computed
-        over fixed-shape micro-batches of ``micro_rows`` rows."""
+        """Host batch with its behaviour log-probs (recomputed as ``UpdateConfig.behaviour_logprobs`` says; asked
+        here, True recomputes them, under the sampling transform when the config says "sampler", and False
+        keeps the sampler's) and, when ``kl_coef != 0``, the reference log-probs; both computed over
+        fixed-shape micro-batches of ``micro_rows`` rows."""
         batch = jax.tree.map(multihost.to_host, batch)  # whole rows on every process
-        recompute = recompute_old_logprobs
-        if recompute is None:
-            recompute = self.update_config.behaviour_logprobs == "recompute"
+        mode = self.update_config.behaviour_logprobs
+        if recompute_old_logprobs is not None:
+            mode = ("recompute" if mode == "sampler" else mode) if recompute_old_logprobs else "sampler"
         trained = np.asarray(batch.weights) > 0
-        if recompute:
-            old = self._map_rows("behaviour", self._behaviour_fn, state.params, batch)
+        if mode in self._recomputed_behaviour:
+            old = self._map_rows(*self._recomputed_behaviour[mode], state.params, batch)
             batch = batch._replace(old_logprobs=np.where(trained, old, 0.0).astype(np.float32))
         if self.loss_config.kl_coef:
             if self.reference_params is None:
@@ -328,6 +339,8 @@ class RLTrainer:
             segment_ids=micro.segment_ids,
             ref_logprobs=micro.ref_logprobs if self.loss_config.kl_coef else None,
             entropies=entropies,
+            seq_loss=micro.seq_loss,
+            seq_grad=micro.seq_grad,
         )
         out = compute_loss(inputs, self.loss_config)
         return out.numerator / denominator, out.metrics
@@ -445,10 +458,24 @@ class RLTrainer:
         metrics["masked_nonfinite_tokens"] = masked
         return state, metrics
 
-    def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
+    def sequence_step_batch(
+        self, state: TrainState, batch: TrainBatch, path_tokens: PathTokens
+    ) -> tuple[TrainBatch, dict[str, Any]]:
+        """Host ``batch`` with sequence-level GSPO's per-token terms at ``state.params`` (a forward pass over
+        the whole batch: a path's ratio needs all its tokens, wherever they sit), and the per-path ratio and
+        clip metrics as (sum, weight) pairs."""
+        logprobs = self.logprobs(state.params, batch)
+        seq_loss, seq_grad, pairs = sequence_terms(path_tokens, logprobs, batch.old_logprobs, self.loss_config)
+        return batch._replace(seq_loss=seq_loss, seq_grad=seq_grad), pairs
+
+    def update(
+        self, state: TrainState, batch: TrainBatch, path_tokens: PathTokens | None = None
+    ) -> tuple[TrainState, dict[str, float]]:
         """PPO on one rollout batch: ``prepare``, then ``ppo_epochs`` passes, each over ``mini_batches``
         reshuffled mini-batches of rows, one optimizer step each, its gradient accumulated over micro-batches
         of exactly ``micro_rows`` rows (rows without tokens are dropped; the batch may have any row count).
+        ``path_tokens`` (``BatchInfo.path_tokens``) is needed by ``policy_loss="gspo"`` only: before each of
+        its steps every path's sequence ratio is computed at the step's params (``sequence_step_batch``).
 
         Metrics: the loss metrics pooled over every step (``ratio`` is the mean ratio, ``ratio_max`` the
         largest, ``clip_fraction`` the clipped share; each measured at the start of its step), the same per
@@ -459,6 +486,9 @@ class RLTrainer:
         shape) pairs so far).
         """
         config = self.update_config
+        sequence_level = self.loss_config.policy_loss == "gspo"
+        if sequence_level and path_tokens is None:
+            raise ValueError("policy_loss 'gspo' needs update(state, batch, path_tokens=info.path_tokens)")
         prepared = self.prepare(state, batch)
         real = np.flatnonzero(np.asarray(prepared.lengths) > 0)  # padding rows carry nothing: not run
         if not real.size:
@@ -482,12 +512,16 @@ class RLTrainer:
             parts = np.array_split(order, calls)
             outs.append([])
             for group in np.array_split(np.arange(calls), mini_batches):
-                micros = [self._micro(prepared, parts[i]) for i in group]
+                step_batch, host_pairs = prepared, {}
+                if sequence_level:
+                    step_batch, host_pairs = self.sequence_step_batch(state, prepared, path_tokens)
+                micros = [self._micro(step_batch, parts[i]) for i in group]
                 acc = fns["zero"](state.params, micros[0])
                 for micro in micros:
                     self.programs.add(("accumulate", micro.tokens.shape))
                     acc = fns["accumulate"](state.params, acc, micro, denominator)
                 state, out = fns["apply"](state, acc)
+                out["pairs"] = {**out["pairs"], **host_pairs}
                 outs[-1].append(out)
         pooled: dict[str, Any] | None = None
         scalars: dict[str, list[float]] = {"loss": [], "grad_norm": [], "update_applied": []}

@@ -81,18 +81,6 @@ def truncated_logits(logits_bv: jax.Array, config: SamplingConfig) -> jax.Array:
     return scaled_bv
 
 
-def sampling_logprobs(logits_bv: jax.Array, config: SamplingConfig) -> jax.Array:
-    """float32 [B, V]: log-probabilities of the distribution tokens are drawn from (-inf outside its support).
-
-    For greedy decoding this is a one-hot at the argmax (log 1 = 0, -inf elsewhere).
-    """
-    logits_bv = logits_bv.astype(jnp.float32)
-    if config.greedy:
-        onehot = jax.nn.one_hot(jnp.argmax(logits_bv, axis=-1), logits_bv.shape[-1], dtype=jnp.bool_)
-        return jnp.where(onehot, 0.0, _NEG_INF)
-    return jax.nn.log_softmax(truncated_logits(logits_bv, config), axis=-1)
-
-
 def _pick(table_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
     return jnp.take_along_axis(table_bv, tokens_b[:, None], axis=-1)[:, 0]
 
