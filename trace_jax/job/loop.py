@@ -203,7 +203,8 @@ class Training:
         train_start = time.perf_counter()
         advantages = compute_advantages(self.config.rl.advantage, scheduled.trees)
         batch, info = build_batch(scheduled.trees, advantages, self.batch_config, self.trainer.loss_config)
-        self.state, train_metrics = self.trainer.update(self.state, batch, info.path_tokens)  # every process: all rows, its own fed
+        # Every process: all rows, its own fed.
+        self.state, train_metrics = self.trainer.update(self.state, batch, info.path_tokens)
         train_end = time.perf_counter()
         version, self.step = self.step, step
         if not self.pipeline.in_flight:  # the new weights now; else once the engine is done sampling ahead
