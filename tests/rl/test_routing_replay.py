@@ -18,7 +18,10 @@ from trace_jax.rl.batch import BatchConfig, build_batch, take_rows
 from trace_jax.rl.logprobs import policy_logprobs
 from trace_jax.rl.losses import LossConfig, LossInputs, compute_loss, finalize_metrics
 from trace_jax.rl.trainer import RLTrainer
+from trace_jax.rollout.backend import ContinuationRequest
 from trace_jax.rollout.engine import Engine, EngineConfig
+from trace_jax.rollout.mock import ToyEnv
+from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 CONFIG = MoeConfig.preset("qwen3-moe-tiny")  # 2 sparse layers, 4 experts, top-2
@@ -162,3 +165,39 @@ def test_the_load_balancing_loss_changes_the_router_gradient_only_when_on():
     reference = np.asarray(jax.grad(policy_only)(params)["moe_layers"]["mlp"]["router"].value)
     np.testing.assert_allclose(off, reference, rtol=1e-5, atol=1e-7)
     assert np.abs(on - off).max() > 1e-4
+
+
+def test_the_runner_puts_each_turns_record_on_its_node_across_calls_and_forks():
+    """Multi-turn trees from the real engine (turns spanning several ``generate`` calls, a fork from an
+    anchor): each node's record is the teacher-forced routing of its own tokens (fails if the runner drops
+    the record, misaligns a call's part or gives a fork its parent's record)."""
+    config = dataclasses.replace(CONFIG, vocab_size=32)
+    params = routing.fresh_params(config, seed=0)
+    engine_config = EngineConfig(
+        max_slots=2, max_len=48, steps_per_call=3, max_turn_tokens=5, length_buckets=(48,), row_buckets=(2,),
+        weight_dtype=None, page_size=8, routing_replay=True,
+    )  # fmt: skip
+    engine = Engine(abstract_model(config)[0], config, engine_config)
+    env = ToyEnv(max_turns=2, truncation_ends=False)
+    runner = RolloutRunner(engine, params, env, RunnerConfig(seed=3))
+    tree = RolloutTree(env.prompt_ids(1), task=1)
+    runner.continue_anchors([ContinuationRequest(tree, ROOT, 2)])
+    inner = [a for a in tree.anchors() if a != ROOT]  # a turn EOS (id 1) ended is a leaf, not an anchor
+    runner.continue_anchors([ContinuationRequest(tree, inner[0] if inner else ROOT, 1)])
+    model = nnx.merge(abstract_model(config)[0], params)
+    forward = jax.jit(lambda ids: model.forward_hidden(ids[None], record_routing=True)[2].experts_btlk[0])
+    longest = 0
+    for leaf in tree.leaves():
+        ids = tree.prefix_ids(leaf)
+        experts = np.asarray(forward(jnp.asarray(np.pad(ids, (0, 48 - len(ids))))))
+        start = 0
+        for node_id in tree.path(leaf):
+            node = tree[node_id]
+            n = len(node.token_ids)
+            if node.parent is not None:
+                assert node.routed_experts.shape == (n, *config.routing_shape)
+                want = np.sort(experts[start : start + n], -1)
+                np.testing.assert_array_equal(np.sort(node.routed_experts, -1), want)
+                longest = max(longest, n)
+            start += node.num_tokens
+    assert len(tree.leaves()) == 3 and longest > engine_config.steps_per_call  # premise: a turn spans calls
