@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
-import os
 from typing import Any
 
 import jax
@@ -32,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from trace_jax.bench.report import emit
 from trace_jax.models import MoeConfig, abstract_model, create_model
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batch import BatchConfig, TrainBatch, build_batch
@@ -182,11 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
             for key in runs[0][setting]
         }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(json.dumps(results, indent=2))
-    return results
+    return emit(results, args.out)
 
 
 if __name__ == "__main__":
