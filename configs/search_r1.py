@@ -4,8 +4,9 @@
         --config.model.hf_dir=/data/Qwen3-8B --config.data.dir=/data/search_r1 \\
         --config.retriever.url=http://10.0.0.2:8000
 
-Variants (``:<name>``): qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen2.5-3b, qwen2.5-7b, and
-``tiny`` (a 2-layer test checkpoint on CPU: short contexts, few questions, 2 steps). The variant sets the
+Variants (``:<name>``): qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen2.5-3b, qwen2.5-7b, the
+mixture of experts qwen3-30b-a3b (experts split over ``mesh.expert``, routing replay on), and ``tiny`` (a
+2-layer test checkpoint on CPU: short contexts, few questions, 2 steps). The variant sets the
 sizes and the mesh; the checkpoint itself always comes from ``--config.model.hf_dir`` (config.json,
 safetensors and the tokenizer files; ``model.tokenizer_dir`` points elsewhere for the tokenizer).
 ``data.dir`` holds Search-R1 ``train`` / ``test`` (``.parquet`` or ``.jsonl``; also ``dev``, evaluated with
@@ -40,7 +41,12 @@ VARIANTS = {
     "qwen3-14b": ("bfloat16", 8, 128, 4096, 500, 64, 5.0, 1e-6),
     "qwen2.5-3b": ("bfloat16", 2, 128, 4096, 500, 64, 5.0, 1e-6),
     "qwen2.5-7b": ("bfloat16", 4, 128, 4096, 500, 64, 5.0, 1e-6),
+    "qwen3-30b-a3b": ("bfloat16", 1, 128, 4096, 500, 64, 5.0, 1e-6),
 }
+# Mixture-of-experts variants: expert-parallel ways (``mesh.expert``; 128 experts split 8 ways, fsdp inside).
+# Their sampler (bf16) and trainer (fp32 weights) may route a token differently, so the engine records each
+# sampled token's experts and the trainer replays them (``engine.routing_replay``).
+EXPERT_WAYS = {"qwen3-30b-a3b": 8}
 
 
 def _default_config() -> ml_collections.ConfigDict:
@@ -82,6 +88,7 @@ def get_config(variant: str = "qwen3-8b") -> ml_collections.ConfigDict:
             max_turn_tokens=turn_tokens,
             max_stop_sequences=1024,
             max_stop_len=8,
+            routing_replay=variant in EXPERT_WAYS,
         )
     )
     buckets = tuple(b for b in (128, 256, 384, 512, 1024, 2048, 4096) if b <= max_len)
@@ -98,4 +105,6 @@ def get_config(variant: str = "qwen3-8b") -> ml_collections.ConfigDict:
     # Search-R1 ships train / test; the run checks at start that data.dir has this split.
     config.eval = ml_collections.ConfigDict({"split": "test", "num_questions": 6 if tiny else 1000, "every": 0})
     config.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": tensor})
+    if variant in EXPERT_WAYS:
+        config.mesh.expert = EXPERT_WAYS[variant]
     return config

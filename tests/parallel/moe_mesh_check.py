@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tests.parallel.optimizer_sharding_check import per_device_bytes
 from trace_jax.models import PRESETS, create_model
+from trace_jax.optim import init_sharded, make_optimizer
 from trace_jax.parallel import mesh as mesh_lib
 
 # (data, fsdp, expert, tensor) layouts of 8 devices, each with experts split in two.
@@ -37,10 +39,15 @@ def main() -> None:
             with jax.set_mesh(mesh):
                 logits = forward(sharded_params, jax.device_put(ids, mesh_lib.batch_sharding(mesh)))
             gate = sharded_params["moe_layers"]["mlp"]["gate_proj"].get_value()
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            opt_state = init_sharded(make_optimizer(weight_decay=0.1), sharded_params, replicated)
             out[f"{compute}/{name}"] = {
                 "max_diff": float(np.abs(np.asarray(logits) - single).max()),
                 "gate_proj_spec": str(gate.sharding.spec),
                 "gate_proj_shard_shape": list(gate.addressable_shards[0].data.shape),
+                "param_bytes_per_device": per_device_bytes(sharded_params),
+                "optimizer_bytes_per_device": per_device_bytes(opt_state),
+                "param_bytes_total": sum(x.nbytes for x in jax.tree.leaves(sharded_params)),
             }
     print(json.dumps(out))
 

@@ -29,6 +29,15 @@ def test_expert_weights_are_split_over_the_expert_axis(eight_device_run):
     assert eight_device_run["grouped/fsdp-expert-tensor"]["gate_proj_shard_shape"] == [2, 2, 32, 16]
 
 
+def test_optimizer_state_is_sharded_like_the_params(eight_device_run):
+    """Adam keeps two moments per parameter: on every 2x2x2 mesh a device holds at most 2.1x its parameter
+    bytes of optimizer state (fails if a moment, e.g. of the expert weights, is replicated instead)."""
+    for name, result in eight_device_run.items():
+        params, opt = result["param_bytes_per_device"], result["optimizer_bytes_per_device"]
+        assert params < 0.75 * result["param_bytes_total"], name  # premise: the params themselves are split
+        assert opt <= 2.1 * params, (name, opt, params)
+
+
 def test_expert_axis_defaults_to_one_and_is_in_the_rules_table():
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     assert mesh.shape["expert"] == 1 and mesh_lib.LOGICAL_AXIS_RULES["expert"] == "expert"

@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-from trace_jax.models import ModelConfig
+from trace_jax.models import ModelConfig, num_params
 from trace_jax.parallel.mesh import make_mesh
 from trace_jax.plan.__main__ import slots_per_chip
 from trace_jax.plan.compile import generate_memory, train_step_memory
@@ -126,3 +126,35 @@ def test_slots_per_chip_solve_the_line_through_two_compiles_per_shard():
     fit = slots_per_chip(one, twice, int(60 * GIB))
     # 8 -> 16 slots a chip add 4 GiB: 0.5 GiB a slot over 16 GiB fixed; (60 - 16) / 0.5 = 88.
     assert (fit["per_slot_gib"], fit["fixed_gib"], fit["fit"], fit["max_len"]) == (0.5, 16.0, 88, 4096)
+
+
+def test_a_mixture_of_experts_plans_over_an_expert_axis_and_a_dense_model_does_not():
+    """Fails if the candidate layouts lose the expert axis for a MoE (or grow one for a dense model), or if a
+    candidate's batch rows do not split over (fsdp, expert) x micro-batches."""
+    from trace_jax.plan.__main__ import _engine_candidates, _train_candidates
+
+    moe, dense = ModelConfig.preset("qwen3-30b-a3b"), ModelConfig.preset("qwen3-8b")
+    v5p = parse_topology("v5p-64")
+    train = [c for c, _ in _train_candidates(moe, v5p, 256, 4096, 512)]
+    assert {c["mesh"]["expert"] for c in train} == {1, 2, 4, 8, 16}
+    assert train[0]["mesh"] == {"data": 1, "fsdp": 2, "expert": 16, "tensor": 1}  # most expert-parallel first
+    for c in train:
+        mesh = c["mesh"]
+        assert mesh["fsdp"] * mesh["expert"] * mesh["tensor"] == v5p.chips
+        assert 256 % (mesh["fsdp"] * mesh["expert"] * c["micro_batches"]) == 0
+    assert all("expert" not in c["mesh"] for c, _ in _train_candidates(dense, v5p, 256, 4096, 512))
+    assert {c["mesh"]["expert"] for c in _engine_candidates(v5p, 256, moe)} == {1, 2, 4, 8, 16}
+    # MoE parameter counting: all experts are held, a token uses its top-k (the names' 30B and 3B).
+    assert 30e9 < num_params(moe) < 31e9
+    assert 3.0e9 < moe.active_params() < 3.5e9
+
+
+@pytest.mark.slow
+def test_the_planner_compiles_a_mixture_of_experts_on_an_expert_axis(tmp_path):
+    """The real MoE train step and engine compile and fit on a mesh with an expert axis (4 experts, 8 chips)."""
+    stdout, plan = _plan(tmp_path, "--model", "qwen3-moe-tiny")
+    assert "train: FITS" in stdout and "engine: FITS" in stdout
+    train, engine = plan["train"]["fits"], plan["engine"]["fits"]
+    assert train["mesh"]["expert"] == 4 and train["mesh"]["fsdp"] * train["mesh"]["expert"] == 8
+    assert engine["mesh"]["expert"] == 4
+    assert plan["active_params"] < plan["params"]

@@ -58,6 +58,7 @@ def _turn(node: Node) -> dict[str, Any]:
         "reward": node.reward,
         "feature": node.feature,
         "info": node.info,
+        "routed_experts": node.routed_experts,
     }
 
 

@@ -174,6 +174,20 @@ def _objective_problems(config: ml_collections.ConfigDict) -> list[str]:
     return []
 
 
+def _routing_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """``engine.routing_replay`` with a dense policy preset (``sft.model``, the synthetic recipe's policy): there
+    is no router to record. A checkpoint's policy (recipe.kind=search_r1) is checked by the engine it builds."""
+    on, replay = _get(config, "engine.routing_replay")
+    named, preset = _get(config, "sft.model")
+    synthetic = _get(config, "recipe.kind")[1] in (None, "synthetic")
+    if not (on and replay and named and synthetic and preset in PRESETS) or PRESETS[preset].routing_shape:
+        return []
+    return [
+        f"config.engine.routing_replay=True records a mixture of experts' routing, but sft.model={preset!r} is "
+        "dense (no router): choose a qwen3_moe preset (e.g. qwen3-moe-tiny) or set engine.routing_replay=False"
+    ]
+
+
 def problems(config: ml_collections.ConfigDict) -> list[str]:
     """Every problem of ``config``, one line each (empty when it is fine)."""
     found = retired_problems(config)
@@ -195,6 +209,7 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
                 found.append(f"config.{name}: {' '.join(str(e).split())}")
     if not found and {"loss", "batch", "rl"} <= set(config.keys()):
         found.extend(_objective_problems(config))
+    found.extend(_routing_problems(config))
     mesh = [config.mesh.get(axis) for axis in MESH_AXES] if "mesh" in config else []
     if mesh.count(-1) > 1:
         found.append(f"config.mesh has {mesh.count(-1)} axes set to -1: at most one axis may be -1")

@@ -20,7 +20,7 @@ from trace_jax.models.family import (
     create_model,
     model_family,
 )
-from trace_jax.models.moe import MoeConfig, QwenMoe, RouterStats, router_aux_loss
+from trace_jax.models.moe import MoeConfig, MoeOutput, QwenMoe, RouterStats, router_aux_loss
 from trace_jax.models.qwen import PRESETS, KVCache, ModelConfig, ModelOutput, Qwen, num_params
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "ModelConfig",
     "ModelOutput",
     "MoeConfig",
+    "MoeOutput",
     "Qwen",
     "QwenMoe",
     "RouterStats",

@@ -111,6 +111,10 @@ class MoeConfig(ModelConfig):
     def dense_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if not self.is_sparse(i))
 
+    @property
+    def routing_shape(self) -> tuple[int, int]:
+        return len(self.sparse_layers), self.num_experts_per_tok
+
     def layer_stacks(self) -> dict[str, tuple[int, ...]]:
         stacks = {"dense_layers": self.dense_layers, "moe_layers": self.sparse_layers}
         return {name: layers for name, layers in stacks.items() if layers}
@@ -120,6 +124,11 @@ class MoeConfig(ModelConfig):
         expert = 3 * d * self.moe_intermediate_size
         sparse = len(self.sparse_layers) * (self.num_experts * expert + d * self.num_experts)
         return sparse + len(self.dense_layers) * 3 * d * self.intermediate_size
+
+    @property
+    def active_mlp_width(self) -> float:
+        sparse = len(self.sparse_layers) * self.num_experts_per_tok * self.moe_intermediate_size
+        return (sparse + len(self.dense_layers) * self.intermediate_size) / self.num_layers
 
     def active_params(self) -> int:
         """Parameters one token uses (only its top-k experts count): the "A3B" of Qwen3-30B-A3B."""
@@ -244,22 +253,34 @@ class MoeBlock(nnx.Module):
         self.up_proj = _param(rngs, config, (e, d, f), ("expert", "embed", "mlp"), d)
         self.down_proj = _param(rngs, config, (e, f, d), ("expert", "mlp", "embed"), f)
 
-    def route(self, x_nd: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def route(self, x_nd: jax.Array, replay_nk: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``(probs_ne, top_w_nk, top_i_nk)``: float32 router probabilities, the top-k gate weights
-        (renormalised when ``norm_topk_prob``) and the chosen experts (int32)."""
+        (renormalised when ``norm_topk_prob``) and the chosen experts (int32).
+
+        ``replay_nk`` (int32, -1 on tokens without a record): routing replay. A recorded token takes the
+        recorded experts instead of its own top-k; its gate weights are still this router's probabilities of
+        those experts (renormalised likewise), so the router keeps its gradient."""
         logits_ne = x_nd.astype(jnp.float32) @ self.router.value.astype(jnp.float32)
         probs_ne = jax.nn.softmax(logits_ne, axis=-1)
         top_w_nk, top_i_nk = jax.lax.top_k(probs_ne, self.config.num_experts_per_tok)
+        top_i_nk = top_i_nk.astype(jnp.int32)
+        if replay_nk is not None:
+            top_i_nk = jnp.where(replay_nk[:, :1] >= 0, replay_nk.astype(jnp.int32), top_i_nk)
+            top_w_nk = jnp.take_along_axis(probs_ne, top_i_nk, axis=-1)
         if self.config.norm_topk_prob:
             top_w_nk = top_w_nk / jnp.sum(top_w_nk, axis=-1, keepdims=True)
-        return probs_ne, top_w_nk, top_i_nk.astype(jnp.int32)
+        return probs_ne, top_w_nk, top_i_nk
 
-    def __call__(self, x_btd: jax.Array, token_mask_bt: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
-        """The block's output [B, T, D] (x's dtype) and its router statistics over tokens where the mask is set."""
+    def __call__(
+        self, x_btd: jax.Array, token_mask_bt: jax.Array | None = None, replay_btk: jax.Array | None = None
+    ) -> tuple[jax.Array, RouterStats, jax.Array]:
+        """The block's output [B, T, D] (x's dtype), its router statistics over tokens where the mask is set
+        and the experts each token went to (int32 [B, T, k]; ``replay_btk`` where it is set, see ``route``)."""
         b, t, d = x_btd.shape
         dtype = x_btd.dtype
         x_nd = x_btd.reshape(b * t, d)
-        probs_ne, top_w_nk, top_i_nk = self.route(x_nd)
+        replay_nk = None if replay_btk is None else replay_btk.reshape(b * t, -1)
+        probs_ne, top_w_nk, top_i_nk = self.route(x_nd, replay_nk)
         weights = (self.gate_proj.value, self.up_proj.value, self.down_proj.value)
         compute = _EXPERT_COMPUTE[self.config.expert_compute]
         out_nd = compute(x_nd, top_i_nk, top_w_nk, *(w.astype(dtype) for w in weights))
@@ -268,7 +289,19 @@ class MoeBlock(nnx.Module):
         chosen_e = jnp.zeros_like(probs_ne[0]).at[top_i_nk].add(jnp.broadcast_to(mask_n[:, None], top_i_nk.shape))
         stats = RouterStats(chosen_e, jnp.sum(probs_ne * mask_n[:, None], axis=0), jnp.sum(mask_n))
         out_btd = constrain(out_nd.reshape(b, t, d).astype(dtype), ("batch", "length", None))
-        return out_btd, stats
+        return out_btd, stats, top_i_nk.reshape(b, t, -1)
+
+
+class MoeOutput(NamedTuple):
+    """What ``QwenMoe.forward_hidden`` reports besides activations.
+
+    stats: the sparse layers' ``RouterStats``.
+    experts_btlk: int32 [B, T, sparse layers, top-k], the experts each token went to in each sparse layer
+      (depth order), when asked for (``record_routing=True``); None otherwise.
+    """
+
+    stats: RouterStats
+    experts_btlk: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -285,16 +318,40 @@ class QwenMoe(Qwen):
             moe = lambda layer_rngs: MoeBlock(config, layer_rngs)
             self.moe_layers = stacked_layers(config, rngs, len(config.sparse_layers), mlp=moe)
 
-    def run_layers(self, x_btd, positions_bt, cache, kv_visible_end_bt, token_mask_bt):
+    def run_layers(
+        self,
+        x_btd,
+        positions_bt,
+        cache,
+        kv_visible_end_bt,
+        token_mask_bt,
+        routing_btlk: jax.Array | None = None,
+        record_routing: bool = False,
+    ):
+        """As ``Qwen.run_layers``; the extra output is a ``MoeOutput``. ``routing_btlk`` (int32 [B, T, sparse
+        layers, top-k], -1 on tokens without a record) replays a recorded expert selection (``MoeBlock.route``);
+        ``record_routing`` returns each token's selection (``MoeOutput.experts_btlk``)."""
         config = self.config
+        sparse_rows = {layer: row for row, layer in enumerate(config.sparse_layers)}
+        row_of_layer = jnp.asarray([sparse_rows.get(i, 0) for i in range(config.num_layers)], jnp.int32)
+        b, t = x_btd.shape[:2]
+        record = None
+        if record_routing:
+            record = jnp.full((b, t, *config.routing_shape), -1, jnp.int32)
 
-        def dense_body(layer: DecoderLayer, x_btd, cache, index, stats):
-            return (*layer(x_btd, positions_bt, index, cache, kv_visible_end_bt), stats)
+        def dense_body(layer: DecoderLayer, x_btd, cache, index, stats, record):
+            return (*layer(x_btd, positions_bt, index, cache, kv_visible_end_bt), stats, record)
 
-        def sparse_body(layer: DecoderLayer, x_btd, cache, index, stats):
+        def sparse_body(layer: DecoderLayer, x_btd, cache, index, stats, record):
+            row = row_of_layer[index]
+            replay_btk = None
+            if routing_btlk is not None:
+                replay_btk = jax.lax.dynamic_index_in_dim(routing_btlk, row, axis=2, keepdims=False)
             x_btd, cache = layer.attend(x_btd, positions_bt, index, cache, kv_visible_end_bt)
-            out_btd, layer_stats = layer.mlp(layer.post_attn_norm(x_btd), token_mask_bt)
-            return x_btd + out_btd, cache, jax.tree.map(jnp.add, stats, layer_stats)
+            out_btd, layer_stats, experts_btk = layer.mlp(layer.post_attn_norm(x_btd), token_mask_bt, replay_btk)
+            if record is not None:
+                record = jax.lax.dynamic_update_index_in_dim(record, experts_btk, row, axis=2)
+            return x_btd + out_btd, cache, jax.tree.map(jnp.add, stats, layer_stats), record
 
         stats = RouterStats.zeros(config.num_experts)
         rows = {False: 0, True: 0}  # next unused row of each stack
@@ -307,7 +364,7 @@ class QwenMoe(Qwen):
             if (start, stop) != (0, jax.tree.leaves(state)[0].shape[0]):
                 stack = nnx.merge(graphdef, jax.tree.map(lambda a, s=start, e=stop: a[s:e], state))
             index = jnp.asarray(layers, jnp.int32)
-            x_btd, cache, stats = scan_layers(
-                config, stack, sparse_body if sparse else dense_body, x_btd, cache, index, stats
+            x_btd, cache, stats, record = scan_layers(
+                config, stack, sparse_body if sparse else dense_body, x_btd, cache, index, stats, record
             )
-        return x_btd, cache, stats
+        return x_btd, cache, MoeOutput(stats, record)

@@ -167,6 +167,11 @@ class ModelConfig:
         """The fields a subclass reads from an HF ``config.json`` beyond the dense decoder's (none here)."""
         return {}
 
+    @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        """``(sparse layers, top-k)`` of one token's expert-selection record; None: no router (dense)."""
+        return None
+
     def layer_stacks(self) -> dict[str, tuple[int, ...]]:
         """The model's stacked layer parameters: stack name -> the decoder layer of each of its rows."""
         return {"layers": tuple(range(self.num_layers))}
@@ -174,6 +179,16 @@ class ModelConfig:
     def mlp_params(self) -> int:
         """Parameters of all the layers' feed-forward blocks (a subclass with other blocks overrides it)."""
         return self.num_layers * 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def active_mlp_width(self) -> float:
+        """Mean hidden width of the feed-forward work one token does per layer (a mixture of experts: its top-k
+        experts' widths in sparse layers); the planner's activation estimate."""
+        return float(self.intermediate_size)
+
+    def active_params(self) -> int:
+        """Parameters one token uses (all of them in a dense model)."""
+        return num_params(self)
 
     def to_hf(self) -> dict[str, Any]:
         """The ``config.json`` dict transformers needs to rebuild this architecture."""
@@ -537,9 +552,13 @@ class Qwen(nnx.Module):
         positions_bt: jax.Array | None = None,
         kv_visible_end_bt: jax.Array | None = None,
         token_mask_bt: jax.Array | None = None,
+        **routing: Any,
     ) -> tuple[jax.Array, KVCache | None, Any]:
         """``hidden`` plus what the layers report besides activations (None for the dense decoder; a
-        mixture of experts returns its router statistics over the tokens where ``token_mask_bt`` is set)."""
+        mixture of experts returns its router statistics over the tokens where ``token_mask_bt`` is set).
+
+        ``routing``: a mixture of experts' routing record and replay keywords (``trace_jax.models.moe``:
+        ``routing_btlk``, ``record_routing``); the dense decoder has no router and refuses them."""
         b, t = tokens_bt.shape
         if cache is None:
             if positions_bt is None:
@@ -551,15 +570,19 @@ class Qwen(nnx.Module):
         # Gather the rows first, then cast: the whole table is never copied in the compute dtype.
         x_btd = attention_lib.take_rows(self.embed.value, tokens_bt).astype(self.config.compute_dtype)
         x_btd = constrain(x_btd, _ACTIVATION_AXES)
-        x_btd, cache, extra = self.run_layers(x_btd, positions_bt, cache, kv_visible_end_bt, token_mask_bt)
+        x_btd, cache, extra = self.run_layers(x_btd, positions_bt, cache, kv_visible_end_bt, token_mask_bt, **routing)
         if cache is not None:
             added_b = jnp.full((b,), t, jnp.int32) if num_new_b is None else num_new_b.astype(jnp.int32)
             cache = cache._replace(lengths=cache.lengths + added_b)
         return self.final_norm(x_btd), cache, extra
 
-    def run_layers(self, x_btd, positions_bt, cache, kv_visible_end_bt, token_mask_bt) -> tuple[jax.Array, Any, Any]:
+    def run_layers(
+        self, x_btd, positions_bt, cache, kv_visible_end_bt, token_mask_bt, **routing
+    ) -> tuple[jax.Array, Any, Any]:
         """The decoder layers on embedded tokens: ``(x_btd, cache, extra)``; a family with other layers overrides
         this (``token_mask_bt`` is unused by dense layers)."""
+        if any(value is not None and value is not False for value in routing.values()):
+            raise ValueError(f"the dense decoder has no router: {sorted(routing)} need a mixture-of-experts model")
 
         def one_layer(layer: DecoderLayer, x_btd, cache, index):
             return layer(x_btd, positions_bt, index, cache, kv_visible_end_bt)

@@ -46,7 +46,7 @@ def _set_fake_devices(count: int) -> None:
 def _activation_estimate(config: Any, tokens: int, tensor: int, remat: str, rows: int, chunk: int) -> float:
     """Rough per-device activation bytes of one micro-batch (orders and prunes candidates; XLA decides)."""
     act = 2 if config.dtype == "bfloat16" else 4
-    d, f, e = config.hidden_size, config.intermediate_size / tensor, config.head_dim
+    d, f, e = config.hidden_size, config.active_mlp_width / tensor, config.head_dim
     heads = (config.num_heads + 2 * config.num_kv_heads) * e / tensor
     per_layer = tokens * act * (6 * d + 4 * f + 3 * heads)  # what one layer keeps without remat
     saved = {"none": per_layer, "save_dots": tokens * act * (2 * d + 2 * f + heads), "full": tokens * act * d}[remat]
@@ -57,27 +57,42 @@ def _activation_estimate(config: Any, tokens: int, tensor: int, remat: str, rows
     return 2.5 * (config.num_layers * saved + 2 * per_layer) + attention + logits
 
 
+def _expert_sizes(config: Any, chips: int) -> tuple[int, ...]:
+    """Expert-axis sizes to try, largest first (each device group then holds fewer whole experts, and fsdp
+    gathers less of them); (1,) for a dense model. A size must divide the experts and the chips."""
+    experts = getattr(config, "num_experts", 1)
+    return tuple(e for e in (16, 8, 4, 2, 1) if experts % e == 0 and chips % e == 0)
+
+
+def _mesh(config: Any, **sizes: int) -> dict[str, int]:
+    """A candidate's mesh; the ``expert`` axis is named only for a mixture of experts (dense plans unchanged)."""
+    if not hasattr(config, "num_experts"):
+        sizes.pop("expert")
+    return sizes
+
+
 def _train_candidates(config, topology: Topology, rows: int, seq_len: int, chunk: int):
     chips = topology.chips
     for remat in REMATS:
         for micro in (1, 2, 4, 8, 16, 32):
             for tensor in (1, 2, 4, 8):
-                fsdp = chips // tensor
-                if chips % tensor or rows % (fsdp * micro):
-                    continue
-                rows_dev = rows // fsdp // micro
-                estimate = _activation_estimate(config, rows_dev * seq_len, tensor, remat, rows_dev, chunk)
-                yield (
-                    {"remat": remat, "micro_batches": micro, "mesh": {"data": 1, "fsdp": fsdp, "tensor": tensor}},
-                    estimate,
-                )
+                for expert in _expert_sizes(config, chips // tensor if chips % tensor == 0 else 1):
+                    fsdp = chips // tensor // expert
+                    shards = fsdp * expert  # the batch splits over (data, fsdp, expert)
+                    if chips % tensor or rows % (shards * micro):
+                        continue
+                    rows_dev = rows // shards // micro
+                    estimate = _activation_estimate(config, rows_dev * seq_len, tensor, remat, rows_dev, chunk)
+                    mesh = _mesh(config, data=1, fsdp=fsdp, expert=expert, tensor=tensor)
+                    yield {"remat": remat, "micro_batches": micro, "mesh": mesh}, estimate
 
 
-def _engine_candidates(topology: Topology, slots: int):
+def _engine_candidates(topology: Topology, slots: int, config: Any = None):
     for tensor in (1, 2, 4, 8):
-        data = topology.chips // tensor
-        if topology.chips % tensor == 0 and slots % data == 0:
-            yield {"mesh": {"data": data, "fsdp": 1, "tensor": tensor}}
+        for expert in _expert_sizes(config, topology.chips // tensor if topology.chips % tensor == 0 else 1):
+            data = topology.chips // tensor // expert
+            if topology.chips % tensor == 0 and slots % (data * expert) == 0:
+                yield {"mesh": _mesh(config, data=data, fsdp=1, expert=expert, tensor=tensor)}
 
 
 # ---------------------------------------------------------------------------------------------- search
@@ -164,7 +179,7 @@ class Planner:
         max_len = args.engine_len or args.seq_len
         out: dict[str, Any] = {"fits": None, "tried": []}
         fresh = self.compiles + args.max_compiles
-        for candidate in _engine_candidates(topology, args.slots):
+        for candidate in _engine_candidates(topology, args.slots, self.config):
             mesh = make_mesh(**candidate["mesh"], devices=devices)
             weights = plan_compile.shard_bytes(plan_compile.abstract_params(config, mesh)[1])
             key = json.dumps(["engine", candidate])
@@ -222,6 +237,7 @@ def plan_one(planner: Planner, topology: Topology, depth_check: bool) -> dict[st
     return {
         "model": args.model,
         "params": num_params(planner.config),
+        "active_params": planner.config.active_params(),
         "topology": {"name": topology.name, "chips": topology.chips, "memory_gib": round(memory / GIB, 1)},
         "budget_gib": round(budget / GIB, 2),
         "margin": args.margin,

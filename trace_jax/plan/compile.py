@@ -103,7 +103,7 @@ def abstract_batch(rows: int, seq_len: int, mesh: Mesh, with_ref: bool) -> Train
     [rows, seq_len]; float32 for weights / advantages / log-probs / paths, int32 for ids and positions."""
     fields = {}
     for name in TrainBatch._fields:
-        if name == "ref_logprobs" and not with_ref:
+        if (name == "ref_logprobs" and not with_ref) or name == "routing":  # routing: no replay record
             fields[name] = None
             continue
         shape = (rows,) if name in _ROW_FIELDS else (rows, seq_len)

@@ -33,7 +33,7 @@ import numpy as np
 from trace_jax.buckets import bucket, round_up
 from trace_jax.rl.advantages import ESTIMATORS, NodeAdvantages
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig
-from trace_jax.rl.packing import LAYOUTS, RowLayout
+from trace_jax.rl.packing import LAYOUTS, RowLayout, routing_rows
 from trace_jax.rl.sequences import PathTokens
 from trace_jax.rollout.tree import RolloutTree
 
@@ -54,6 +54,9 @@ class TrainBatch(NamedTuple):
     ref_logprobs: float32 reference-policy log-probs, or None until filled in by the trainer.
     seq_loss / seq_grad: float32 sequence-level GSPO terms (``trace_jax.rl.sequences.sequence_terms``), filled
       in by the trainer before each optimizer step; None otherwise.
+    routing: int32 [B, T, sparse layers, top-k] the sampler's expert selection of each sampled token, -1
+      elsewhere (``trace_jax.rl.packing.routing_rows``), which the trainer's forward replays; None when the
+      rollouts recorded none (a dense policy, or ``EngineConfig.routing_replay`` off).
     """
 
     tokens: np.ndarray
@@ -70,6 +73,7 @@ class TrainBatch(NamedTuple):
     ref_logprobs: np.ndarray | None = None
     seq_loss: np.ndarray | None = None
     seq_grad: np.ndarray | None = None
+    routing: np.ndarray | None = None
 
     @property
     def loss_mask(self) -> np.ndarray:
@@ -340,6 +344,7 @@ def build_batch(
         segment_ids=segment_ids,
         paths=paths,
         lengths=layout.lengths,
+        routing=routing_rows(trees, layout),
     )
     info = BatchInfo(
         layout=layout,
@@ -366,12 +371,14 @@ def take_rows(batch: TrainBatch, rows: np.ndarray, count: int) -> TrainBatch:
     t = np.asarray(batch.tokens).shape[1]
     index = np.broadcast_to(np.arange(t, dtype=np.int32), (count - rows.size, t))
     special = {"visible_end": index + 1, "predecessor": index}
+    unrecorded = -1  # a padding row's tokens have no routing record (``routing``)
 
     def take(name: str, x: np.ndarray | None) -> np.ndarray | None:
         if x is None:
             return None
         x = np.asarray(x)[rows]
-        pad = special.get(name, np.zeros((count - rows.size, *x.shape[1:]), x.dtype))
+        fill = unrecorded if name == "routing" else 0
+        pad = special.get(name, np.full((count - rows.size, *x.shape[1:]), fill, x.dtype))
         return np.concatenate([x, pad.astype(x.dtype)])
 
     return TrainBatch(*(take(name, x) for name, x in zip(TrainBatch._fields, batch, strict=True)))

@@ -6,8 +6,8 @@ LM head and the softmax over the vocabulary run ``chunk`` positions at a time un
 the backward pass recomputes one chunk's logits instead of storing all of them: peak logits memory is
 [rows, chunk, V]. The entropy (a second pass over the vocabulary per position) is computed only on request.
 
-Needs a model with ``hidden(tokens, positions_bt=..., kv_visible_end_bt=...) -> (hidden_btd, _)`` and
-``logits(hidden) -> float32 [..., V]``, as ``trace_jax.models.qwen.Qwen``.
+Needs a model with ``forward_hidden(tokens, positions_bt=..., kv_visible_end_bt=..., token_mask_bt=...) ->
+(hidden_btd, _, extra)`` and ``logits(hidden) -> float32 [..., V]``, as ``trace_jax.models.qwen.Qwen``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,26 @@ from trace_jax.rollout.sampling import SamplingConfig, token_sample_logprobs
 DEFAULT_CHUNK = 128
 
 
+def predecessor_forward(model: Any, batch: Any) -> tuple[jax.Array, Any]:
+    """``(hidden [B, T, D], extra)``: the final hidden state that predicts each token (its predecessor's on its
+    path) and what the layers report besides (a mixture of experts' router statistics over the rows' real
+    tokens; None for a dense model). A batch with a ``routing`` record (``TrainBatch.routing``) replays it in a
+    mixture of experts' forward."""
+    replay = {} if getattr(batch, "routing", None) is None else {"routing_btlk": batch.routing}
+    real_bt = jnp.arange(batch.tokens.shape[1])[None, :] < batch.lengths[:, None]
+    hidden_btd, _, extra = model.forward_hidden(
+        batch.tokens,
+        positions_bt=batch.positions,
+        kv_visible_end_bt=batch.visible_end,
+        token_mask_bt=real_bt,
+        **replay,
+    )
+    return jnp.take_along_axis(hidden_btd, batch.predecessor[..., None], axis=1), extra
+
+
 def predecessor_hidden(model: Any, batch: Any) -> jax.Array:
-    """[B, T, D]: the final hidden state that predicts each token (its predecessor's on its path)."""
-    hidden_btd, _ = model.hidden(batch.tokens, positions_bt=batch.positions, kv_visible_end_bt=batch.visible_end)
-    return jnp.take_along_axis(hidden_btd, batch.predecessor[..., None], axis=1)
+    """[B, T, D]: the final hidden state that predicts each token (``predecessor_forward``'s first half)."""
+    return predecessor_forward(model, batch)[0]
 
 
 def map_chunks(
@@ -49,7 +65,7 @@ def _has_context(batch: Any) -> jax.Array:
     return batch.predecessor != jnp.arange(batch.tokens.shape[1])[None, :]
 
 
-def policy_logprobs(
+def policy_forward(
     graphdef: nnx.GraphDef,
     params: Any,
     batch: Any,
@@ -57,11 +73,13 @@ def policy_logprobs(
     chunk: int = DEFAULT_CHUNK,
     temperature: float = 1.0,
     entropy: bool = False,
-) -> tuple[jax.Array, jax.Array | None]:
-    """``(logprobs_bt, entropies_bt or None)``, float32 [B, T], of the policy ``softmax(logits / temperature)``.
+) -> tuple[jax.Array, jax.Array | None, Any]:
+    """``(logprobs_bt, entropies_bt or None, extra)``: float32 [B, T] log-probs (and entropies, when asked) of
+    the policy ``softmax(logits / temperature)``, and the forward's ``extra`` (``predecessor_forward``: a
+    mixture of experts' router statistics, for its load-balancing loss; None for a dense model).
 
-    ``batch`` has ``tokens``, ``positions``, ``visible_end`` and ``predecessor`` ([B, T] int32, as
-    ``TrainBatch``). Tokens without context (a prompt's first token, padding) get 0. Differentiable.
+    ``batch`` has ``tokens``, ``positions``, ``visible_end`` and ``predecessor`` ([B, T] int32) and ``lengths``
+    ([B]), as ``TrainBatch``. Tokens without context (a prompt's first token, padding) get 0. Differentiable.
     """
     model = nnx.merge(graphdef, params)
 
@@ -73,10 +91,19 @@ def policy_logprobs(
             out["entropies"] = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
         return out
 
-    out = map_chunks(stats, predecessor_hidden(model, batch), batch.tokens, chunk)
+    hidden_btd, extra = predecessor_forward(model, batch)
+    out = map_chunks(stats, hidden_btd, batch.tokens, chunk)
     keep = _has_context(batch)
     mask = lambda x: jnp.where(keep, x, 0.0)
-    return mask(out["logprobs"]), mask(out["entropies"]) if entropy else None
+    return mask(out["logprobs"]), mask(out["entropies"]) if entropy else None, extra
+
+
+def policy_logprobs(
+    graphdef: nnx.GraphDef, params: Any, batch: Any, **options: Any
+) -> tuple[jax.Array, jax.Array | None]:
+    """``(logprobs_bt, entropies_bt or None)`` of ``policy_forward`` (same keywords: chunk, temperature,
+    entropy), without the forward's ``extra``."""
+    return policy_forward(graphdef, params, batch, **options)[:2]
 
 
 def behaviour_logprobs(

@@ -69,6 +69,9 @@ class LossConfig:
       norm_length: the constant length L of ``seq-mean-token-sum-norm`` (Dr. GRPO), the same for every batch of
         a run; None: the batch layout's largest row length (``BatchConfig.length_buckets[-1]``, which configs
         set to the engine's ``max_len``), a bound on any path's trained tokens.
+      router_aux_loss_coef: weight of a mixture-of-experts policy's load-balancing loss
+        (``trace_jax.models.moe.router_aux_loss``) in the RL loss; 0 (the default): not added, only logged
+        (``router_aux_loss``). Added by the trainer (``trace_jax.rl.trainer``); no effect on a dense policy.
     """
 
     policy_loss: str = "ppo"
@@ -80,6 +83,7 @@ class LossConfig:
     entropy_coef: float = 0.0
     aggregation: str = "token-mean"
     norm_length: int | None = None
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         for key, registry in (
@@ -95,6 +99,8 @@ class LossConfig:
             raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         if self.norm_length is not None and self.norm_length < 1:
             raise ValueError(f"norm_length must be >= 1 (or None), got {self.norm_length}")
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
 
 
 class LossInputs(NamedTuple):

@@ -60,6 +60,21 @@ class RowLayout:
     leaf_rows: list[dict[int, int]]
 
 
+def routing_rows(trees: Sequence[RolloutTree], layout: RowLayout) -> np.ndarray | None:
+    """int32 [R, T, sparse layers, top-k]: the recorded experts (``Node.routed_experts``) of every sampled
+    token at each of its places in the rows, context copies included (each is a forward input); -1 on prompt,
+    observation and padding tokens and on turns without a record. None when no node holds a record."""
+    records = [node.routed_experts for tree in trees for node in tree if node.routed_experts is not None]
+    if not records:
+        return None
+    out = np.full((*layout.tokens.shape, *records[0].shape[1:]), -1, np.int32)
+    for r, c in zip(*np.nonzero(layout.tree >= 0), strict=True):
+        record = trees[layout.tree[r, c]][layout.node[r, c]].routed_experts
+        if record is not None and layout.offset[r, c] < record.shape[0]:
+            out[r, c] = record[layout.offset[r, c]]
+    return out
+
+
 ShapeFn = Callable[[int, int], tuple[int, int]]  # (rows, longest row) -> padded (R, T), R >= rows, T >= longest
 Layout = Callable[[Sequence[RolloutTree], int, ShapeFn, int], RowLayout]
 # ``fn(trees, capacity, shape, pad_id) -> RowLayout`` by name; rows hold at most ``capacity`` tokens.

@@ -49,11 +49,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trace_jax.models.moe import router_aux_loss
 from trace_jax.optim import guarded_update, init_sharded
 from trace_jax.parallel import multihost
 from trace_jax.parallel.mesh import batch_sharding, traced_under
 from trace_jax.rl.batch import TrainBatch, take_rows
-from trace_jax.rl.logprobs import DEFAULT_CHUNK, behaviour_logprobs, policy_logprobs
+from trace_jax.rl.logprobs import DEFAULT_CHUNK, behaviour_logprobs, policy_forward
 from trace_jax.rl.losses import (
     LossConfig,
     LossInputs,
@@ -92,7 +93,7 @@ class UpdateConfig:
       entropy_metric: compute (and log) the policy entropy even when ``entropy_coef`` is 0 (costs a pass
         over the vocabulary per position).
       micro_rows: rows per forward/backward call; every call has this shape, so the update compiles once.
-        Sets the activation memory; must be a multiple of the batch shards (data × fsdp).
+        Sets the activation memory; must be a multiple of the batch shards (data × fsdp × expert).
       shuffle_seed: seed of the per-epoch row shuffles (combined with the state's step).
     """
 
@@ -118,6 +119,21 @@ class UpdateConfig:
         """Optimizer steps ``RLTrainer.update`` makes on one rollout batch: ppo_epochs × mini_batches (a batch
         with fewer rows holding tokens than ``mini_batches`` makes one step per such row and epoch instead)."""
         return self.ppo_epochs * self.mini_batches
+
+
+def _with_router_aux_loss(
+    numerator: jax.Array, metrics: dict[str, Any], stats: Any, weights: jax.Array, coef: float
+) -> tuple[jax.Array, dict[str, Any]]:
+    """The micro-batch's load-balancing loss (over its real tokens) as the metric ``router_aux_loss`` (weighted
+    by its trained tokens' weights) and, with ``LossConfig.router_aux_loss_coef`` > 0, added to the loss
+    numerator weighted like its tokens' share of the policy loss (``Σ weights / denominator``), so the
+    micro-batches of a step add up to about ``coef x`` the batch's load-balancing loss."""
+    aux = router_aux_loss(stats)
+    share = jnp.sum(weights)
+    metrics = {**metrics, "router_aux_loss": (aux * share, share)}
+    if coef:
+        numerator = numerator + coef * aux * share
+    return numerator, metrics
 
 
 def _nonfinite_behaviour_tokens(batch: TrainBatch) -> float:
@@ -218,7 +234,8 @@ class RLTrainer:
 
     @staticmethod
     def step_row_multiple_of(mesh: Mesh | None, micro_batches: int) -> int:
-        shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+        # The batch splits over (data, fsdp, expert): ``trace_jax.parallel.mesh``'s "batch" axis.
+        shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape.get("expert", 1)
         return shards * micro_batches
 
     def _replicated(self) -> NamedSharding | None:
@@ -260,8 +277,8 @@ class RLTrainer:
         )
 
     # -------------------------------------------------------------------------------------- logprobs
-    def _policy_stats(self, params: Any, batch: TrainBatch, entropy: bool) -> tuple[jax.Array, jax.Array | None]:
-        return policy_logprobs(
+    def _policy_stats(self, params: Any, batch: TrainBatch, entropy: bool) -> tuple[jax.Array, jax.Array | None, Any]:
+        return policy_forward(
             self.graphdef,
             params,
             batch,
@@ -281,7 +298,7 @@ class RLTrainer:
         count = self.update_config.micro_rows
         if count % self.step_row_multiple_of(self.mesh, 1):
             raise ValueError(
-                f"ppo.micro_rows={count} must be a multiple of the batch shards (data × fsdp = "
+                f"ppo.micro_rows={count} must be a multiple of the batch shards (data × fsdp × expert = "
                 f"{self.step_row_multiple_of(self.mesh, 1)})"
             )
         return self._put_batch(take_rows(batch, rows, count), self.step_row_multiple_of(self.mesh, 1))
@@ -327,7 +344,7 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------ step
     def _loss_and_metrics(self, params: Any, micro: TrainBatch, denominator: jax.Array):
         entropy = bool(self.loss_config.entropy_coef) or self.update_config.entropy_metric
-        logprobs, entropies = self._policy_stats(params, micro, entropy)
+        logprobs, entropies, extra = self._policy_stats(params, micro, entropy)
         if entropies is not None and not self.loss_config.entropy_coef:
             entropies = jax.lax.stop_gradient(entropies)  # reported only: keep it out of the backward pass
         inputs = LossInputs(
@@ -343,7 +360,12 @@ class RLTrainer:
             seq_grad=micro.seq_grad,
         )
         out = compute_loss(inputs, self.loss_config)
-        return out.numerator / denominator, out.metrics
+        numerator, metrics = out.numerator, out.metrics
+        stats = getattr(extra, "stats", None)  # a mixture of experts' router statistics
+        if stats is not None:
+            coef = self.loss_config.router_aux_loss_coef
+            numerator, metrics = _with_router_aux_loss(numerator, metrics, stats, micro.weights, coef)
+        return numerator / denominator, metrics
 
     def _micro_batches(self, batch: TrainBatch) -> TrainBatch:
         """[B, ...] -> [M, B/M, ...]; micro-batch m takes rows m, m+M, ... so every shard holds a part of each."""

@@ -9,10 +9,13 @@ table; ``window`` is static (one program per length bucket).
 
 Everything the host needs comes back in one float32 array (ints as bit patterns), read by
 ``trace_jax.rollout.slots.GenerateOutput.unpack``: ``[B, 4N + 3 + D]`` = tokens, log-probs, sampling
-log-probs, entropies (N columns each), tokens sampled, stop reason, steps run, final hidden state.
+log-probs, entropies (N columns each), tokens sampled, stop reason, steps run, final hidden state; with
+``EngineConfig.routing_replay``, then each sampled token's experts (N x sparse layers x top-k columns).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +42,7 @@ def decode_program(
     state and the packed float32 [B, 4N + 3 + D] output."""
     model = nnx.merge(graphdef, params)
     cfg = config
+    record = {"record_routing": True} if cfg.routing_replay else {}
     b, n, max_len = cfg.max_slots, cfg.steps_per_call, cfg.max_len
     refill_after, host_running_b = control[0], control[1:] > 0
     # The host's running flags rule: a slot it freed without decoding (its turn never ended) goes IDLE.
@@ -60,9 +64,11 @@ def decode_program(
             best = sample(st.logits_bv, keys_b, _GREEDY)
             drawn = jax.tree.map(lambda g, d: jnp.where(st.greedy_b, g, d), best, drawn)
         token_b = jnp.where(running_b, drawn.tokens, 0)
-        hidden_b1d, cache = model.hidden(token_b[:, None], cache, running_b.astype(jnp.int32))
+        hidden_b1d, cache, extra = model.forward_hidden(token_b[:, None], cache, running_b.astype(jnp.int32), **record)
         logits_bv = model.logits(hidden_b1d[:, 0])
         columns = (token_b, drawn.logprobs, drawn.sample_logprobs, drawn.entropies)
+        if cfg.routing_replay:
+            columns += (extra.experts_btlk.reshape(b, -1),)
         out = tuple(buf.at[:, step].set(col.astype(buf.dtype)) for buf, col in zip(out, columns, strict=True))
         grow_b = running_b.astype(jnp.int32)
         turn_tokens_b = st.turn_tokens_b + grow_b
@@ -100,10 +106,12 @@ def decode_program(
         jnp.zeros((b, n), jnp.float32),
         jnp.zeros((b, n), jnp.float32),
     )
+    if cfg.routing_replay:
+        out += (jnp.zeros((b, n, math.prod(model.config.routing_shape)), jnp.int32),)
     # The pools travel in the loop carry (as the cache), so XLA updates them in place.
     carry = (jnp.int32(0), state._replace(k_pages=None, v_pages=None), cache, out, jnp.zeros((b,), jnp.int32))
     carry = (*carry, jnp.int32(0))
-    steps, state, cache, (tokens, logprobs, sample_logprobs, entropies), num_b, _ = jax.lax.while_loop(
+    steps, state, cache, (tokens, logprobs, sample_logprobs, entropies, *routing), num_b, _ = jax.lax.while_loop(
         keep_going, step_fn, carry
     )
     state = state._replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
@@ -117,6 +125,7 @@ def decode_program(
             as_float(state.stop_reason_b)[:, None],
             as_float(jnp.full((b, 1), steps)),
             state.hidden_bd,
+            *(as_float(r.reshape(b, -1)) for r in routing),
         ],
         axis=1,
     )

@@ -104,6 +104,11 @@ class Engine:
         self.graphdef = graphdef
         self.model_config = model_config
         self.config = config or EngineConfig()
+        if self.config.routing_replay and model_config.routing_shape is None:
+            raise ValueError(
+                f"engine.routing_replay records a mixture of experts' routing, but the {model_config.family!r} "
+                "policy is dense (no router): turn routing_replay off or use a mixture-of-experts model"
+            )
         # Without a layout: the sampling layout on one device, so every program's outputs are pinned to the
         # inputs' placement (otherwise XLA may hand back another sharding object and the next call recompiles).
         self.layout = layout or SamplingLayout(make_mesh(devices=jax.devices()[:1]))
@@ -140,6 +145,11 @@ class Engine:
     @property
     def hidden_size(self) -> int:
         return self.model_config.hidden_size
+
+    @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        """(sparse layers, top-k) of each sampled token's routing record; None when not recording."""
+        return self.model_config.routing_shape if self.config.routing_replay else None
 
     @property
     def compilations(self) -> collections.Counter[str]:

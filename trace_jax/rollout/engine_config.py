@@ -36,6 +36,10 @@ class EngineConfig:
     sampling: temperature / top-k / top-p (``SamplingConfig.make_greedy()`` for greedy).
     weight_dtype: dtype of the engine's copy of the weights (``None``: as given).
     cache_dtype: KV cache dtype name; ``None`` = the model's compute dtype.
+    routing_replay: a mixture-of-experts policy only: ``generate`` records the experts each sampled token went
+      to in every sparse layer (``GenerateOutput.routing``), the rollout trees keep them and the trainer's
+      forward replays them (``trace_jax.models.moe``); costs tokens x sparse layers x top-k int32 on the host
+      (1.5 KiB a token for Qwen3-30B-A3B). A dense policy has no router: the engine refuses it.
     """
 
     max_slots: int = 16
@@ -56,6 +60,7 @@ class EngineConfig:
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     weight_dtype: str | None = "bfloat16"
     cache_dtype: str | None = None
+    routing_replay: bool = False
 
     def __post_init__(self):
         if self.max_len % self.page:

@@ -113,9 +113,9 @@ class _Continuation:
     def add(self, out: GenerateOutput, slot: int) -> None:
         n = int(out.num_tokens[slot])
         if n:
-            self.parts.append(
-                tuple(a[slot, :n] for a in (out.tokens, out.logprobs, out.sample_logprobs, out.entropies))
-            )
+            columns = (out.tokens, out.logprobs, out.sample_logprobs, out.entropies)
+            columns += () if out.routing is None else (out.routing,)
+            self.parts.append(tuple(a[slot, :n] for a in columns))
             self.length += n
 
     def take_turn(self) -> tuple[np.ndarray, ...]:
@@ -398,11 +398,13 @@ class RolloutRunner:
         """Judges the ended turn and adds its node: a leaf frees the slot, otherwise the observation waits
         for the next refill."""
         rollout = batch.live[slot]
-        tokens, logprobs, sample_logprobs, entropies = rollout.take_turn()
+        tokens, logprobs, sample_logprobs, entropies, *routing = rollout.take_turn()
         tree, parent = rollout.tree, rollout.parent
         depth = tree[parent].depth + 1
         result = self.env.step(tree.task, depth, tokens, truncated=reason in _TRUNCATED)
         turn = dict(logprobs=logprobs, sample_logprobs=sample_logprobs, entropies=entropies)
+        if routing:  # the engine records routing (EngineConfig.routing_replay)
+            turn["routed_experts"] = routing[0]
         info = dict(result.info, stop_reason=StopReason(reason).name.lower())
         observation = np.asarray(result.observation_ids, np.int32)
         forced = None

@@ -135,7 +135,8 @@ class GenerateOutput:
     tokens: int32 [B, N]; logprobs (untempered policy), sample_logprobs, entropies: float32 [B, N].
     num_tokens: int32 [B] tokens each slot sampled in this call. stop_reason: int32 [B] ``StopReason``
     after the call (``RUNNING``: the turn goes on at the next call). hidden: float32 [B, D] final hidden
-    state at each slot's last token. steps: decode steps the loop ran.
+    state at each slot's last token. steps: decode steps the loop ran. routing: int32 [B, N, sparse layers,
+    top-k] the experts each sampled token went to (``EngineConfig.routing_replay``; None without).
     """
 
     tokens: np.ndarray
@@ -146,13 +147,21 @@ class GenerateOutput:
     stop_reason: np.ndarray
     hidden: np.ndarray
     steps: int
+    routing: np.ndarray | None = None
 
     @classmethod
-    def unpack(cls, packed: np.ndarray, hidden_size: int) -> GenerateOutput:
-        """Reads the ``[B, 4N + 3 + D]`` float32 array ``generate`` returns (ints travel as bit patterns)."""
+    def unpack(
+        cls, packed: np.ndarray, hidden_size: int, routing_shape: tuple[int, int] | None = None
+    ) -> GenerateOutput:
+        """Reads the ``[B, 4N + 3 + D (+ N x R)]`` float32 array ``generate`` returns (ints travel as bit
+        patterns); ``routing_shape`` (sparse layers, top-k) when the engine records routing (R their product)."""
         packed = np.asarray(packed, np.float32)
         as_int = packed.view(np.int32)
-        n = (packed.shape[1] - 3 - hidden_size) // 4
+        per_token = 4 + (int(np.prod(routing_shape)) if routing_shape else 0)
+        n = (packed.shape[1] - 3 - hidden_size) // per_token
+        routing = None
+        if routing_shape:
+            routing = as_int[:, 4 * n + 3 + hidden_size :].reshape(-1, n, *routing_shape).copy()
         return cls(
             tokens=as_int[:, :n].copy(),
             logprobs=packed[:, n : 2 * n].copy(),
@@ -160,8 +169,9 @@ class GenerateOutput:
             entropies=packed[:, 3 * n : 4 * n].copy(),
             num_tokens=as_int[:, 4 * n].copy(),
             stop_reason=as_int[:, 4 * n + 1].copy(),
-            hidden=packed[:, 4 * n + 3 :].copy(),
+            hidden=packed[:, 4 * n + 3 : 4 * n + 3 + hidden_size].copy(),
             steps=int(as_int[0, 4 * n + 2]),
+            routing=routing,
         )
 
 
@@ -177,7 +187,8 @@ class PendingGenerate:
         """The call's output; host lengths and running flags of the slots it decoded are updated. Slots
         appended to or forked while it ran keep their new state (its output rows for them are stale)."""
         if self._out is None:
-            out = GenerateOutput.unpack(np.asarray(self._packed), self._engine.hidden_size)
+            engine = self._engine
+            out = GenerateOutput.unpack(np.asarray(self._packed), engine.hidden_size, engine.routing_shape)
             state, decoded = self._state, self.decoded
             state.lengths[decoded] += out.num_tokens[decoded]
             state.running[decoded] &= out.stop_reason[decoded] == StopReason.RUNNING

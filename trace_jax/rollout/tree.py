@@ -35,6 +35,15 @@ def _floats(values: Sequence[float] | np.ndarray | None, length: int, name: str)
     return out
 
 
+def _routing(values: Any, length: int) -> np.ndarray | None:
+    if values is None:
+        return None
+    out = np.asarray(values, np.int32)
+    if out.ndim != 3 or out.shape[0] != length:
+        raise ValueError(f"routed_experts has shape {out.shape}; want [{length} tokens, sparse layers, top-k]")
+    return out
+
+
 @dataclasses.dataclass
 class Node:
     """One turn of a rollout (or the prompt, at the root).
@@ -55,6 +64,9 @@ class Node:
       reward: terminal reward for leaves, None for inner nodes.
       info: free-form facts from the environment (format error, search query, retrieval failure...).
       children: ids of child nodes, in creation order.
+      routed_experts: int32 [n, sparse layers, top-k] the experts each of ``token_ids`` went to in the
+        sampler's forward (a mixture-of-experts policy with ``EngineConfig.routing_replay``), replayed by the
+        trainer's forward; None when not recorded.
     """
 
     node_id: int
@@ -69,6 +81,7 @@ class Node:
     reward: float | None = None
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     children: list[int] = dataclasses.field(default_factory=list)
+    routed_experts: np.ndarray | None = None
 
     @property
     def is_leaf(self) -> bool:
@@ -126,6 +139,7 @@ class RolloutTree:
         reward: float | None = None,
         feature: np.ndarray | None = None,
         info: dict[str, Any] | None = None,
+        routed_experts: np.ndarray | None = None,
     ) -> int:
         """Appends a turn under ``parent`` and returns its id. A reward makes it a leaf."""
         parent_node = self.nodes[parent]
@@ -145,6 +159,7 @@ class RolloutTree:
             feature=None if feature is None else np.asarray(feature, np.float32),
             reward=None if reward is None else float(reward),
             info=dict(info or {}),
+            routed_experts=_routing(routed_experts, n),
         )
         self.nodes.append(node)
         parent_node.children.append(node.node_id)
@@ -258,5 +273,6 @@ class RolloutTree:
                 raw[key] = np.asarray(raw[key], np.float32)
             if raw["feature"] is not None:
                 raw["feature"] = np.asarray(raw["feature"], np.float32)
+            raw["routed_experts"] = _routing(raw.get("routed_experts"), raw["token_ids"].shape[0])
             tree.nodes.append(Node(**raw))
         return tree
