@@ -124,25 +124,31 @@ def test_stage_1_splits_the_budget_on_the_probes_too():
 
 
 def test_a_probe_that_already_answered_is_scored_by_its_reward_and_not_continued():
-    """Candidates 0 and 4 end their first turn with EOS (reward 0): their ``V_root`` is 0, so they are dropped
-    while the others tie. Fails if an ended probe is scored by the predictor (all would tie) or if stage 1
-    tries to continue it (the runner refuses a leaf)."""
+    """Candidates 0 and 4 end their first turn with EOS (reward 0): their ``V_root`` is 0, so they are dropped,
+    although the stub predictor rates a featureless depth-1 node (such a leaf) above the others. Fails if an
+    ended probe is scored by the predictor (0 and 4 would be kept) or if stage 1 tries to continue it (the
+    runner refuses a leaf: seen when every candidate is kept)."""
 
     def eos_for_seeds_0_and_4(history, turn, seed):
         return EOS if seed % 4 == 0 and not turn else toy_policy(history, turn, seed)
 
-    class Flat:
+    class FavoursLeaves:
         needs_prefix_ids = False
 
         def predict(self, anchors):
-            return np.full(len(anchors), 0.5)
+            return np.where((anchors.depths_n == 1) & ~anchors.has_feature_n, 0.5, 0.1)
 
         def update(self, anchors):
             return {}
 
-    result = _schedule(_runner(eos_for_seeds_0_and_4), Flat(), "first_search")
+    result = _schedule(_runner(eos_for_seeds_0_and_4), FavoursLeaves(), "first_search")
     assert not {0, 4} & {t.prompt_index for t in result.trees}
     assert result.metrics["select/dropped_tokens"] > 0
+
+    every = _schedule(_runner(eos_for_seeds_0_and_4), FavoursLeaves(), "first_search", "root_only", BATCH)
+    answered = every.trees[0]
+    assert answered.prompt_index == 0 and answered[answered.root.children[0]].is_leaf  # premise: kept, ended
+    assert every.stats.rollouts == sum(len(t.leaves()) for t in every.trees) == 4 * BATCH  # the probe counts
 
 
 def test_config_refuses_an_unknown_place_and_a_policy_that_would_not_read_the_scores():
