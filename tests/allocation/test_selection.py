@@ -152,10 +152,13 @@ def test_a_probe_that_already_answered_is_scored_by_its_reward_and_not_continued
 
 
 def test_config_refuses_an_unknown_place_and_a_policy_that_would_not_read_the_scores():
-    """Fails if ``select_on`` accepts any string, or accepts a policy that keeps random candidates (whose probes
-    would be paid for nothing)."""
+    """Fails if ``select_on`` accepts any string, a policy that keeps random candidates (whose probes would be
+    paid for nothing), or a rollout budget that the probes alone could exhaust."""
     with pytest.raises(ValueError, match=r"unknown allocation\.select_on 'bogus'; choose one of first_search, root"):
         SchedulerConfig(select_on="bogus")
     with pytest.raises(ValueError, match="policy 'uniform' would not read the scores"):
         SchedulerConfig(policy="uniform", select_on="first_search")
+    too_few = r"rollouts_per_prompt \(2\.0\) must be at least candidates_per_prompt \(3\.0\)"
+    with pytest.raises(ValueError, match=too_few):
+        SchedulerConfig(select_on="first_search", rollouts_per_prompt=2.0, candidates_per_prompt=3.0)
     assert SchedulerConfig(policy="root_only", select_on="first_search").select_on == "first_search"

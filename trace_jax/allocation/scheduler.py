@@ -110,6 +110,12 @@ class SchedulerConfig:
                 f"select_on={self.select_on!r} scores prompts for a policy that ranks them by the predictor (stage 1 "
                 f"'active': trace, root_only); policy {self.policy!r} would not read the scores: use select_on='root'"
             )
+        if policy is not None and (self.rollouts_per_prompt or np.inf) < self.candidates_per_prompt:
+            raise ValueError(
+                f"select_on={self.select_on!r} probes every candidate, and a probe that answers in its first turn is "
+                f"a rollout: rollouts_per_prompt ({self.rollouts_per_prompt}) must be at least candidates_per_prompt "
+                f"({self.candidates_per_prompt})"
+            )
         if self.compare_without_history and not self.predictor_kwargs.get("history"):
             raise ValueError("compare_without_history needs a predictor that reads history: predictor_kwargs.history")
 
