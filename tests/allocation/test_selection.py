@@ -7,7 +7,9 @@ the i-th continuation the runner starts has seed i, and its first move is GOOD e
 import numpy as np
 import pytest
 
+from trace_jax.allocation.context import AllocationContext, Budget, CostModel
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
+from trace_jax.allocation.selection import selection_metrics
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
 from trace_jax.rollout.backend import ContinuationRequest
 from trace_jax.rollout.engine import EngineConfig
@@ -149,6 +151,16 @@ def test_a_probe_that_already_answered_is_scored_by_its_reward_and_not_continued
     answered = every.trees[0]
     assert answered.prompt_index == 0 and answered[answered.root.children[0]].is_leaf  # premise: kept, ended
     assert every.stats.rollouts == sum(len(t.leaves()) for t in every.trees) == 4 * BATCH  # the probe counts
+
+
+def test_selection_counts_kept_and_dropped_candidates_by_kind():
+    """Fails if a kind is counted on the wrong side, or a kind seen on one side only lacks the other key."""
+    trees = [RolloutTree([1], task={"kind": kind}, prompt_index=i) for i, kind in enumerate("abba")]
+    ctx = AllocationContext(trees, None, Budget(rollouts=4), None, CostModel(), np.random.default_rng(0))
+    metrics = selection_metrics(ctx, ctx.keep([1, 2]))
+    expected = {"select/kept/a": 0.0, "select/dropped/a": 2.0, "select/kept/b": 2.0, "select/dropped/b": 0.0}
+    assert {k: v for k, v in metrics.items() if k.count("/") == 2} == expected
+    assert metrics["select/dropped_tokens"] == 0.0  # scored at the roots: no probe to drop
 
 
 def test_config_refuses_an_unknown_place_and_a_policy_that_would_not_read_the_scores():

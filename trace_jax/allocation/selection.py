@@ -58,17 +58,19 @@ def selection_metrics(ctx: AllocationContext, dropped: Sequence[tuple[RolloutTre
     """Figures of the step's selection, once its trees are grown:
 
     * ``select/dropped_tokens``: the dropped candidates' probe tokens (charged, never trained);
-    * ``select/dropped/<kind>``: candidates dropped, by task kind (tasks that name one; 0 for a kind only kept);
+    * ``select/kept/<kind>`` / ``select/dropped/<kind>``: candidates kept and dropped, by task kind (tasks whose
+      ``kind`` names one; every kind seen gets both keys);
     * ``select/mixed_auc``: AUC of the kept prompts' selection scores for "the group came out mixed" (NaN
       without scores or with one class).
 
     ``dropped``: the dropped candidates with their prompt anchors (``AllocationContext.keep``).
     """
     metrics = {"select/dropped_tokens": float(sum(_probe_tokens(tree, anchor) for tree, anchor in dropped))}
-    for tree, was_dropped in [(tree, 0.0) for tree in ctx.trees] + [(tree, 1.0) for tree, _ in dropped]:
+    for tree, outcome in [(tree, "kept") for tree in ctx.trees] + [(tree, "dropped") for tree, _ in dropped]:
         kind = _kind(tree)
-        if kind is not None:
-            metrics[f"select/dropped/{kind}"] = metrics.get(f"select/dropped/{kind}", 0.0) + was_dropped
+        for name in ("kept", "dropped") if kind is not None else ():
+            key = f"select/{name}/{kind}"
+            metrics[key] = metrics.get(key, 0.0) + float(name == outcome)
     scored = np.isfinite(ctx.prompt_scores)
     if dropped and scored.any():
         mixed = np.asarray([tree.is_mixed() for tree in ctx.trees], np.float64)[scored]

@@ -63,7 +63,8 @@ BEFORE_FILE = "eval_before.json"
 WARMUP_KEYS = ("alloc/warmup/generated_tokens", "time/warmup_s")  # the predictor warm-up's cost, at step 0
 # Per-step figures kept beside the main ones: the predictor on held-out anchors, by kind, with and without
 # history (``SchedulerConfig.compare_without_history``), the stage-2 gate, and prompt selection (``select/*``:
-# tokens its probes spent on dropped candidates, buried questions dropped, its scores' AUC for mixed groups).
+# tokens its probes spent on dropped candidates, buried questions dropped and kept, its scores' AUC for mixed
+# groups).
 PER_STEP_KEYS = {
     "root_auc": "alloc/predictor/root/auc",
     "root_brier": "alloc/predictor/root/brier",
@@ -74,6 +75,7 @@ PER_STEP_KEYS = {
     "gate_open": "alloc/gate/open",
     "select_dropped_tokens": "alloc/select/dropped_tokens",
     "select_dropped_buried": "alloc/select/dropped/buried",
+    "select_kept_buried": "alloc/select/kept/buried",
     "select_mixed_auc": "alloc/select/mixed_auc",
 }
 
