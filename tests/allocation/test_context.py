@@ -18,6 +18,19 @@ def test_cost_model_learns_the_fresh_continuation_cost_per_depth():
     assert CostModel(prior_tokens_per_rollout=500.0).remaining_tokens(np.asarray([2]))[0] == 500.0
 
 
+def test_an_unfinished_first_turn_is_no_sample_of_the_cost():
+    """A first turn left without a leaf (a prompt-selection probe stage 1 did not continue) comes first among the
+    root's children; the root's cost sample is the first chain that reached a leaf. Fails if the cost model takes
+    the first child whatever it became (it would learn 5 tokens for a fresh rollout)."""
+    tree = RolloutTree([1])
+    tree.add_turn(0, [2] * 5, observation_ids=[3])  # the unfinished probe
+    b = tree.add_turn(0, [2] * 30)
+    tree.add_turn(b, [2] * 10, reward=1.0)
+    model = CostModel(prior_tokens_per_rollout=500.0, decay=1.0)
+    model.update([tree])
+    np.testing.assert_allclose(model.remaining_tokens(np.asarray([0, 1])), [40.0, 10.0])
+
+
 def test_cost_model_state_round_trip_and_budget_validation():
     model = CostModel()
     model.sums[0], model.weights[0] = 300.0, 2.0

@@ -94,6 +94,9 @@ def test_measure_trees_on_the_simulator_recovers_its_world():
     assert result["predictor"]["roots"]["auc"] > 0.6 and 0.0 <= result["predictor"]["prefixes"]["brier"] <= 1.0
     assert result["predictor"]["mixed_root_auc"] > 0.55  # V_root on predicted roots finds the mixed prompts
     assert 0.0 <= result["predictor"]["mixed_root_auc_dispersion"] <= 1.0  # and the dispersion head's ranking
+    # The same ranking at each prompt's first turn (selection on the first search): p moves little in one turn
+    # here (kappa 5), so it finds the mixed prompts too; fails if the first turn is scored on a wrong node.
+    assert result["predictor"]["mixed_first_turn_auc"] > 0.55
 
 
 def test_bad_flags_are_rejected():

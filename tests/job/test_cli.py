@@ -80,6 +80,25 @@ def test_show_config_lists_every_key_with_value_and_doc(capsys):
         (["--config.rl.learnin_rate=1e-5"], ExitCode.CONFIG, ["unknown config key 'rl.learnin_rate'"]),
         (["stray"], ExitCode.CONFIG, ["unexpected arguments ['stray']"]),
         ([f"--config={ROOT}/configs/ablation.py:bogus"], ExitCode.CONFIG, ["unknown policy 'bogus'"]),
+        # A pool the train split cannot fill (the default world has 1,001 train questions) or that cannot fill
+        # one step; without the check the run would build its warm start first and fail in the prompt stream.
+        (
+            ["--config.rl.pool_size=5000"],
+            ExitCode.CONFIG,
+            ["rl.pool_size=5000 is larger than the world's train split (1001 questions)", "pool_size=1001"],
+        ),
+        (["--config.rl.pool_size=4"], ExitCode.CONFIG, ["rl.pool_size=4 holds fewer prompts than one step draws (16"]),
+        (["--config.rl.pool_size=-1"], ExitCode.CONFIG, ["config.rl.pool_size=-1 is not allowed", ">= 0"]),
+        (
+            ["--config.allocation.select_on=bogus"],
+            ExitCode.CONFIG,
+            ["config.allocation", "unknown allocation.select_on 'bogus'", "first_search"],
+        ),
+        (
+            ["--config.allocation.policy=uniform", "--config.allocation.select_on=first_search"],
+            ExitCode.CONFIG,
+            ["select_on='first_search' scores prompts", "policy 'uniform'", "use select_on='root'"],
+        ),
         (["--config=configs/missing.py"], ExitCode.MISSING_FILE, ["config file configs/missing.py does not exist"]),
     ],
 )

@@ -18,7 +18,7 @@ from trace_jax.allocation.anchors import AnchorBatch, gather_anchors
 from trace_jax.allocation.history import PromptHistory
 from trace_jax.allocation.predictor import SuccessPredictor
 from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend, RolloutStats
-from trace_jax.rollout.tree import RolloutTree
+from trace_jax.rollout.tree import ROOT, RolloutTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +45,9 @@ class Budget:
 class CostModel:
     """Expected generated tokens of one continuation from an anchor at depth d, learned from finished trees.
 
-    For an anchor y the observed cost is the sampled tokens along its first-child chain down to a leaf. Per depth
-    we keep a decayed mean of it; depths never seen fall back to the nearest shallower depth seen, then to
+    For an anchor y the observed cost is the sampled tokens along its first-child chain down to a leaf (the first
+    child with a leaf below: an unfinished turn, e.g. a dropped prompt-selection probe, is no sample). Per depth we
+    keep a decayed mean of it; depths never seen fall back to the nearest shallower depth seen, then to
     ``prior_tokens_per_rollout``.
     """
 
@@ -71,12 +72,15 @@ class CostModel:
             # A node's first child continues the very rollout that created the node, so the tokens along the
             # first-child chain below y are one unbiased sample of a fresh continuation's cost from y. (Averaging
             # over all leaves under y would over-count long paths: forks are made deep on long trajectories.)
+            leaves = tree.leaf_counts()
             chain = np.zeros(len(tree))
+            inner = []
             for node in reversed(tree.nodes):
-                if node.children:
-                    first = tree[node.children[0]]
+                finished = [c for c in node.children if leaves[c] > 0]
+                if finished:
+                    first = tree[finished[0]]
                     chain[node.node_id] = first.token_ids.shape[0] + chain[first.node_id]
-            inner = [n for n in tree if n.children]
+                    inner.append(node)
             depth = np.minimum([n.depth for n in inner], self.max_depth).astype(np.int64)
             sums += np.bincount(depth, chain[[n.node_id for n in inner]], self.max_depth + 1)
             weights += np.bincount(depth, minlength=self.max_depth + 1)
@@ -106,6 +110,10 @@ class AllocationContext:
     ``history``: the prompts' outcomes on earlier visits (given to the predictor's anchors and to history-based
     policies). ``prefix_auc``: the predictor's held-out AUC on prefixes over recent batches (NaN before any),
     what a gated stage 2 reads. ``notes``: figures a policy reports for the step's log (``alloc/<name>``).
+
+    Prompt selection *(ours)*: ``prompt_anchors[t]`` is the node that stands for tree ``t``'s prompt when prompts
+    are scored (the root, or a probe's first turn: ``trace_jax.allocation.selection``); ``prompt_scores`` the
+    score selection ranked each tree by (NaN where none); :meth:`keep` narrows the batch to the kept prompts.
     """
 
     def __init__(
@@ -131,6 +139,22 @@ class AllocationContext:
         self.spent = RolloutStats()
         self.backend_seconds = 0.0
         self.rounds: list[dict[str, int]] = []
+        self.prompt_anchors = [ROOT] * len(self.trees)
+        self.prompt_scores = np.full(len(self.trees), np.nan)
+
+    def keep(self, indices: Sequence[int]) -> list[tuple[RolloutTree, int]]:
+        """Narrows the batch to ``trees[i]`` for ``i`` in ``indices`` (in that order); returns the dropped trees,
+        each with its prompt anchor."""
+        kept = {int(i) for i in indices}
+        dropped = [(tree, self.prompt_anchors[i]) for i, tree in enumerate(self.trees) if i not in kept]
+        self.trees = [self.trees[i] for i in indices]
+        self.prompt_anchors = [self.prompt_anchors[i] for i in indices]
+        self.prompt_scores = self.prompt_scores[np.asarray(indices, np.int64)]
+        return dropped
+
+    def prompt_items(self) -> list[Item]:
+        """(tree index, the node standing for its prompt) per tree: see ``prompt_anchors``."""
+        return list(enumerate(self.prompt_anchors))
 
     # ------------------------------------------------------------------------------------------ budget
     @property
@@ -184,18 +208,19 @@ class AllocationContext:
         return self.cost_model.remaining_tokens(depths)
 
     # ------------------------------------------------------------------------------------------ sampling
-    def dispatch(self, items: Sequence[Item], counts: np.ndarray) -> RolloutStats:
+    def dispatch(self, items: Sequence[Item], counts: np.ndarray, max_turns: int | None = None) -> RolloutStats:
         """Continues anchor ``items[a]`` ``counts[a]`` times and charges the cost.
 
         One backend call, or, under a strict token budget (``Budget.max_tokens_per_rollout``), waves of calls
         whose worst case fits what is left; continuations that no longer fit are dropped in random order.
+        ``max_turns``: stop each continuation after that many turns (``ContinuationRequest.max_turns``).
         """
         counts = np.asarray(counts, np.int64)
         total = int(counts.sum())
         assert total <= self.rollouts_left, f"policy asked for {total} rollouts with {self.rollouts_left} left"
         worst = self.budget.max_tokens_per_rollout
         if worst is None or self.budget.tokens is None:
-            return self._send(items, counts)
+            return self._send(items, counts, max_turns)
         queue = self.rng.permutation(np.repeat(np.arange(len(items)), counts))
         stats = RolloutStats()
         while queue.size:
@@ -203,12 +228,28 @@ class AllocationContext:
             if fits == 0:
                 break
             wave, queue = queue[:fits], queue[fits:]
-            stats += self._send(items, np.bincount(wave, minlength=len(items)))
+            stats += self._send(items, np.bincount(wave, minlength=len(items)), max_turns)
         return stats
 
-    def _send(self, items: Sequence[Item], counts: np.ndarray) -> RolloutStats:
+    def dispatch_roots(self, counts: np.ndarray) -> RolloutStats:
+        """Stage 1: ``counts[t]`` rollouts of tree ``t``'s prompt. Where selection left an open probe (its prompt
+        anchor is an unfinished first turn), the first of them continues the probe, so its tokens are part of a
+        trained rollout rather than sampled again; the rest start at the root."""
+        counts = np.asarray(counts, np.int64)
+        probe = np.asarray([self._open_probe(t) for t in range(len(self.trees))], bool) & (counts > 0)
+        items = [(t, ROOT) for t in range(len(self.trees))]
+        items += [(t, self.prompt_anchors[t]) for t in np.flatnonzero(probe)]
+        return self.dispatch(items, np.concatenate([counts - probe, np.ones(int(probe.sum()), np.int64)]))
+
+    def _open_probe(self, t: int) -> bool:
+        node = self.trees[t][self.prompt_anchors[t]]
+        return node.node_id != ROOT and not node.is_leaf and not node.children
+
+    def _send(self, items: Sequence[Item], counts: np.ndarray, max_turns: int | None = None) -> RolloutStats:
         requests = [
-            ContinuationRequest(self.trees[t], n, int(k)) for (t, n), k in zip(items, counts, strict=True) if k > 0
+            ContinuationRequest(self.trees[t], n, int(k), max_turns=max_turns)
+            for (t, n), k in zip(items, counts, strict=True)
+            if k > 0
         ]
         if not requests:
             return RolloutStats()

@@ -37,7 +37,8 @@ from trace_jax.rollout.tree import ROOT, RolloutTree
 
 class AllocationPolicy(Protocol):
     def select_prompts(self, ctx: AllocationContext, num: int) -> np.ndarray:
-        """int64 [num]: which of ``ctx.trees`` (candidate roots, none sampled yet) form the batch, in order."""
+        """int64 [num]: which of ``ctx.trees`` (the candidates: unsampled roots, each with its probe under
+        ``select_on="first_search"``) form the batch, in order."""
         ...
 
     def run(self, ctx: AllocationContext) -> None:
@@ -148,6 +149,23 @@ class StagedPolicy:
         return 0.0 if rho is None else rho
 
     @property
+    def scores_prompts(self) -> bool:
+        """Whether selection and stage 1 rank prompts by their scores (``SchedulerConfig.select_on``)."""
+        return self.stage1 == "active"
+
+    def _prompt_scores(self, ctx: AllocationContext) -> tuple[np.ndarray, np.ndarray | float]:
+        """Each tree's success estimate and dispersion at the node standing for its prompt
+        (``ctx.prompt_anchors``: the root, or a selection probe's first turn); a probe that already ended is
+        scored by its reward, with no dispersion."""
+        items = ctx.prompt_items()
+        values, rho = self._score(ctx, items), self._dispersion(ctx, items)
+        ended = np.asarray([ctx.trees[t][n].is_leaf for t, n in items], bool)
+        if not ended.any():
+            return values, rho
+        rewards = np.asarray([ctx.trees[t][n].reward if ctx.trees[t][n].is_leaf else 0.0 for t, n in items])
+        return np.where(ended, rewards, values), np.where(ended, 0.0, rho)
+
+    @property
     def _root_share(self) -> float:
         """Share of the budget stage 1 may spend: all of it without a stage 2."""
         return 1.0 if self.stage2 == "none" else self.root_fraction
@@ -156,14 +174,16 @@ class StagedPolicy:
         """Prompt selection *(ours)*: from more candidates than the batch holds, "active" keeps the ``num``
         whose group of ``m`` rollouts is most likely mixed, ``E[V_root(p, m)]`` on predicted root values (and the
         predictor's dispersion, if it has one) with ``m`` what stage 1 affords per kept prompt (ties in random
-        order); "uniform" keeps ``num`` at random.
+        order); "uniform" keeps ``num`` at random. The values are scored where ``ctx.prompt_anchors`` says (the
+        root, or the first search) and kept in ``ctx.prompt_scores``.
         """
         if self.stage1 == "uniform":
             return _random_prompts(ctx, num)
-        roots = [(t, ROOT) for t in range(len(ctx.trees))]
-        per_prompt = max(2, ctx.affordable_rollouts(float(ctx.costs(roots[:1])[0]), self._root_share) // num)
-        value = solvers.expected_root_value(self._score(ctx, roots), self._dispersion(ctx, roots), per_prompt)
-        order = np.lexsort((ctx.rng.random(len(roots)), -value))  # by value, then a random tie-break
+        root_cost = float(ctx.costs([(0, ROOT)])[0])
+        per_prompt = max(2, ctx.affordable_rollouts(root_cost, self._root_share) // num)
+        value = solvers.expected_root_value(*self._prompt_scores(ctx), per_prompt)
+        ctx.prompt_scores = value
+        order = np.lexsort((ctx.rng.random(len(value)), -value))  # by value, then a random tie-break
         return np.sort(order[:num])
 
     def run(self, ctx: AllocationContext) -> None:
@@ -193,9 +213,9 @@ class StagedPolicy:
             counts = _uniform_counts(len(roots), total, ctx.rng)
         else:
             lo = min(self.min_per_prompt, total // len(roots))
-            values, rho = self._score(ctx, roots), self._dispersion(ctx, roots)
+            values, rho = self._prompt_scores(ctx)
             counts = solvers.allocate_roots(values, total, lo, self.max_per_prompt, dispersion_b=rho)
-        ctx.dispatch(roots, counts)
+        ctx.dispatch_roots(counts)
 
     def prefix_round(self, ctx: AllocationContext, share: float, mode: str | None = None) -> None:
         """One stage-2 round of ``mode`` (default ``stage2``): continuations from sampled anchors, within ``share``
@@ -303,7 +323,7 @@ class GresoPolicy:
         counts[ctx.rng.permutation(receivers)[: spare % receivers.size]] += 1
         counts[receivers] += spare // receivers.size
         ctx.notes["greso/down_weighted"] = float(flagged.sum())
-        ctx.dispatch(roots, counts)
+        ctx.dispatch_roots(counts)
 
 
 def _fresh_copy(tree: RolloutTree) -> RolloutTree:

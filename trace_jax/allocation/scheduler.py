@@ -1,6 +1,7 @@
 """TreeScheduler: spends one RL step's sampling budget over a batch of prompts and returns their trees.
 
-Per batch: build the budget, (with more candidate prompts than the batch holds) let the policy select the
+Per batch: build the budget, score the candidates where ``select_on`` says (at the root, or after one probe
+turn: ``selection``), (with more candidate prompts than the batch holds) let the policy select the
 batch's prompts, let the configured policy run its rounds (predict -> allocate -> ask the backend
 -> trees grow), then score the batch's anchors with the predictor *before* it learns from them (held-out
 calibration metrics), train the predictor on the ``V̂`` backups and update the cost model.
@@ -33,6 +34,7 @@ from trace_jax.allocation.context import AllocationContext, Budget, CostModel
 from trace_jax.allocation.history import PromptHistory
 from trace_jax.allocation.policies import AllocationPolicy, make_policy
 from trace_jax.allocation.predictor import SuccessPredictor, make_predictor
+from trace_jax.allocation.selection import PROMPT_ANCHORS, selection_metrics
 from trace_jax.rollout import figures
 from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend, RolloutStats
 from trace_jax.rollout.tree import ROOT, RolloutTree
@@ -55,6 +57,11 @@ class SchedulerConfig:
       ``candidates(batch size)`` prompts a step and the policy keeps the batch's worth of them
       (``select_prompts``: TRACE by predicted ``V_root``, policies without a predictor at random). The budget
       and every per-prompt figure are those of the kept batch. 1: no selection.
+    select_on: *(ours)* where selection and stage 1 score a prompt (``selection.PROMPT_ANCHORS``): "root" (the
+      prompt alone) or "first_search" (each candidate first gets one rollout's first turn, the search call and
+      its observation, and is scored at that depth-1 prefix; the probes' tokens are charged to the budget, a
+      kept prompt's probe is continued by its first stage-1 rollout). Needs a policy that ranks prompts by the
+      predictor (stage 1 "active": trace, root_only). Logged as ``select/*``.
     predictor_warmup_prompts / predictor_warmup_rollouts / predictor_warmup_updates: *(ours)* before the first RL
       step, ``warm_up`` samples groups of ``predictor_warmup_rollouts`` on that many prompts and trains the
       predictor ``predictor_warmup_updates`` times on their anchors, so stage 1 does not start from an untrained
@@ -78,6 +85,7 @@ class SchedulerConfig:
     max_depth: int = 16
     seed: int = 0
     candidates_per_prompt: float = 1.0
+    select_on: str = "root"
     predictor_warmup_prompts: int = 0
     predictor_warmup_rollouts: int = 8
     predictor_warmup_updates: int = 8
@@ -95,6 +103,19 @@ class SchedulerConfig:
             )
         if self.prefix_auc_window < 1:
             raise ValueError(f"prefix_auc_window must be >= 1 (batches), got {self.prefix_auc_window}")
+        PROMPT_ANCHORS[self.select_on]  # an unknown name is an error naming the choices
+        policy = make_policy(self.policy, **self.policy_kwargs) if self.select_on != "root" else None
+        if policy is not None and not getattr(policy, "scores_prompts", False):
+            raise ValueError(
+                f"select_on={self.select_on!r} scores prompts for a policy that ranks them by the predictor (stage 1 "
+                f"'active': trace, root_only); policy {self.policy!r} would not read the scores: use select_on='root'"
+            )
+        if policy is not None and (self.rollouts_per_prompt or np.inf) < self.candidates_per_prompt:
+            raise ValueError(
+                f"select_on={self.select_on!r} probes every candidate, and a probe that answers in its first turn is "
+                f"a rollout: rollouts_per_prompt ({self.rollouts_per_prompt}) must be at least candidates_per_prompt "
+                f"({self.candidates_per_prompt})"
+            )
         if self.compare_without_history and not self.predictor_kwargs.get("history"):
             raise ValueError("compare_without_history needs a predictor that reads history: predictor_kwargs.history")
 
@@ -185,16 +206,16 @@ class TreeScheduler:
         self._featurize(trees)
         start = time.perf_counter()
         rng = np.random.default_rng([self.config.seed, self.step])
-        budget = self.budget(batch_size)
-        if batch_size < len(trees):
-            candidates = self._context(trees, budget, rng)
-            trees = [trees[i] for i in self.policy.select_prompts(candidates, batch_size)]
-        ctx = self._context(trees, budget, rng)
+        ctx = self._context(trees, self.budget(batch_size), rng)
+        PROMPT_ANCHORS[self.config.select_on](ctx)
+        dropped = ctx.keep(self.policy.select_prompts(ctx, batch_size)) if batch_size < len(trees) else []
         self.policy.run(ctx)
         allocate_seconds = time.perf_counter() - start - ctx.backend_seconds
 
         anchors = training_anchors(ctx.trees, with_prefix_ids=self._prefix_ids, history=self.history)
         metrics: dict[str, float] = dict(ctx.notes)
+        if dropped or self.config.select_on != "root":
+            metrics.update(selection_metrics(ctx, dropped))
         if len(anchors):
             pred = self.predictor.predict(anchors)  # before it learns from these trees: held out
             metrics.update(held_out_metrics("predictor", pred, anchors))

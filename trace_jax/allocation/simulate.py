@@ -115,22 +115,23 @@ class Simulator:
 
     # ------------------------------------------------------------------------------------------ backend
     def continue_anchors(self, requests: Sequence[ContinuationRequest]) -> RolloutStats:
-        """Samples each request ``k`` times to a leaf, appending nodes to its tree; returns the cost."""
+        """Samples each request ``k`` times to a leaf (or ``max_turns`` turns), appending nodes to its tree; returns
+        the cost."""
         stats = RolloutStats()
         for request in requests:
             if request.tree[request.node_id].is_leaf:
                 raise ValueError(f"node {request.node_id} is a leaf; only anchors can be continued")
             for _ in range(request.k):
-                stats += self._rollout(request.tree, request.node_id)
+                stats += self._rollout(request.tree, request.node_id, request.max_turns)
         return stats
 
-    def _rollout(self, tree: RolloutTree, node_id: int) -> RolloutStats:
+    def _rollout(self, tree: RolloutTree, node_id: int, max_turns: int | None = None) -> RolloutStats:
         cfg, rng = self.config, self.rng
         i = tree.prompt_index
         p = float(tree[node_id].info[TRUE_P_KEY])
         depth = tree[node_id].depth
-        stats = RolloutStats(rollouts=1, forward_tokens=tree.prefix_length(node_id))
-        while True:
+        stats = RolloutStats(forward_tokens=tree.prefix_length(node_id))
+        for _ in range(max_turns or cfg.max_turns):
             depth += 1
             kappa = self.kappa[i] * (1.0 + cfg.depth_growth * (depth - 1))
             a, b = max(kappa * p, 1e-3), max(kappa * (1 - p), 1e-3)
@@ -155,8 +156,10 @@ class Simulator:
             stats.generated_tokens += n_tokens
             stats.forward_tokens += n_tokens + (0 if done else cfg.observation_tokens)
             if done:
+                stats.rollouts = 1
                 return stats
             node_id = node
+        return stats  # stopped after ``max_turns``: ``node_id`` stays an anchor
 
     def _feature(self, prompt_index: int, p: float, depth: int) -> np.ndarray:
         cfg = self.config

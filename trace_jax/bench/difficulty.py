@@ -41,7 +41,7 @@ import jax
 import numpy as np
 from scipy import optimize, special
 
-from trace_jax.allocation.anchors import training_anchors
+from trace_jax.allocation.anchors import gather_anchors, training_anchors
 from trace_jax.allocation.calibration import calibration_metrics, weighted_auc
 from trace_jax.allocation.predictor import make_predictor
 from trace_jax.allocation.solvers import expected_root_value
@@ -176,8 +176,11 @@ def predictor_informativeness(
     the same figures on the held-out roots alone (``roots``: what stage 1 and prompt selection rank, from the
     prompt only) and on the deeper prefixes (``prefixes``: what stage 2 ranks, after some observations), and
     ``mixed_root_auc``: how well ``V_root(v, group_size)`` on the predicted root values ranks the held-out prompts
-    whose sampled group came out mixed above those whose did not (what prompt selection needs), and
-    ``mixed_root_auc_dispersion``: the same for the MLP with a dispersion head, ranking by ``E[V_root]``.
+    whose sampled group came out mixed above those whose did not (what prompt selection needs),
+    ``mixed_root_auc_dispersion``: the same for the MLP with a dispersion head, ranking by ``E[V_root]``, and
+    ``mixed_first_turn_auc``: the same ranking on each held-out prompt's first rollout's first turn (its predicted
+    value, or its reward when that turn answered), what selection on the first search
+    (``allocation.select_on = "first_search"``) ranks.
     """
 
     order = np.random.default_rng(seed).permutation(len(trees))
@@ -208,7 +211,17 @@ def predictor_informativeness(
     rho = spread.predict_dispersion(test)[roots]
     value = expected_root_value(spread.predict(test)[roots], rho, group_size)
     overall["mixed_root_auc_dispersion"] = weighted_auc(value, mixed, ones)
+    overall["mixed_first_turn_auc"] = weighted_auc(_first_turn_values(model, held_out, group_size), mixed, ones)
     return overall
+
+
+def _first_turn_values(model: Any, trees: Sequence[RolloutTree], group_size: int) -> np.ndarray:
+    """``V_root`` on each tree's first depth-1 node: the predictor's value there, its reward when it is a leaf."""
+    firsts = [tree.root.children[0] for tree in trees]
+    values = model.predict(gather_anchors(trees, list(enumerate(firsts))))
+    rewards = [tree[node].reward for tree, node in zip(trees, firsts, strict=True)]
+    values = np.asarray([v if r is None else r for v, r in zip(values, rewards, strict=True)], np.float64)
+    return expected_root_value(values, 0.0, group_size)
 
 
 def by_group(trees: Sequence[RolloutTree], samples: int, group_size: int) -> dict[str, dict[str, Any]]:

@@ -62,7 +62,9 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 BEFORE_FILE = "eval_before.json"
 WARMUP_KEYS = ("alloc/warmup/generated_tokens", "time/warmup_s")  # the predictor warm-up's cost, at step 0
 # Per-step figures kept beside the main ones: the predictor on held-out anchors, by kind, with and without
-# history (``SchedulerConfig.compare_without_history``), and the stage-2 gate.
+# history (``SchedulerConfig.compare_without_history``), the stage-2 gate, and prompt selection (``select/*``:
+# tokens its probes spent on dropped candidates, buried questions dropped and kept, its scores' AUC for mixed
+# groups).
 PER_STEP_KEYS = {
     "root_auc": "alloc/predictor/root/auc",
     "root_brier": "alloc/predictor/root/brier",
@@ -71,6 +73,10 @@ PER_STEP_KEYS = {
     "no_history_root_auc": "alloc/predictor/no_history/root/auc",
     "no_history_prefix_auc": "alloc/predictor/no_history/prefix/auc",
     "gate_open": "alloc/gate/open",
+    "select_dropped_tokens": "alloc/select/dropped_tokens",
+    "select_dropped_buried": "alloc/select/dropped/buried",
+    "select_kept_buried": "alloc/select/kept/buried",
+    "select_mixed_auc": "alloc/select/mixed_auc",
 }
 
 
@@ -89,7 +95,7 @@ class RunCurve:
     warmup_tokens / warmup_seconds: the predictor warm-up's generated tokens and wall seconds before step 1
       (``alloc/warmup/generated_tokens``, ``time/warmup_s``; 0 without one): both cost axes start there.
     extra: float64 [S] per logged key of :data:`PER_STEP_KEYS` (predictor figures on roots and prefixes, with
-      and without history, the stage-2 gate), NaN where a step did not log it.
+      and without history, the stage-2 gate, prompt selection), NaN where a step did not log it.
     """
 
     policy: str

@@ -98,7 +98,8 @@ class Processes:
         the last call, as every process sees it (collective). One process: all of ``trees``.
 
         ``trees`` are the ones sampled since the last call, found by ``prompt_index`` (with prompt selection a
-        step's trees are some of its candidates, so an index is not a position in ``trees``).
+        step's trees are some of its candidates, so an index is not a position in ``trees``). A candidate sampled
+        but not in ``trees`` (a dropped prompt's first-search probe, ``allocation.select_on``) is not listed.
         """
 
         def name(tree: Any) -> str:
@@ -107,7 +108,7 @@ class Processes:
         if not self.multi:
             return [[name(tree) for tree in trees]]
         by_index = {tree.prompt_index: tree for tree in trees}
-        mine = [name(by_index[index]) for index in backend.take_sampled()]
+        mine = [name(by_index[index]) for index in backend.take_sampled() if index in by_index]
         return multihost.exchange(mine)
 
     def describe(self) -> dict[str, Any]:

@@ -26,8 +26,9 @@ from trace_jax.allocation.policies import POLICIES
 from trace_jax.allocation.predictor import PREDICTORS
 from trace_jax.cli import ConfigError
 from trace_jax.config_utils import from_config
+from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.envs.react import TAGS
-from trace_jax.job.schema import SECTIONS, retired_problems
+from trace_jax.job.schema import SECTIONS, prompts_drawn_per_step, retired_problems
 from trace_jax.models import PRESETS
 from trace_jax.parallel.mesh import MESH_AXES
 from trace_jax.rl.advantages import ESTIMATORS
@@ -100,6 +101,7 @@ class Rule:
 RULES: list[Rule] = [
     Rule("rl.steps", at_least(0), "an integer >= 0 (the number of RL updates)"),
     Rule("rl.prompts_per_step", at_least(1), "an integer >= 1"),
+    Rule("rl.pool_size", at_least(0), "an integer >= 0 (0: the whole train split)"),
     Rule(
         "rl.warmup_steps",
         lambda v: _is_number(v) and v >= 0,
@@ -188,6 +190,27 @@ def _routing_problems(config: ml_collections.ConfigDict) -> list[str]:
     ]
 
 
+def _pool_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """A prompt pool (``rl.pool_size``) larger than the synthetic world's train split, or smaller than the prompts
+    one step draws. The split's size needs the world built (about a second), so only a run with a pool pays."""
+    pool = config.rl.get("pool_size", 0)
+    if not pool or (config.get("recipe") or {}).get("kind", "synthetic") != "synthetic":
+        return []
+    split = len(SyntheticWorld(from_config(WorldConfig, config.world)).questions("train"))
+    if pool > split:
+        return [
+            f"config.rl.pool_size={pool} is larger than the world's train split ({split} questions): pass at most "
+            f"--config.rl.pool_size={split} (0: the whole split)"
+        ]
+    drawn = prompts_drawn_per_step(config)
+    if pool < drawn:
+        return [
+            f"config.rl.pool_size={pool} holds fewer prompts than one step draws ({drawn}: rl.prompts_per_step x "
+            "allocation.candidates_per_prompt): raise the pool or lower those"
+        ]
+    return []
+
+
 def problems(config: ml_collections.ConfigDict) -> list[str]:
     """Every problem of ``config``, one line each (empty when it is fine)."""
     found = retired_problems(config)
@@ -210,6 +233,8 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
     if not found and {"loss", "batch", "rl"} <= set(config.keys()):
         found.extend(_objective_problems(config))
     found.extend(_routing_problems(config))
+    if not found and {"rl", "world", "allocation"} <= set(config.keys()):
+        found.extend(_pool_problems(config))
     mesh = [config.mesh.get(axis) for axis in MESH_AXES] if "mesh" in config else []
     if mesh.count(-1) > 1:
         found.append(f"config.mesh has {mesh.count(-1)} axes set to -1: at most one axis may be -1")

@@ -15,19 +15,23 @@ class ContinuationRequest:
 
     ``first_seed``: sampling seeds ``first_seed .. first_seed + k - 1`` for the k continuations (a backend
     shared across processes numbers them globally); None: the backend's own running seed count.
+    ``max_turns``: each continuation stops after this many turns even when unfinished; its last turn then stays
+    an inner node (observation and anchor feature in place, no leaf below) that a later request can continue.
+    Such a continuation's tokens count in ``RolloutStats.generated_tokens``, not in ``rollouts``. None: to a leaf.
     """
 
     tree: RolloutTree
     node_id: int
     k: int
     first_seed: int | None = None
+    max_turns: int | None = None
 
 
 @dataclasses.dataclass
 class RolloutStats:
     """Cost of one batch of requests: rollouts finished and tokens the policy generated / the model ran."""
 
-    rollouts: int = 0
+    rollouts: int = 0  # continuations that reached a leaf
     generated_tokens: int = 0
     forward_tokens: int = 0  # prefill + extend + decode tokens the engine pushed through the model
 

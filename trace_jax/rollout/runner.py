@@ -12,7 +12,8 @@ Given requests "continue anchor A of tree T k times" (roots included), the runne
 3. hands every finished turn to the environment: ``done`` makes the turn a leaf with its reward and frees
    the slot; otherwise the observation ids are appended to the slot at the next refill and a new turn starts;
 4. refills freed slots with the next queued continuations (continuous batching), until every continuation
-   has reached a leaf.
+   has reached a leaf, or its request's ``max_turns``: then its last observation is appended (the node gets
+   its anchor feature and, with ``reuse_prefixes``, its held pages) and the slot is freed.
 
 With ``overlap_env`` (default), step 3 runs while the device already decodes the next ``generate`` call for
 the slots still mid-turn: the environment's work (retrieval, rewards) hides behind decoding, and the
@@ -109,6 +110,7 @@ class _Continuation:
     parts: list[tuple[np.ndarray, ...]] = dataclasses.field(default_factory=list)
     checked: int = 0  # leading ids of the turn the text stop rule has read
     restart: bool = False  # the slot's cache holds ids the turn dropped: continue from the history, afresh
+    turns_left: int | None = None  # turns it may still take (the request's max_turns); None: to a leaf
 
     def add(self, out: GenerateOutput, slot: int) -> None:
         n = int(out.num_tokens[slot])
@@ -143,7 +145,7 @@ class _Continuation:
 class _Batch:
     """Bookkeeping of one ``continue_anchors`` call."""
 
-    pending: collections.deque  # (anchor key, tree, node id, seed)
+    pending: collections.deque  # (anchor key, tree, node id, seed, max turns)
     histories: dict[tuple[int, int], np.ndarray]
     remaining: collections.Counter  # anchor key -> continuations not yet started
     prefixes: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)  # kept while some remain
@@ -151,6 +153,7 @@ class _Batch:
     free: list[int] = dataclasses.field(default_factory=list)
     observations: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # slot -> ids to append
     restarts: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # slot -> append afresh
+    stopping: list[int] = dataclasses.field(default_factory=list)  # slots freed once their observation is appended
     # (device hidden [rows >= k, D] of one append, [(tree, node id, row)]): anchor features fetched at the end
     features: list[tuple[Any, list[tuple[RolloutTree, int, int]]]] = dataclasses.field(default_factory=list)
     stats: RolloutStats = dataclasses.field(default_factory=RolloutStats)
@@ -244,6 +247,8 @@ class RolloutRunner:
         while batch.pending or batch.live:
             if handle is None:
                 state = self._refill(state, batch)
+                if not batch.live:  # every slot ran out of turns (``max_turns``): refill from the queue first
+                    continue
                 state, handle = self.engine.generate_async(None, state, refill_after=self.config.refill_after)
             out = handle.result()
             finished = self._collect(batch, out, handle.decoded)
@@ -277,7 +282,7 @@ class RolloutRunner:
             self._held_weights = weights
 
     def _enqueue(self, requests: Sequence[ContinuationRequest]) -> _Batch:
-        """One queue entry (anchor key, tree, node, seed) per continuation; each anchor's history once."""
+        """One queue entry (anchor key, tree, node, seed, max turns) per continuation; each anchor's history once."""
         max_len = self.engine.config.max_len
         batch = _Batch(collections.deque(), {}, collections.Counter())
         for request in requests:
@@ -294,7 +299,7 @@ class RolloutRunner:
                 batch.histories[key] = history
             for j in range(request.k):
                 seed = self.reserve_seeds(1) if request.first_seed is None else request.first_seed + j
-                batch.pending.append((key, request.tree, request.node_id, seed))
+                batch.pending.append((key, request.tree, request.node_id, seed, request.max_turns))
                 batch.remaining[key] += 1
         return batch
 
@@ -319,9 +324,9 @@ class RolloutRunner:
         starts: dict[int, Any] = {}  # append row -> the held prefix it starts from (taken from the cache)
         forks: list[tuple[tuple[int, int], int, int]] = []  # (anchor key, child slot, seed)
         while batch.pending and batch.free:
-            key, tree, node_id, seed = batch.pending.popleft()
+            key, tree, node_id, seed, max_turns = batch.pending.popleft()
             slot = batch.free.pop()
-            batch.live[slot] = _Continuation(tree, node_id, len(batch.histories[key]), seed)
+            batch.live[slot] = _Continuation(tree, node_id, len(batch.histories[key]), seed, turns_left=max_turns)
             batch.remaining[key] -= 1
             if key in batch.prefixes or key in started:
                 forks.append((key, slot, seed))
@@ -347,6 +352,12 @@ class RolloutRunner:
             for row, item in enumerate(items):  # a started row's prefix goes back: its pages are shared now
                 rollout = batch.live[item.slot]
                 self._held.put(rollout.tree, rollout.parent, starts.get(row, held[row]))
+        if batch.stopping:  # out of turns: the observation is in the cache (and held); the slot goes back
+            state = self.engine.free_resource(state, batch.stopping)
+            for slot in batch.stopping:
+                del batch.live[slot]
+            batch.free += batch.stopping
+            batch.stopping = []
         if forks:
             sources = [batch.prefixes[key] for key, _, _ in forks]
             children, seeds = [slot for _, slot, _ in forks], [seed for _, _, seed in forks]
@@ -422,6 +433,10 @@ class RolloutRunner:
         rollout.parent = tree.add_turn(parent, tokens, **turn, observation_ids=observation, info=info)
         rollout.length += len(observation)
         batch.observations[slot] = observation
+        if rollout.turns_left is not None:
+            rollout.turns_left -= 1
+            if rollout.turns_left == 0:
+                batch.stopping.append(slot)
         if rollout.restart:  # the cache went past the turn's kept ids: append the whole history afresh
             batch.observations[slot] = tree.prefix_ids(rollout.parent)
             seed = int(np.random.SeedSequence((rollout.seed, depth)).generate_state(1)[0] >> 1)
