@@ -100,3 +100,21 @@ def test_splash_kernel_in_interpret_mode_equals_the_reference(monkeypatch):
         attention(q, k, v, index, ends, implementation="reference"),
         atol=1e-6,
     )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rows_read_on_their_bits_are_the_rows_and_differentiate_as_a_gather(dtype):
+    """``take_rows`` (the embedding lookup) gives ``jnp.take``'s values and gradient. Fails if its derivative
+    rule is dropped: a bitcast has none, so an embedding table would learn nothing from its lookups."""
+    table = jax.random.normal(jax.random.PRNGKey(0), (11, 4)).astype(dtype)
+    ids = jnp.array([[3, 3, 0], [10, 5, 3]])
+    weights = jax.random.normal(jax.random.PRNGKey(1), (2, 3, 4)).astype(dtype)
+
+    def loss(take):
+        return lambda t: jnp.sum(take(t, ids).astype(jnp.float32) * weights.astype(jnp.float32))
+
+    plain = lambda t, i: jnp.take(t, i, axis=0)
+    assert np.array_equal(attention_lib.take_rows(table, ids), plain(table, ids))
+    expected = jax.grad(loss(plain))(table)
+    assert float(jnp.abs(expected.astype(jnp.float32)).sum()) > 0  # premise: the lookups carry gradient
+    np.testing.assert_array_equal(jax.grad(loss(attention_lib.take_rows))(table), expected)

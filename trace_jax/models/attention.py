@@ -76,10 +76,18 @@ def as_bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype))
 
 
+@jax.custom_jvp
 def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     """``jnp.take(table, ids, axis=0)`` gathered on the bits (the same values): XLA:CPU gathers from a bf16
-    table through a float32 copy of the whole table otherwise."""
+    table through a float32 copy of the whole table otherwise. Differentiable as ``jnp.take`` (a bitcast has no
+    derivative: without the rule below an embedding table would get no gradient from its lookups)."""
     return jax.lax.bitcast_convert_type(jnp.take(as_bits(table), ids, axis=0), table.dtype)
+
+
+@take_rows.defjvp
+def _take_rows_jvp(primals, tangents):
+    table, ids = primals
+    return take_rows(table, ids), jnp.take(tangents[0], ids, axis=0)
 
 
 def visible_mask(query_index_bt: jax.Array, num_keys: int, kv_end_bs: jax.Array | None) -> jax.Array:
