@@ -13,7 +13,7 @@ import sys
 import tempfile
 
 from tests.helpers import cpu_fingerprint, summary_digest
-from tests.job.test_train import RECORD, ROOT, TINY, command, without_run_facts
+from tests.job.test_train import RECORD, ROOT, TINY, command, computed_summary
 
 
 def main() -> None:
@@ -21,7 +21,7 @@ def main() -> None:
         done = subprocess.run(command(f"{tmp}/run", f"{tmp}/cache"), cwd=ROOT, capture_output=True, text=True)
         if done.returncode:
             sys.exit(done.stderr[-3000:])
-        summary = without_run_facts(json.loads(pathlib.Path(tmp, "run", "summary.json").read_text()))
+        summary = computed_summary(json.loads(pathlib.Path(tmp, "run", "summary.json").read_text()))
     RECORD.parent.mkdir(exist_ok=True)
     RECORD.write_text(json.dumps({"cpu": cpu_fingerprint(), "flags": TINY, "summary": summary}, indent=2) + "\n")
     print(f"wrote {RECORD}; digest {summary_digest(summary)}")
