@@ -17,7 +17,9 @@ exactly those of the steps done), and a resume is exact. A SIGTERM after a step 
 those rollouts and stops without a checkpoint (the last one stays the resume point).
 
 Timeline. The pipeline records when its background rollouts ran; :meth:`RolloutPipeline.busy_during` is how long
-they ran inside an interval (the trainer's), from which a step logs its overlap.
+they ran inside an interval (the trainer's), from which a step logs its overlap. The trainer's intervals come in
+time order, so a rollout that ended before one of them starts can overlap none of the later ones: each query
+forgets those, and the record stays a rollout or two long however long the run.
 
 JAX releases the GIL inside compiled calls, so the thread's decode programs run while the main thread's
 update does; on disjoint devices (``mesh.rollout_devices``) they do not compete for device memory either.
@@ -59,12 +61,20 @@ class RolloutPipeline:
       max_staleness: ``rl.max_staleness`` (0: never ahead).
       boundary: ``boundary(step)``: whether step ``step`` ends where nothing may be in flight (a checkpoint, an
         evaluation, the last step).
+      clock: seconds, for the timeline (``time.perf_counter``; a test's clock).
     """
 
-    def __init__(self, sample: Callable[[int, int], Sampled], max_staleness: int, boundary: Callable[[int], bool]):
+    def __init__(
+        self,
+        sample: Callable[[int, int], Sampled],
+        max_staleness: int,
+        boundary: Callable[[int], bool],
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self._sample = sample
         self.max_staleness = max_staleness
         self._boundary = boundary
+        self._clock = clock
         self._executor: ThreadPoolExecutor | None = None
         self._ahead: Future | None = None
         self._ahead_step = 0
@@ -101,12 +111,12 @@ class RolloutPipeline:
 
     def _timed(self, step: int, version: int) -> Sampled:
         with self._lock:
-            self._running_since = time.perf_counter()
+            self._running_since = self._clock()
         try:
             return self._sample(step, version)
         finally:
             with self._lock:
-                self._intervals.append((self._running_since, time.perf_counter()))
+                self._intervals.append((self._running_since, self._clock()))
                 self._running_since = None
 
     def drain(self) -> Sampled | None:
@@ -117,8 +127,10 @@ class RolloutPipeline:
         return future.result()
 
     def busy_during(self, start: float, end: float) -> float:
-        """Seconds within [start, end] during which background rollouts ran."""
+        """Seconds within [start, end] during which background rollouts ran. Intervals are asked in time order
+        (each ``start`` at or after the previous one's): the rollouts that ended before ``start`` are forgotten."""
         with self._lock:
+            self._intervals = [(a, b) for a, b in self._intervals if b >= start]
             spans = list(self._intervals)
             if self._running_since is not None:
                 spans.append((self._running_since, end))
