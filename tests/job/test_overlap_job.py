@@ -37,7 +37,8 @@ AHEAD = [*APART, "--config.rl.max_staleness=1"]
 LAG_KEYS = ("rollout/staleness_mean", "rollout/staleness_max")
 
 # The main job with a SIGTERM sent from the sampling thread as it starts sampling step 2 ahead (while step 1
-# trains): the notice always comes with those rollouts in flight, whatever the load.
+# trains), which then never finishes: the notice always comes with those rollouts in flight, whatever the load,
+# and a stop that waits for them never comes.
 SIGTERM_WHILE_SAMPLING_AHEAD = """
 import os, signal, sys, threading
 from trace_jax.job import loop
@@ -49,6 +50,7 @@ def sample_after_a_notice(self, step, version):
     if step == 2 and threading.current_thread() is not threading.main_thread():
         print("SIGTERM sent while sampling step 2 ahead", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait()
     return sample(self, step, version)
 
 loop.Training._sample = sample_after_a_notice
@@ -68,8 +70,10 @@ def _env(devices, compiled):
     )
 
 
-def _run(command, devices, compiled, returncode=0):
-    done = subprocess.run(command, cwd=ROOT, env=_env(devices, compiled), capture_output=True, text=True, timeout=1800)
+def _run(command, devices, compiled, returncode=0, timeout=1800):
+    done = subprocess.run(
+        command, cwd=ROOT, env=_env(devices, compiled), capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == returncode, done.stderr[-4000:]
     return done
 
@@ -141,11 +145,13 @@ def test_sampling_one_step_ahead_lags_by_one_version_where_it_overlaps_and_nowhe
 
 
 def test_sigterm_with_rollouts_in_flight_drops_them_and_the_rerun_equals_the_uninterrupted_run(runs, shared, tmp_path):
-    """k = 1, a SIGTERM while step 2's trees are being sampled ahead (during step 1): the run stops at the first
-    safe point, after step 1 (exit 143), with no checkpoint past step 0 (step 1's records hold nothing in flight
-    but its checkpoint would have to), and the rerun resumes at step 0 and ends as the uninterrupted k = 1 run:
-    records, summary, params. Fails if the notice is ignored or kills the step under way, if the in-flight
-    rollouts are checkpointed or handed to the rerun, or if step 1's records survive the resume twice."""
+    """k = 1, a SIGTERM while step 2's trees are being sampled ahead (during step 1), rollouts that never finish:
+    the run stops at the first safe point, after step 1 (exit 143), without waiting for them, and writes no
+    checkpoint past step 0 (one at step 1 would hold a prompt stream, seeds and predictor already moved by step 2's
+    sampling); the rerun resumes at step 0 and ends as the uninterrupted k = 1 run: records, summary, params.
+    Fails if the notice is ignored or kills the step under way, if the stop waits for the rollouts in flight
+    (``run.pipeline.close()`` waiting in ``trace_jax.job.train``'s ``finally``: the run never ends), if it checkpoints
+    them (``run.save(force=True)`` after dropping them), or if step 1's first records survive the resume."""
     from trace_jax.cli import ExitCode
 
     cache, compiled = shared
@@ -153,7 +159,9 @@ def test_sigterm_with_rollouts_in_flight_drops_them_and_the_rerun_equals_the_uni
     # A grace far longer than any step: the step under way always finishes (nothing here depends on timing).
     flags = [*OVERLAP, *AHEAD, "--config.rl.preemption_grace_s=1200"]
     command = main_job_command(workdir, cache, flags)
-    stopped = _run([sys.executable, "-c", SIGTERM_WHILE_SAMPLING_AHEAD, *command[3:]], 2, compiled, ExitCode.PREEMPTED)
+    # Step 1 takes seconds once the runs above compiled its programs: a stop that waits for the rollouts hangs.
+    driver = [sys.executable, "-c", SIGTERM_WHILE_SAMPLING_AHEAD, *command[3:]]
+    stopped = _run(driver, 2, compiled, ExitCode.PREEMPTED, timeout=600)
     assert "SIGTERM sent while sampling step 2 ahead" in stopped.stderr  # premise: the notice came mid-rollouts
     assert "stopped by SIGTERM after RL step 1" in stopped.stderr
     assert [r["step"] for r in records_without_timings(workdir)] == [0, 1]  # step 2 never started

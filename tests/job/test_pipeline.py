@@ -62,6 +62,24 @@ def test_sampling_ahead_runs_on_another_thread_and_hands_its_trees_to_the_next_s
     pipeline.close()
 
 
+def test_abandoned_rollouts_are_dropped_without_waiting_for_them():
+    """A stop on a SIGTERM: ``abandon`` and ``close(wait=False)`` return while the rollouts still run. Fails if
+    either waits for them (the rollouts are held until both returned; a wait would outlast the hold's 30 s and
+    find the thread ended)."""
+    hold = threading.Event()
+    sample = Recorder(hold)
+    pipeline = RolloutPipeline(sample, max_staleness=1, boundary=lambda step: False)
+    pipeline.launch(2, version=0)
+    assert sample.running.wait(30) and pipeline.in_flight
+    pipeline.abandon()
+    assert not pipeline.in_flight
+    pipeline.close(wait=False)
+    alive = [t for t in threading.enumerate() if t.name.startswith("rollouts-ahead") and t.is_alive()]
+    assert alive and sample.calls == []  # the rollouts still run, held: nothing waited for them
+    hold.set()
+    alive[0].join(30)
+
+
 def test_busy_during_counts_the_background_rollouts_inside_an_interval():
     """Fails if a running rollout (no end yet) or a finished one is left out of the overlap."""
     hold = threading.Event()
