@@ -1,48 +1,113 @@
 """The main job with its sampling devices apart from the training ones, in turn (k = 0) and sampling one step ahead
-(``rl.max_staleness = 1``), on 2 fake CPU devices, against the colocated run on 1 device (today's path).
+(``rl.max_staleness = 1``), on 2 fake CPU devices, against the colocated run on 1 device (today's path); and a
+SIGTERM that arrives while the rollouts sampled ahead are running.
 
-The tiny run (``tests/job/test_train.TINY``: 3 steps, a checkpoint every 2) samples ahead only at step 1 (step 2
-ends at a checkpoint, step 3 is the last), so at k = 1 step 2 trains on trees sampled by the policy of step 0.
+The run here (``OVERLAP``: 2 steps, a checkpoint at step 2) samples ahead only at step 1 (step 2 ends at a
+checkpoint and is the last), so at k = 1 step 2 trains on trees sampled by the policy of step 0. The runs share
+one warm start and one JAX compilation cache: a program compiles once for the file, not once a run.
 """
 
 import json
 import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from tests.job.test_train import ROOT, command, final_params, records_without_timings, without_run_facts
+from tests.helpers import TINY_MAIN_JOB, main_job_command
+from tests.job.test_train import ROOT, final_params, records_without_timings, without_run_facts
 
 pytestmark = pytest.mark.slow
 
+OVERLAP = [
+    *TINY_MAIN_JOB,
+    "--config.rl.steps=2",
+    "--config.rl.checkpoint_every=2",
+    "--config.eval.num_questions=2",
+    # Prompt selection and a predictor warm-up: the prompt stream and predictor advance on the sampling thread.
+    # With these, step 1's rollouts get mixed rewards, so the policy moves at step 1 and the policy of step 0 that
+    # samples step 2 ahead is another policy than step 1's.
+    "--config.allocation.candidates_per_prompt=2.0",
+    "--config.allocation.predictor_warmup_prompts=4",
+    "--config.allocation.predictor_warmup_rollouts=2",
+]
 APART = ["--config.mesh.rollout_devices=1"]
+AHEAD = [*APART, "--config.rl.max_staleness=1"]
 LAG_KEYS = ("rollout/staleness_mean", "rollout/staleness_max")
 
+# The main job with a SIGTERM sent from the sampling thread as it starts sampling step 2 ahead (while step 1
+# trains), which then never finishes: the notice always comes with those rollouts in flight, whatever the load,
+# and a stop that waits for them never comes.
+SIGTERM_WHILE_SAMPLING_AHEAD = """
+import os, signal, sys, threading
+from trace_jax.job import loop
+from trace_jax.job.commands import train_and_exit
 
-def _run(workdir, cache, flags, devices):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    done = subprocess.run(
-        command(workdir, cache) + flags, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
+sample = loop.Training._sample
+
+def sample_after_a_notice(self, step, version):
+    if step == 2 and threading.current_thread() is not threading.main_thread():
+        print("SIGTERM sent while sampling step 2 ahead", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait()
+    return sample(self, step, version)
+
+loop.Training._sample = sample_after_a_notice
+sys.argv = ["trace_jax.train", *sys.argv[1:]]
+train_and_exit()
+"""
+
+
+def _env(devices, compiled):
+    return dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=str(compiled),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return workdir
+
+
+def _run(command, devices, compiled, returncode=0, timeout=1800):
+    done = subprocess.run(
+        command, cwd=ROOT, env=_env(devices, compiled), capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == returncode, done.stderr[-4000:]
+    return done
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def shared(tmp_path_factory):
+    """The warm start's cache and the compilation cache the runs share."""
+    return tmp_path_factory.mktemp("warm_start"), tmp_path_factory.mktemp("compiled")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, shared):
     """The colocated 1-device run first (it trains the warm start on 1 device, as the others then reuse it)."""
-    cache = tmp_path_factory.mktemp("cache")
+    cache, compiled = shared
     base = tmp_path_factory.mktemp("run")
-    return {
-        "colocated": _run(base / "colocated", cache, [], devices=1),
-        "apart": _run(base / "apart", cache, APART, devices=2),
-        "ahead": _run(base / "ahead", cache, [*APART, "--config.rl.max_staleness=1"], devices=2),
-    }
+    workdirs = {}
+    for name, flags, devices in (("colocated", [], 1), ("apart", APART, 2), ("ahead", AHEAD, 2)):
+        workdirs[name] = base / name
+        _run(main_job_command(workdirs[name], cache, [*OVERLAP, *flags]), devices, compiled)
+    return workdirs
 
 
 def _summary(workdir):
     return json.loads((workdir / "summary.json").read_text())
+
+
+def _timed_records(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_params(workdir, reference, step):
+    (step_a, params_a), (step_b, params_b) = final_params(workdir), final_params(reference)
+    assert step_a == step_b == step
+    assert all(np.array_equal(a, b) for a, b in zip(params_a, params_b, strict=True))
 
 
 def test_sampling_devices_apart_give_the_colocated_run_bit_for_bit(runs):
@@ -50,31 +115,63 @@ def test_sampling_devices_apart_give_the_colocated_run_bit_for_bit(runs):
     (fails if the weights reach the engine changed, late or not at all, or if k = 0 samples ahead)."""
     colocated, apart = runs["colocated"], runs["apart"]
     assert _summary(apart)["run"]["placement"] == {"training_devices": [1], "sampling_devices": [0]}
-    assert records_without_timings(apart) == records_without_timings(colocated)
+    records = records_without_timings(colocated)
+    assert records[1]["train/grad_norm"] > 0  # premise: the policy moved at step 1 (step 2 samples ahead with θ_0)
+    assert records_without_timings(apart) == records
     assert without_run_facts(_summary(apart)) == without_run_facts(_summary(colocated))
-    (step_a, params_a), (step_c, params_c) = final_params(apart), final_params(colocated)
-    assert step_a == step_c == 3
-    assert all(np.array_equal(a, c) for a, c in zip(params_a, params_c, strict=True))
-    lines = [json.loads(line) for line in (apart / "metrics.jsonl").read_text().splitlines()]
+    _assert_same_params(apart, colocated, step=2)
+    lines = _timed_records(apart)
     assert all("time/weight_sync_s" in r for r in lines if "alloc/effective_ratio" in r)
     assert not any(key in r for r in lines for key in LAG_KEYS)  # k = 0 logs no lag
 
 
 def test_sampling_one_step_ahead_lags_by_one_version_where_it_overlaps_and_nowhere_else(runs):
-    """k = 1: step 2's trees come from the policy of step 0 (lag 1), steps 1 and 3 sample in turn (lag 0); step 1
-    itself is today's step 1; what follows from the sampled trees differs from step 2 on. Fails if the trees are
-    sampled with the newest weights anyway (no lag: step 2 equals k = 0's), if the lag is logged wrong, if
-    sampling ahead disturbs the step that launched it, or if a checkpoint step samples ahead."""
+    """k = 1: step 2's trees come from the policy of step 0 (lag 1), step 1 samples in turn (lag 0) and is today's
+    step 1; what follows from the sampled trees differs at step 2. Fails if the trees are sampled with the newest
+    weights anyway (no lag: step 2 equals k = 0's), if the lag is logged wrong, if sampling ahead disturbs the
+    step that launched it, or if a checkpoint step (step 2, also the last) samples ahead."""
     ahead = {r["step"]: r for r in records_without_timings(runs["ahead"])}
     sync = {r["step"]: r for r in records_without_timings(runs["apart"])}
-    assert [ahead[s]["rollout/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 0.0]
-    assert [ahead[s]["rollout/staleness_mean"] for s in (1, 2, 3)] == [0.0, 1.0, 0.0]
+    assert [ahead[s]["rollout/staleness_max"] for s in (1, 2)] == [0.0, 1.0]
+    assert [ahead[s]["rollout/staleness_mean"] for s in (1, 2)] == [0.0, 1.0]
     assert {k: v for k, v in ahead[1].items() if k not in LAG_KEYS} == sync[1]
     # Step 2 trains on other trees than k = 0's (sampled by the older policy): its figures move.
     assert {k: v for k, v in ahead[2].items() if k not in LAG_KEYS} != sync[2]
-    timed = [json.loads(line) for line in (runs["ahead"] / "metrics.jsonl").read_text().splitlines()]
-    by_step = {r["step"]: r for r in timed}
+    by_step = {r["step"]: r for r in _timed_records(runs["ahead"])}
     assert by_step[1]["time/overlap_s"] > 0.0 and by_step[2]["time/overlap_s"] == 0.0  # step 2 does not sample ahead
     summary, reference = _summary(runs["ahead"]), _summary(runs["apart"])
     for key in ("policy", "seed", "steps", "eval_before", "warm_start"):
         assert summary[key] == reference[key], key
+
+
+def test_sigterm_with_rollouts_in_flight_drops_them_and_the_rerun_equals_the_uninterrupted_run(runs, shared, tmp_path):
+    """k = 1, a SIGTERM while step 2's trees are being sampled ahead (during step 1), rollouts that never finish:
+    the run stops at the first safe point, after step 1 (exit 143), without waiting for them, and writes no
+    checkpoint past step 0 (one at step 1 would hold a prompt stream, seeds and predictor already moved by step 2's
+    sampling); the rerun resumes at step 0 and ends as the uninterrupted k = 1 run: records, summary, params.
+    Fails if the notice is ignored or kills the step under way, if the stop waits for the rollouts in flight
+    (``run.pipeline.close()`` waiting in ``trace_jax.job.train``'s ``finally``: the run never ends), if it checkpoints
+    them (``run.save(force=True)`` after dropping them), or if step 1's first records survive the resume."""
+    from trace_jax.cli import ExitCode
+
+    cache, compiled = shared
+    workdir = tmp_path / "preempted"
+    # A grace far longer than any step: the step under way always finishes (nothing here depends on timing).
+    flags = [*OVERLAP, *AHEAD, "--config.rl.preemption_grace_s=1200"]
+    command = main_job_command(workdir, cache, flags)
+    # Step 1 takes seconds once the runs above compiled its programs: a stop that waits for the rollouts hangs.
+    driver = [sys.executable, "-c", SIGTERM_WHILE_SAMPLING_AHEAD, *command[3:]]
+    stopped = _run(driver, 2, compiled, ExitCode.PREEMPTED, timeout=600)
+    assert "SIGTERM sent while sampling step 2 ahead" in stopped.stderr  # premise: the notice came mid-rollouts
+    assert "stopped by SIGTERM after RL step 1" in stopped.stderr
+    assert [r["step"] for r in records_without_timings(workdir)] == [0, 1]  # step 2 never started
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0]
+    assert not (workdir / "summary.json").exists()
+
+    resumed = _run(command, 2, compiled)
+    assert "resuming at RL step 0 of 2" in resumed.stderr
+    reference = runs["ahead"]
+    assert records_without_timings(workdir) == records_without_timings(reference)
+    assert without_run_facts(_summary(workdir)) == without_run_facts(_summary(reference))
+    assert _summary(workdir)["run"]["resumes"] == 1
+    _assert_same_params(workdir, reference, step=2)

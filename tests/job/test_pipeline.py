@@ -62,6 +62,24 @@ def test_sampling_ahead_runs_on_another_thread_and_hands_its_trees_to_the_next_s
     pipeline.close()
 
 
+def test_abandoned_rollouts_are_dropped_without_waiting_for_them():
+    """A stop on a SIGTERM: ``abandon`` and ``close(wait=False)`` return while the rollouts still run. Fails if
+    either waits for them (the rollouts are held until both returned; a wait would outlast the hold's 30 s and
+    find the thread ended)."""
+    hold = threading.Event()
+    sample = Recorder(hold)
+    pipeline = RolloutPipeline(sample, max_staleness=1, boundary=lambda step: False)
+    pipeline.launch(2, version=0)
+    assert sample.running.wait(30) and pipeline.in_flight
+    pipeline.abandon()
+    assert not pipeline.in_flight
+    pipeline.close(wait=False)
+    alive = [t for t in threading.enumerate() if t.name.startswith("rollouts-ahead") and t.is_alive()]
+    assert alive and sample.calls == []  # the rollouts still run, held: nothing waited for them
+    hold.set()
+    alive[0].join(30)
+
+
 def test_busy_during_counts_the_background_rollouts_inside_an_interval():
     """Fails if a running rollout (no end yet) or a finished one is left out of the overlap."""
     hold = threading.Event()
@@ -76,6 +94,40 @@ def test_busy_during_counts_the_background_rollouts_inside_an_interval():
     pipeline.take(2, version=1)
     assert pipeline.busy_during(now - 1e6, time.perf_counter()) > 0.0
     assert pipeline.busy_during(-2.0, -1.0) == 0.0  # an interval before it ran
+    pipeline.close()
+
+
+class Clock:
+    """A clock that a test sets (``now``) and a ``sample`` function that moves it: each rollout runs from the
+    time it is launched at to ``ends[step]``."""
+
+    def __init__(self, ends: dict[int, float]):
+        self.now = 0.0
+        self.ends = ends
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sample(self, step: int, version: int) -> Sampled:
+        self.now = self.ends[step]
+        return Sampled(step, version, None, 0, 0.0, 0.0)
+
+
+def test_busy_during_forgets_only_the_rollouts_that_no_later_interval_can_overlap():
+    """Rollouts at [0, 10] and [11, 30]; trainer intervals [5, 12], [8, 40], [35, 50] in time order. Fails if a
+    query forgets a rollout that a later interval still overlaps (forgetting those that ended before the query's
+    end, not its start, loses [0, 10] from [8, 40]: 19 s instead of 21) or if nothing is ever forgotten."""
+    clock = Clock({2: 10.0, 3: 30.0})
+    pipeline = RolloutPipeline(clock.sample, max_staleness=1, boundary=lambda step: False, clock=clock)
+    for step, launched in ((2, 0.0), (3, 11.0)):
+        clock.now = launched
+        pipeline.launch(step, version=step - 2)
+        pipeline.take(step, version=step - 1)
+    assert pipeline._intervals == [(0.0, 10.0), (11.0, 30.0)]  # premise: both rollouts are on the record
+    assert pipeline.busy_during(5.0, 12.0) == 5.0 + 1.0
+    assert pipeline.busy_during(8.0, 40.0) == 2.0 + 19.0
+    assert pipeline.busy_during(35.0, 50.0) == 0.0
+    assert pipeline._intervals == []  # both ended before 35: no later interval can overlap them
     pipeline.close()
 
 

@@ -279,6 +279,15 @@ def test_approx_kl_estimates_kl_old_to_new_on_old_samples():
     assert finalize_metrics(metrics)["approx_kl"] == pytest.approx(exact, rel=1e-5)
 
 
+def test_behaviour_gap_is_the_weighted_mean_absolute_log_ratio():
+    """Fails if the gap is signed (the two tokens' gaps, +0.5 and −0.5, would cancel to 0) or unweighted."""
+    new = np.log(np.array([[0.5, 0.2, 0.3]]))
+    old = new + np.array([[-0.5, 0.5, 0.0]])
+    inputs = _inputs(new, old, np.zeros((1, 3)), np.array([[1.0, 3.0, 0.0]]))
+    _, metrics = _loss(inputs, LossConfig())
+    assert finalize_metrics(metrics)["behaviour_gap"] == pytest.approx((0.5 * 1.0 + 0.5 * 3.0) / 4.0, rel=1e-5)
+
+
 def test_non_finite_behaviour_logprobs_are_left_out_not_exploded():
     # A −inf or NaN behaviour log-prob (a sampler's, or a recomputation's) leaves its token untrained: the loss
     # and gradient are those of the other tokens. Catches the mutant "no masking" (the −inf token would add

@@ -13,11 +13,15 @@ Determinism. Which steps sample ahead is a function of the step number alone (:m
 so a run is reproducible and its schedule does not depend on the load: a step that ends at a checkpoint, an
 evaluation or the run's last step does not sample ahead, and the step after it samples with the newest policy.
 Checkpoints therefore never hold work in flight (the prompt stream, seeds and scheduler state they save are
-exactly those of the steps done), and a resume is exact. A SIGTERM after a step that sampled ahead waits for
-those rollouts and stops without a checkpoint (the last one stays the resume point).
+exactly those of the steps done), and a resume is exact. A SIGTERM after a step that sampled ahead stops
+without a checkpoint (the last one stays the resume point) and without waiting for those rollouts: they only
+change the sampling side's memory (prompt stream, seeds, predictor), which no checkpoint after the last one
+reads, and the process ends at once (``os._exit``), so a long rollout phase does not outlast the grace.
 
 Timeline. The pipeline records when its background rollouts ran; :meth:`RolloutPipeline.busy_during` is how long
-they ran inside an interval (the trainer's), from which a step logs its overlap.
+they ran inside an interval (the trainer's), from which a step logs its overlap. The trainer's intervals come in
+time order, so a rollout that ended before one of them starts can overlap none of the later ones: each query
+forgets those, and the record stays a rollout or two long however long the run.
 
 JAX releases the GIL inside compiled calls, so the thread's decode programs run while the main thread's
 update does; on disjoint devices (``mesh.rollout_devices``) they do not compete for device memory either.
@@ -59,12 +63,20 @@ class RolloutPipeline:
       max_staleness: ``rl.max_staleness`` (0: never ahead).
       boundary: ``boundary(step)``: whether step ``step`` ends where nothing may be in flight (a checkpoint, an
         evaluation, the last step).
+      clock: seconds, for the timeline (``time.perf_counter``; a test's clock).
     """
 
-    def __init__(self, sample: Callable[[int, int], Sampled], max_staleness: int, boundary: Callable[[int], bool]):
+    def __init__(
+        self,
+        sample: Callable[[int, int], Sampled],
+        max_staleness: int,
+        boundary: Callable[[int], bool],
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self._sample = sample
         self.max_staleness = max_staleness
         self._boundary = boundary
+        self._clock = clock
         self._executor: ThreadPoolExecutor | None = None
         self._ahead: Future | None = None
         self._ahead_step = 0
@@ -101,34 +113,35 @@ class RolloutPipeline:
 
     def _timed(self, step: int, version: int) -> Sampled:
         with self._lock:
-            self._running_since = time.perf_counter()
+            self._running_since = self._clock()
         try:
             return self._sample(step, version)
         finally:
             with self._lock:
-                self._intervals.append((self._running_since, time.perf_counter()))
+                self._intervals.append((self._running_since, self._clock()))
                 self._running_since = None
 
-    def drain(self) -> Sampled | None:
-        """Waits for the rollouts in flight (if any) and drops them: what a stop without a checkpoint does."""
-        if self._ahead is None:
-            return None
-        future, self._ahead = self._ahead, None
-        return future.result()
+    def abandon(self) -> None:
+        """Drops the rollouts in flight (if any) without waiting for them: a stop whose process ends next and
+        saves nothing they changed. They may run on until the process ends (a thread cannot be stopped)."""
+        self._ahead = None
 
     def busy_during(self, start: float, end: float) -> float:
-        """Seconds within [start, end] during which background rollouts ran."""
+        """Seconds within [start, end] during which background rollouts ran. Intervals are asked in time order
+        (each ``start`` at or after the previous one's): the rollouts that ended before ``start`` are forgotten."""
         with self._lock:
+            self._intervals = [(a, b) for a, b in self._intervals if b >= start]
             spans = list(self._intervals)
             if self._running_since is not None:
                 spans.append((self._running_since, end))
         return sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
 
-    def close(self) -> None:
-        """Waits for what is in flight (dropped, its error too: the run is ending) and ends the thread."""
-        if self._ahead is not None:
+    def close(self, wait: bool = True) -> None:
+        """Ends the thread. ``wait``: first waits for what is in flight (dropped, its error too: the run is
+        ending); else leaves it running (the process is about to end: :meth:`abandon`)."""
+        if self._ahead is not None and wait:
             self._ahead.exception()
-            self._ahead = None
+        self._ahead = None
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=wait, cancel_futures=True)
             self._executor = None

@@ -186,7 +186,7 @@ def _train(
             while run.step < steps:
                 if _stop_requested(run):
                     if run.pipeline.in_flight:  # the next step's trees, sampled ahead: not in any checkpoint
-                        run.pipeline.drain()
+                        run.pipeline.abandon()  # not waited for: the process ends next (train_and_exit)
                         console.info(f"SIGTERM: stopped after RL step {run.step} (it sampled ahead: not checkpointed)")
                         raise Preempted(f"stopped by SIGTERM after RL step {run.step}; {_resume_point(workdir)}")
                     run.save(force=True)  # a no-op when this step is already checkpointed
@@ -209,7 +209,7 @@ def _train(
                 )
                 bar.update(1)
     finally:
-        run.pipeline.close()
+        run.pipeline.close(wait=not TERMINATION.requested)  # a SIGTERM's stop leaves rollouts in flight behind
         writer.close()
         run.checkpointer.close()
     final = dataclasses.replace(run.start, params=run.state.params, source=f"rl step {run.step}")

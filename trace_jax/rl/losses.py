@@ -362,14 +362,16 @@ def compute_loss(inputs: LossInputs, config: LossConfig) -> LossOutput:
 
     Divide by ``loss_denominator(...)`` of the whole batch to get the loss. Trained tokens with a non-finite
     behaviour log-prob are left out (``mask_nonfinite_behaviour``). Metrics: pg_loss, approx_kl (KL(π_old ‖ π_θ)
-    by ``behaviour_kl_estimate``), clip fractions, ratio and ratio_max, and kl_ref / entropy when those are
-    given.
+    by ``behaviour_kl_estimate``), behaviour_gap (the mean |log π_θ − log π_old| a trained token, clipped as the
+    ratio is: how far the trained policy is from the one that sampled), clip fractions, ratio and ratio_max, and
+    kl_ref / entropy when those are given.
     """
     inputs, _ = mask_nonfinite_behaviour(inputs)
     per_token, metrics = POLICY_LOSSES[config.policy_loss](inputs, config)
     metrics["pg_loss"] = (jnp.sum(per_token), jnp.sum(inputs.weights))
     log_ratio = _log_ratio(inputs)
     metrics["approx_kl"] = _metric(behaviour_kl_estimate(jax.lax.stop_gradient(log_ratio)), inputs.weights)
+    metrics["behaviour_gap"] = _metric(jnp.abs(jax.lax.stop_gradient(log_ratio)), inputs.weights)
     if inputs.ref_logprobs is not None:
         d = jnp.where(inputs.weights > 0, inputs.logprobs - inputs.ref_logprobs, 0.0)
         d = jnp.clip(d, -MAX_LOG_RATIO, MAX_LOG_RATIO)

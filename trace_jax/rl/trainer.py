@@ -471,7 +471,7 @@ class RLTrainer:
         Returns the new state (the old one is donated: do not reuse it) and host metrics: loss, grad_norm,
         update_applied (1.0 or 0.0), skipped_steps, masked_nonfinite_tokens (trained tokens left out for a −inf
         or NaN behaviour log-prob: ``trace_jax.rl.losses.mask_nonfinite_behaviour``), and every loss metric
-        (pg_loss, clip_fraction, approx_kl, ratio, ratio_max, kl_ref, entropy when computed, ...).
+        (pg_loss, clip_fraction, approx_kl, behaviour_gap, ratio, ratio_max, kl_ref, entropy when computed, ...).
         """
         masked = _nonfinite_behaviour_tokens(batch)
         state, out = self._device_step(state, batch)
@@ -558,7 +558,7 @@ class RLTrainer:
                 metrics["skipped_steps"] = float(out["skipped_steps"])
             pooled = epoch_pairs if pooled is None else combine_metrics(pooled, epoch_pairs)
             epoch_metrics = finalize_metrics(epoch_pairs)
-            for k in ("ratio", "ratio_max", "clip_fraction"):
+            for k in ("ratio", "ratio_max", "clip_fraction", "behaviour_gap"):
                 metrics[f"epoch{epoch}/{k}"] = epoch_metrics[k]
         metrics.update(finalize_metrics(pooled))
         steps = len(scalars["loss"])
