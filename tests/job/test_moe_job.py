@@ -13,8 +13,8 @@ from trace_jax.checkpoint.state import StateCheckpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-# The smallest job that still runs every part once on the mixture of experts: a few-question world, 2 SFT
-# steps (the warm start trains and saves the MoE, not a useful policy), 2 prompts x 2 rollouts on 4 slots, one
+# The smallest job that still runs every part once on the mixture of experts: a few-question world, 1 SFT
+# step (the warm start trains and saves the MoE, not a useful policy), 2 prompts x 2 rollouts on 4 slots, one
 # PPO epoch of one mini-batch, one eval question.
 SMALL_MOE_JOB = [
     "--config.world.scale=1",
@@ -22,7 +22,7 @@ SMALL_MOE_JOB = [
     "--config.world.ood_questions=2",
     "--config.tokenizer.vocab_size=300",
     "--config.sft.model=qwen3-moe-tiny",
-    "--config.sft.max_steps=2",
+    "--config.sft.max_steps=1",
     "--config.sft.warmup_steps=0",
     "--config.sft.practice_worlds=0",
     "--config.engine.max_slots=4",

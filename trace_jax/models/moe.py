@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -221,25 +222,56 @@ def router_aux_loss(stats: RouterStats) -> jax.Array:
     return stats.chosen_e.shape[0] * jnp.sum((stats.chosen_e / rows) * (stats.prob_e / rows))
 
 
-def _grouped_matmul_by_expert(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array) -> jax.Array:
-    """``ragged_dot``'s value as a scan over the experts: step e computes the rows of group e (a select keeps
-    the others), so the live buffers are [m, f], not the [e, m, d] masked copy of the rows that JAX's generic
-    ``ragged_dot`` lowering (XLA:CPU) makes, which is e times the activations and the whole of a CPU memory
-    estimate for a many-expert model. Work is e times the grouped matmul's: for CPU runs and plans only."""
+def _rows_by_expert(sizes_e: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(first row of each expert's group, one past its last row, the row indices 0..rows-1)."""
     ends_e = jnp.cumsum(sizes_e)
-    starts_e = ends_e - sizes_e
-    row_m = jnp.arange(x_md.shape[0], dtype=sizes_e.dtype)
+    return ends_e - sizes_e, ends_e, jnp.arange(rows, dtype=sizes_e.dtype)
 
-    @jax.checkpoint  # recomputed for the gradient: no [e, m, f] stack of per-expert residuals
-    def group_rows(w_df, start, end):
-        rows_m = (row_m >= start) & (row_m < end)
-        return jnp.where(rows_m[:, None], x_md @ w_df, jnp.zeros((), x_md.dtype))
+
+def _scan_experts(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array) -> jax.Array:
+    """Step e of a scan over the experts sets the rows of group e to ``x @ w[e]`` (a select, so each row is
+    exactly its own expert's product); the live buffers are [m, f]."""
+    starts_e, ends_e, row_m = _rows_by_expert(sizes_e, x_md.shape[0])
 
     def one_expert(out_mf, expert):
-        return out_mf + group_rows(*expert), None  # each row is set by exactly one expert: the sum is exact
+        w_df, start, end = expert
+        # A unit batch axis: remat's save_dots (weight matmuls without batch axes) leaves these products
+        # unsaved, as it leaves ragged_dot's; saved, they would stack to [e, m, f] a layer.
+        out_1mf = jnp.einsum("gmd,gdf->gmf", x_md[None], w_df[None])
+        return jnp.where(((row_m >= start) & (row_m < end))[:, None], out_1mf[0], out_mf), None
 
     out_mf = jnp.zeros((x_md.shape[0], w_edf.shape[2]), jnp.result_type(x_md, w_edf))
     return jax.lax.scan(one_expert, out_mf, (w_edf, starts_e, ends_e))[0]
+
+
+@jax.custom_vjp
+def _grouped_matmul_by_expert(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array) -> jax.Array:
+    """``ragged_dot``'s value on CPU without its [e, m, d] masked copy of the rows (JAX's generic lowering,
+    e times the activations). A custom VJP keeps the residuals to the inputs: differentiated directly, the
+    scan would save each expert's row mask ([e, m, f] a layer).
+    Work is e times the grouped matmul's: for CPU runs and plans only."""
+    return _scan_experts(x_md, w_edf, sizes_e)
+
+
+def _grouped_matmul_fwd(x_md, w_edf, sizes_e):
+    return _scan_experts(x_md, w_edf, sizes_e), (x_md, w_edf, sizes_e)
+
+
+def _grouped_matmul_bwd(residuals, d_out_mf):
+    x_md, w_edf, sizes_e = residuals
+    d_x_md = _scan_experts(d_out_mf, jnp.swapaxes(w_edf, 1, 2), sizes_e)
+    starts_e, ends_e, row_m = _rows_by_expert(sizes_e, x_md.shape[0])
+
+    def one_expert(_, bounds):  # d w[e] = x[group e]^T @ d_out[group e]
+        rows_m = ((row_m >= bounds[0]) & (row_m < bounds[1]))[:, None]
+        return None, jnp.where(rows_m, x_md, jnp.zeros((), x_md.dtype)).T @ d_out_mf
+
+    d_w_edf = jax.lax.scan(one_expert, None, (starts_e, ends_e))[1]
+    no_sizes = np.zeros(sizes_e.shape, jax.dtypes.float0)  # integer group sizes have no cotangent
+    return d_x_md.astype(x_md.dtype), d_w_edf.astype(w_edf.dtype), no_sizes
+
+
+_grouped_matmul_by_expert.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 def grouped_matmul(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array) -> jax.Array:
@@ -297,7 +329,7 @@ def shard_local_experts(compute, x_nd, top_i_nk, top_w_nk, gate_edf, up_edf, dow
         out_nd = compute(*shards)
         return out_nd if tensor is None else jax.lax.psum(out_nd, tensor)
 
-    # check_vma off: the CPU scan's carry starts as a constant, the same on every shard
+    # check_vma off: the CPU scans' carries start as constants, the same on every shard
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows, check_vma=False)(*args)
 
 
