@@ -13,6 +13,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from tests import search_r1_fixtures as fixtures
@@ -22,6 +23,8 @@ from trace_jax.job import build, sources
 from trace_jax.models import abstract_model
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+# A whole recipe run in a subprocess: 168 CPU-seconds (697 s wall at load ~10 on 2 cores).
+pytestmark = pytest.mark.slow
 
 
 def test_one_rl_step_of_the_recipe_on_a_moe_checkpoint_with_routing_replay_exports_what_transformers_loads(
