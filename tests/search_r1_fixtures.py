@@ -13,6 +13,7 @@ import itertools
 import json
 import pathlib
 import random
+from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -152,10 +153,13 @@ def plant_search_turn(model, tokenizer, turn: str = PLANTED_TURN, strength: floa
     return model
 
 
-def write_all(root: str | pathlib.Path, seed: int = 0) -> dict[str, pathlib.Path]:
+def write_all(
+    root: str | pathlib.Path, seed: int = 0, family: str = "qwen3", **hf_fields: Any
+) -> dict[str, pathlib.Path]:
     """Writes ``hf/`` (a tiny random Qwen3 that searches, :func:`plant_search_turn`, and the tokenizer),
     ``data/train.parquet`` + ``data/test.jsonl`` and
-    ``corpus.jsonl`` under ``root``; returns their paths by name (``hf``, ``data``, ``corpus``)."""
+    ``corpus.jsonl`` under ``root``; returns their paths by name (``hf``, ``data``, ``corpus``).
+    ``family`` and ``hf_fields`` go to :func:`write_checkpoint` (e.g. ``"qwen3_moe"`` for a mixture of experts)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -168,20 +172,26 @@ def write_all(root: str | pathlib.Path, seed: int = 0) -> dict[str, pathlib.Path
     corpus_path = root / "corpus.jsonl"
     corpus_path.write_text("".join(json.dumps(row) + "\n" for row in corpus))
     tokenizer = train_tokenizer(_tokenizer_texts(train, corpus))
-    hf = write_checkpoint(root / "hf", tokenizer, seed=seed)
+    hf = write_checkpoint(root / "hf", tokenizer, seed=seed, family=family, **hf_fields)
     return {"hf": hf, "data": data, "corpus": corpus_path, "tokenizer": hf}
 
 
 def write_checkpoint(
-    hf: str | pathlib.Path, tokenizer: PreTrainedTokenizerFast, turn: str = PLANTED_TURN, seed: int = 0
+    hf: str | pathlib.Path,
+    tokenizer: PreTrainedTokenizerFast,
+    turn: str = PLANTED_TURN,
+    seed: int = 0,
+    family: str = "qwen3",
+    **hf_fields: Any,
 ) -> pathlib.Path:
-    """Saves a tiny random Qwen3 that writes ``turn`` (:func:`plant_search_turn`) and ``tokenizer`` to ``hf``."""
+    """Saves a tiny random Qwen3 (``family``: ``tests.helpers.build_hf_checkpoint``'s, with ``hf_fields``
+    over the sizes here) that writes ``turn`` (:func:`plant_search_turn`) and ``tokenizer`` to ``hf``."""
     from tests.helpers import build_hf_checkpoint
 
     hf = pathlib.Path(hf)
     model = build_hf_checkpoint(
         hf,
-        "qwen3",
+        family,
         seed=seed,
         vocab_size=len(tokenizer),
         hidden_size=32,
@@ -193,6 +203,7 @@ def write_checkpoint(
         bos_token_id=tokenizer.pad_token_id,  # Qwen's config.json: bos and pad <|endoftext|>, eos <|im_end|>
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **hf_fields,
     )
     plant_search_turn(model, tokenizer, turn).save_pretrained(str(hf))
     tokenizer.save_pretrained(str(hf))

@@ -8,21 +8,43 @@ import subprocess
 import jax
 import numpy as np
 
-from tests.helpers import TINY_MAIN_JOB, main_job_command
+from tests.helpers import main_job_command
 from trace_jax.checkpoint.state import StateCheckpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
+# The smallest job that still runs every part once on the mixture of experts: a few-question world, 1 SFT
+# step (the warm start trains and saves the MoE, not a useful policy), 2 prompts x 2 rollouts on 4 slots, one
+# PPO epoch of one mini-batch, one eval question.
+SMALL_MOE_JOB = [
+    "--config.world.scale=1",
+    "--config.world.questions_per_hop=6",
+    "--config.world.ood_questions=2",
+    "--config.tokenizer.vocab_size=300",
+    "--config.sft.model=qwen3-moe-tiny",
+    "--config.sft.max_steps=1",
+    "--config.sft.warmup_steps=0",
+    "--config.sft.practice_worlds=0",
+    "--config.engine.max_slots=4",
+    "--config.engine.append_windows=(512,)",
+    "--config.allocation.rollouts_per_prompt=2.0",
+    "--config.rl.prompts_per_step=2",
+    "--config.ppo.ppo_epochs=1",
+    "--config.ppo.mini_batches=1",
+    "--config.eval.num_questions=1",
+    "--config.eval.every=0",
+]
+
 
 def test_two_rl_steps_with_the_tiny_moe_policy(tmp_path):
     """Catches any part of the job (SFT, engine, trainer, checkpoints) that builds or reads a dense model only,
-    with routing replay on (the engine records, the trees and rows carry it, the trainer replays it)."""
-    flags = [
-        *TINY_MAIN_JOB,
-        "--config.sft.model=qwen3-moe-tiny",
-        "--config.rl.steps=2",
-        "--config.engine.routing_replay=True",
-    ]
+    with routing replay on (the engine records, the trees and rows carry it, the trainer replays it).
+
+    Each assertion: the exit code fails on any part that cannot take the MoE; the two steps' allocation records
+    fail if the second step (rollouts from the updated MoE policy) does not run; the logged load-balancing
+    loss fails if the trainer's forward drops the sparse layers' router statistics; the checkpoint's expert
+    weights fail if the policy trained and saved is not the mixture of experts."""
+    flags = [*SMALL_MOE_JOB, "--config.rl.steps=2", "--config.engine.routing_replay=True"]
     done = subprocess.run(
         main_job_command(tmp_path / "run", tmp_path / "cache", flags),
         cwd=ROOT,

@@ -158,3 +158,18 @@ def test_the_planner_compiles_a_mixture_of_experts_on_an_expert_axis(tmp_path):
     assert train["mesh"]["expert"] == 4 and train["mesh"]["fsdp"] * train["mesh"]["expert"] == 8
     assert engine["mesh"]["expert"] == 4
     assert plan["active_params"] < plan["params"]
+
+
+def test_the_moe_estimate_counts_the_dispatch_rows_and_the_gathered_experts():
+    """Fails if the rough estimate drops a mixture of experts' terms (top-k copies of each token's row, one
+    layer's experts gathered and kept for the backward pass): it then says ~104 GiB for a qwen3-30b-a3b
+    candidate whose compiled step held 320.1 GiB of temporaries per chip (docs/benchmarks.md#will-it-fit)."""
+    from trace_jax.plan.__main__ import _activation_estimate, _moe_terms
+
+    moe = ModelConfig.preset("qwen3-30b-a3b", dtype="bfloat16")
+    assert _moe_terms(ModelConfig.preset("qwen3-8b"), 1, 2) == (0.0, 0.0)  # a dense model's estimate is unchanged
+    rows = 256 // 32 // 4  # fsdp 2 x expert 16, 4 micro-batches
+    none = _activation_estimate(moe, rows * 4096, 1, "none", rows, 512) / 2**30
+    full = _activation_estimate(moe, rows * 4096, 1, "full", rows, 512) / 2**30
+    assert 0.8 * 320.1 < none < 1.2 * 320.1
+    assert full < none / 10  # full remat keeps no layer's experts

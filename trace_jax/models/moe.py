@@ -10,10 +10,16 @@ outputs. Dropless: every chosen (token, expert) pair is computed, no capacity fa
 
 Expert compute (``MoeConfig.expert_compute``):
 
-* ``grouped``: the (token, expert) pairs sorted by expert, then one ``jax.lax.ragged_dot`` per projection
-  over the contiguous groups (a grouped matmul: work proportional to tokens x top-k, not x experts);
+* ``grouped``: the (token, expert) pairs sorted by expert, then one grouped matmul per projection over the
+  contiguous groups (``grouped_matmul``: ``jax.lax.ragged_dot`` on TPU and GPU, work proportional to tokens x
+  top-k, not x experts; on CPU a scan over the experts with the same values and [m, f] live buffers);
 * ``dense``: every expert on every token, weighted by the gates (zero for unchosen experts). The reference
   the grouped path is tested against (values and gradients); costs ``num_experts / top-k`` times the FLOPs.
+
+Under a mesh the dispatch runs per batch shard (``shard_local_experts``): each device sorts and computes its
+own tokens against one layer's experts gathered over ``expert`` and ``embed`` (split over ``tensor`` on the
+expert width), so no device holds another shard's (token, expert) rows; the experts' weights, gradients and
+optimizer state stay split over ``expert`` between layers.
 
 Mixed dense and sparse layers (``decoder_sparse_step``, ``mlp_only_layers``): layers of one kind cannot
 share a scan body, so the parameters are two stacks, ``dense_layers`` (dense ``DecoderLayer``s, exactly the
@@ -44,7 +50,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from trace_jax.models.qwen import (
     HF_MODEL_TYPES,
@@ -57,7 +65,7 @@ from trace_jax.models.qwen import (
     scan_layers,
     stacked_layers,
 )
-from trace_jax.parallel.mesh import constrain
+from trace_jax.parallel.mesh import MESH_AXES, constrain, logical_to_spec
 
 EXPERT_COMPUTE = ("grouped", "dense")
 
@@ -214,6 +222,64 @@ def router_aux_loss(stats: RouterStats) -> jax.Array:
     return stats.chosen_e.shape[0] * jnp.sum((stats.chosen_e / rows) * (stats.prob_e / rows))
 
 
+def _rows_by_expert(sizes_e: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(first row of each expert's group, one past its last row, the row indices 0..rows-1)."""
+    ends_e = jnp.cumsum(sizes_e)
+    return ends_e - sizes_e, ends_e, jnp.arange(rows, dtype=sizes_e.dtype)
+
+
+def _scan_experts(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array) -> jax.Array:
+    """Step e of a scan over the experts sets the rows of group e to ``x @ w[e]`` (a select, so each row is
+    exactly its own expert's product); the live buffers are [m, f]."""
+    starts_e, ends_e, row_m = _rows_by_expert(sizes_e, x_md.shape[0])
+
+    def one_expert(out_mf, expert):
+        w_df, start, end = expert
+        # A unit batch axis: remat's save_dots (weight matmuls without batch axes) leaves these products
+        # unsaved, as it leaves ragged_dot's; saved, they would stack to [e, m, f] a layer.
+        out_1mf = jnp.einsum("gmd,gdf->gmf", x_md[None], w_df[None])
+        return jnp.where(((row_m >= start) & (row_m < end))[:, None], out_1mf[0], out_mf), None
+
+    out_mf = jnp.zeros((x_md.shape[0], w_edf.shape[2]), jnp.result_type(x_md, w_edf))
+    return jax.lax.scan(one_expert, out_mf, (w_edf, starts_e, ends_e))[0]
+
+
+@jax.custom_vjp
+def _grouped_matmul_by_expert(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array) -> jax.Array:
+    """``ragged_dot``'s value on CPU without its [e, m, d] masked copy of the rows (JAX's generic lowering,
+    e times the activations). A custom VJP keeps the residuals to the inputs: differentiated directly, the
+    scan would save each expert's row mask ([e, m, f] a layer).
+    Work is e times the grouped matmul's: for CPU runs and plans only."""
+    return _scan_experts(x_md, w_edf, sizes_e)
+
+
+def _grouped_matmul_fwd(x_md, w_edf, sizes_e):
+    return _scan_experts(x_md, w_edf, sizes_e), (x_md, w_edf, sizes_e)
+
+
+def _grouped_matmul_bwd(residuals, d_out_mf):
+    x_md, w_edf, sizes_e = residuals
+    d_x_md = _scan_experts(d_out_mf, jnp.swapaxes(w_edf, 1, 2), sizes_e)
+    starts_e, ends_e, row_m = _rows_by_expert(sizes_e, x_md.shape[0])
+
+    def one_expert(_, bounds):  # d w[e] = x[group e]^T @ d_out[group e]
+        rows_m = ((row_m >= bounds[0]) & (row_m < bounds[1]))[:, None]
+        return None, jnp.where(rows_m, x_md, jnp.zeros((), x_md.dtype)).T @ d_out_mf
+
+    d_w_edf = jax.lax.scan(one_expert, None, (starts_e, ends_e))[1]
+    no_sizes = np.zeros(sizes_e.shape, jax.dtypes.float0)  # integer group sizes have no cotangent
+    return d_x_md.astype(x_md.dtype), d_w_edf.astype(w_edf.dtype), no_sizes
+
+
+_grouped_matmul_by_expert.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def grouped_matmul(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array) -> jax.Array:
+    """Rows of ``x_md`` sorted by expert (``sizes_e`` rows each) times their expert's ``w_edf[e]`` ([m, f]):
+    ``jax.lax.ragged_dot`` (TPU and GPU lower it to a grouped matmul), a scan over experts on CPU."""
+    return jax.lax.platform_dependent(x_md, w_edf, sizes_e, cpu=_grouped_matmul_by_expert, default=jax.lax.ragged_dot)
+
+
 def grouped_experts(x_nd, top_i_nk, top_w_nk, gate_edf, up_edf, down_efd) -> jax.Array:
     """Dropless grouped matmul: each token through its top-k experts, gate-weighted and summed ([n, d])."""
     n, k = top_i_nk.shape
@@ -222,9 +288,9 @@ def grouped_experts(x_nd, top_i_nk, top_w_nk, gate_edf, up_edf, down_efd) -> jax
     token_m = order_m // k
     sizes_e = jnp.bincount(expert_m, length=gate_edf.shape[0]).astype(jnp.int32)
     x_md = jnp.take(x_nd, token_m, axis=0)
-    gate_mf = jax.lax.ragged_dot(x_md, gate_edf, sizes_e)
-    hidden_mf = jax.nn.silu(gate_mf) * jax.lax.ragged_dot(x_md, up_edf, sizes_e)
-    out_md = jax.lax.ragged_dot(hidden_mf, down_efd, sizes_e)
+    gate_mf = grouped_matmul(x_md, gate_edf, sizes_e)
+    hidden_mf = jax.nn.silu(gate_mf) * grouped_matmul(x_md, up_edf, sizes_e)
+    out_md = grouped_matmul(hidden_mf, down_efd, sizes_e)
     out_md = out_md * jnp.take(top_w_nk.reshape(-1), order_m)[:, None].astype(out_md.dtype)
     return jnp.zeros((n, x_nd.shape[1]), out_md.dtype).at[token_m].add(out_md)
 
@@ -240,6 +306,31 @@ def dense_experts(x_nd, top_i_nk, top_w_nk, gate_edf, up_edf, down_efd) -> jax.A
 
 
 _EXPERT_COMPUTE = {"grouped": grouped_experts, "dense": dense_experts}
+
+
+def shard_local_experts(compute, x_nd, top_i_nk, top_w_nk, gate_edf, up_edf, down_efd) -> jax.Array:
+    """``compute`` (an ``_EXPERT_COMPUTE`` entry) on each batch shard's own tokens, when traced under a mesh.
+
+    Left to the SPMD partitioner, the dispatch's sort and gathers run over the global token order: every
+    device held all n x top-k rows. Inside ``shard_map`` each device sorts and computes only its tokens
+    (``batch``: data x fsdp x expert); the experts' weights enter gathered over ``expert`` and ``embed``
+    (one layer at a time, as FSDP gathers a dense layer) and stay split over ``tensor`` on the expert width,
+    whose partial outputs are summed (``psum``). Without a mesh (or a mesh without these axes) ``compute``
+    runs as is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    args = (x_nd, top_i_nk, top_w_nk, gate_edf, up_edf, down_efd)
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return compute(*args)
+    rows = logical_to_spec(("batch", None), mesh, x_nd.shape)
+    tensor = "tensor" if mesh.shape["tensor"] > 1 and gate_edf.shape[2] % mesh.shape["tensor"] == 0 else None
+    specs = (rows, rows, rows, P(None, None, tensor), P(None, None, tensor), P(None, tensor, None))
+
+    def local(*shards):
+        out_nd = compute(*shards)
+        return out_nd if tensor is None else jax.lax.psum(out_nd, tensor)
+
+    # check_vma off: the CPU scans' carries start as constants, the same on every shard
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows, check_vma=False)(*args)
 
 
 class MoeBlock(nnx.Module):
@@ -283,7 +374,7 @@ class MoeBlock(nnx.Module):
         probs_ne, top_w_nk, top_i_nk = self.route(x_nd, replay_nk)
         weights = (self.gate_proj.value, self.up_proj.value, self.down_proj.value)
         compute = _EXPERT_COMPUTE[self.config.expert_compute]
-        out_nd = compute(x_nd, top_i_nk, top_w_nk, *(w.astype(dtype) for w in weights))
+        out_nd = shard_local_experts(compute, x_nd, top_i_nk, top_w_nk, *(w.astype(dtype) for w in weights))
         mask_n = jnp.ones((b * t,), jnp.float32) if token_mask_bt is None else token_mask_bt.reshape(-1)
         mask_n = mask_n.astype(jnp.float32)
         chosen_e = jnp.zeros_like(probs_ne[0]).at[top_i_nk].add(jnp.broadcast_to(mask_n[:, None], top_i_nk.shape))

@@ -48,13 +48,32 @@ def _activation_estimate(config: Any, tokens: int, tensor: int, remat: str, rows
     act = 2 if config.dtype == "bfloat16" else 4
     d, f, e = config.hidden_size, config.active_mlp_width / tensor, config.head_dim
     heads = (config.num_heads + 2 * config.num_kv_heads) * e / tensor
-    per_layer = tokens * act * (6 * d + 4 * f + 3 * heads)  # what one layer keeps without remat
-    saved = {"none": per_layer, "save_dots": tokens * act * (2 * d + 2 * f + heads), "full": tokens * act * d}[remat]
+    dispatch, experts = _moe_terms(config, tensor, act)
+    per_layer = tokens * act * (6 * d + 4 * f + 3 * heads + 2 * dispatch)  # what one layer keeps without remat
+    saved = {
+        "none": per_layer,
+        "save_dots": tokens * act * (2 * d + 2 * f + heads + dispatch),
+        "full": tokens * act * d,
+    }
+    # Without full remat the backward pass reads each sparse layer's gathered experts: they stay live.
+    kept_experts = 0 if remat == "full" else experts * len(getattr(config, "sparse_layers", ()))
     seq = tokens / max(rows, 1)
     attention = rows * config.num_heads / tensor * min(512, seq) * seq * 4 * 4
     logits = rows * chunk * config.vocab_size / tensor * 4 * 4
     # x2.5: XLA:CPU keeps float32 copies around bf16 dots (measured on qwen3-8b: ~2.6x the bf16 count).
-    return 2.5 * (config.num_layers * saved + 2 * per_layer) + attention + logits
+    return 2.5 * (config.num_layers * saved[remat] + 2 * per_layer + kept_experts + 2 * experts) + attention + logits
+
+
+def _moe_terms(config: Any, tensor: int, act: int) -> tuple[float, float]:
+    """A mixture of experts' extra activation width per token and layer (each token's row copied top-k times
+    into and out of the experts, averaged over the layers) and the bytes of one sparse layer's experts as the
+    dispatch gathers them (``models.moe.shard_local_experts``); (0, 0) for a dense model."""
+    if not hasattr(config, "num_experts"):
+        return 0.0, 0.0
+    share = len(config.sparse_layers) / config.num_layers
+    dispatch = config.num_experts_per_tok * config.hidden_size * share
+    experts = 3 * config.num_experts * config.hidden_size * config.moe_intermediate_size * act / tensor
+    return dispatch, experts
 
 
 def _expert_sizes(config: Any, chips: int) -> tuple[int, ...]:
