@@ -80,6 +80,27 @@ class Preempted(Interrupted):
     exit_code = ExitCode.PREEMPTED
 
 
+class Repeated:
+    """Calls ``fire`` (on its own thread) ``delay_s`` seconds from now, then again every ``every_s`` seconds until
+    :meth:`cancel`: a grace's deadline, repeated because the interrupt it raises can be lost (raised while a
+    garbage-collector callback runs, which JAX installs, Python prints it as "Exception ignored" and goes on).
+    The caller cancels it once the interrupt has reached it (on leaving the grace)."""
+
+    def __init__(self, delay_s: float, fire: Callable[[], None], every_s: float = 1.0):
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(delay_s, fire, every_s), daemon=True)
+        self._thread.start()
+
+    def _run(self, delay_s: float, fire: Callable[[], None], every_s: float) -> None:
+        wait = delay_s
+        while not self._cancelled.wait(wait):
+            fire()
+            wait = every_s
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+
 class Termination:
     """SIGTERM as a preemption notice: a request to stop at the next safe point, with a deadline.
 
@@ -93,7 +114,8 @@ class Termination:
     def __init__(self) -> None:
         self.received_at: float | None = None  # time.monotonic() of the first SIGTERM
         self._abandon_after_s: float | None = None
-        self._timer: threading.Timer | None = None
+        self._timer: Repeated | None = None
+        self._expired = False  # the grace's deadline passed: the next notice interrupts
 
     @property
     def requested(self) -> bool:
@@ -103,7 +125,7 @@ class Termination:
         del signum, frame
         if self.received_at is None:
             self.received_at = time.monotonic()
-        if self._abandon_after_s is None:
+        if self._abandon_after_s is None or self._expired:
             raise KeyboardInterrupt
         self._arm()
 
@@ -113,9 +135,14 @@ class Termination:
         left = self._abandon_after_s - (time.monotonic() - self.received_at)
         if left == float("inf"):
             return
-        self._timer = threading.Timer(max(left, 0.0), _thread.interrupt_main)
-        self._timer.daemon = True
-        self._timer.start()
+        self._timer = Repeated(max(left, 0.0), self._deadline_passed)
+
+    def _deadline_passed(self) -> None:
+        """The grace ran out: the main thread gets a KeyboardInterrupt from :meth:`handle`, run there as if a
+        SIGTERM came. Not through SIGINT (``interrupt_main()``'s default): a job a script started in the
+        background has SIGINT ignored, and Python then raises nothing for it."""
+        self._expired = True
+        _thread.interrupt_main(signal.SIGTERM)
 
     @contextlib.contextmanager
     def grace(self, abandon_after_s: float) -> Any:
@@ -144,6 +171,7 @@ class Termination:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._expired = False
 
     def reset(self) -> None:
         """Forgets a notice (tests that run several jobs in one process)."""

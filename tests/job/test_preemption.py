@@ -60,6 +60,36 @@ def test_a_step_still_running_when_the_grace_runs_out_is_abandoned(termination):
     assert termination.requested
 
 
+def test_an_interrupt_lost_in_a_gc_callback_is_repeated_until_the_step_is_abandoned(termination):
+    """Python drops a KeyboardInterrupt raised while a garbage-collector callback runs (JAX installs one; with a
+    collection running in a loop, 4 to 5 of 60 one-shot deadlines were lost). Catches a deadline that interrupts
+    once: the first interrupt is swallowed here as such a callback would, and the second must still come."""
+    with pytest.raises(KeyboardInterrupt), termination.grace(0.05):
+        sigterm()
+        try:
+            wait_for(lambda: False, 30)
+        except KeyboardInterrupt:
+            pass  # the first interrupt, lost
+        else:
+            pytest.fail("premise: the grace's deadline interrupts at all")
+        wait_for(lambda: False, 30)  # interrupted again about a second later
+    assert termination._timer is None  # leaving the grace stops the repeats
+
+
+def test_the_deadline_interrupts_a_job_started_in_the_background_with_sigint_ignored(termination):
+    """A script that starts the job with ``&`` (``launch/tpu_worker.sh`` does) leaves SIGINT ignored in it, and
+    Python then raises nothing for a simulated SIGINT. Catches a deadline sent as SIGINT (``interrupt_main()``):
+    the step would run on past the grace."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(KeyboardInterrupt), termination.grace(0.05):
+            sigterm()
+            wait_for(lambda: False, 30)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert termination.requested and termination._timer is None
+
+
 def test_run_main_exits_143_after_a_sigterm_and_130_after_ctrl_c(monkeypatch):
     from trace_jax import cli
 
