@@ -9,10 +9,11 @@ Policies: uniform, dynamic_sampling, root_only, tree_random, tree_entropy, trace
 * prompt selection (``trace_select3``, ``root_only_select3``, ``active1_uniform2_select3``): the step draws 3
   candidate prompts per prompt it trains and the policy keeps the batch's worth by predicted ``V_root``
   (``allocation.candidates_per_prompt``; the budget is the kept batch's);
-* selection on the first search (``trace_select3_first_search``, ``trace_history_select3_first_search``): as
-  ``trace_select3`` / ``trace_history_select3``, but each candidate first gets one rollout's first turn (search
-  call and observation) and is ranked, and stage 1 split, on the predictor's value of that depth-1 prefix
-  (``allocation.select_on``); the probes' tokens are charged, a kept prompt's probe is its first rollout;
+* selection on the first search (``trace_select3_first_search``, ``trace_history_select3_first_search``,
+  ``trace_select4_first_search`` with 4 candidates a prompt): as ``trace_select3`` / ``trace_history_select3``,
+  but each candidate first gets one rollout's first turn (search call and observation) and is ranked, and stage 1
+  split, on the predictor's value of that depth-1 prefix (``allocation.select_on``); the probes' tokens are
+  charged, a kept prompt's probe is its first rollout;
 * a warm predictor (``trace_warm``, ``trace_select3_warm``): before RL step 1 the predictor learns from 8
   rollouts on each of 96 prompts (``allocation.predictor_warmup_prompts``; that sampling is logged at step 0);
 * ``trace_select3_warm_dispersion``: the same with the predictor's dispersion head, so selection and stage 1
@@ -49,6 +50,7 @@ class Arm:
 
 
 SELECT3 = {"candidates_per_prompt": 3.0}
+SELECT4 = {"candidates_per_prompt": 4.0}
 WARM = {"predictor_warmup_prompts": 96, "predictor_warmup_rollouts": 8}
 DISPERSION = {"predictor_kwargs": {"dispersion": True}}
 HISTORY = {"predictor_kwargs": {"history": True}, "compare_without_history": True}
@@ -69,6 +71,7 @@ ARMS = {
     "trace_history_select3": Arm("trace", allocation={**HISTORY, **SELECT3}),
     "trace_select3_first_search": Arm("trace", allocation={**SELECT3, **FIRST_SEARCH}),
     "trace_history_select3_first_search": Arm("trace", allocation={**HISTORY, **SELECT3, **FIRST_SEARCH}),
+    "trace_select4_first_search": Arm("trace", allocation={**SELECT4, **FIRST_SEARCH}),
     "greso": Arm("greso"),
     "greso_select2": Arm("greso", allocation={"candidates_per_prompt": 2.0}),
     "trace_gated": Arm("trace", GATE),

@@ -5,8 +5,9 @@ in turn (``rl.max_staleness = 0``) against sampling one step ahead (``= 1``), si
                                       [--out=FILE.json]
 
 Two devices, one sampling (``mesh.rollout_devices = 1``) and one training: on a CPU host, two XLA host devices
-(``--xla_force_host_platform_device_count=2``, set here before JAX starts), each program on one thread
-(``ONE_CORE_EACH``): one core samples and one trains, and sampling in turn leaves one of them idle. One
+(``--xla_force_host_platform_device_count=2``, set here before JAX starts), with Eigen's threading off
+(``ONE_CORE_EACH``). The two devices share XLA's one thread pool, so this is not a clean split of one core each:
+a program alone uses part of the other core too, and sampling in turn leaves less idle than on two chips. One
 ``Training`` runs blocks of ``--steps`` RL steps, alternately at k = 0 and k = 1 (each round swaps the order, so
 a drift in the machine's load falls on both), on the same engine and trainer (nothing compiles twice).
 Checkpoints are never written, but the checkpoint period is the block length, so a block's last step is a
@@ -16,7 +17,9 @@ of each block, the steady state (the first one also compiles).
 
 Per mode, over those steps: the median step time, the generated tokens and the step time per thousand of them (the
 two modes sample different trees, so "equal tokens" is checked, not forced), the median rollout and train seconds,
-and the overlap fraction: the share of the trainer's time (batch + update) during which rollouts ran. ``speedup`` is
+the overlap fraction: the share of the trainer's time (batch + update) during which rollouts ran, and the cores
+the process kept busy (its CPU seconds over the step's wall seconds; XLA:CPU runs both host devices' programs on
+one shared thread pool, so a program can use both cores when the other device is idle). ``speedup`` is
 the k = 0 median over the k = 1 median. The default config is the main job's (``configs/default.py``) with the tiny
 world of the job tests' warm start (``TINY_WORLD`` below): the default RL step (16 questions, 8 rollouts' budget
 each, 32 slots) on a warm start that trains in minutes.
@@ -31,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 from trace_jax.bench.report import emit
@@ -46,9 +50,11 @@ TINY_WORLD = [
     "--config.sft.practice_worlds=0",
 ]
 DEVICES_FLAG = "--xla_force_host_platform_device_count=2"
-# Each XLA:CPU program on one thread, so the sampling device and the training device each use one core (the
-# split the benchmark measures); ``--shared-cores`` leaves XLA's thread pool, which both devices share, alone.
-ONE_CORE_EACH = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+# Eigen's own threading off: each operation on one thread. XLA:CPU still runs a program's independent operations
+# concurrently on the one thread pool that both host devices share, so this does not pin a device to a core:
+# a device working alone keeps about 1.5 of the 2 cores busy (``median_cores_used`` at k = 0). ``--shared-cores``
+# leaves Eigen's threading on as well.
+ONE_CORE_EACH = "--xla_cpu_multi_thread_eigen=false"
 
 
 def _flag(argv: list[str], name: str, default: str) -> str:
@@ -60,7 +66,9 @@ def _block(run: Any, staleness: int, steps: int) -> list[dict[str, float]]:
     run.pipeline.max_staleness = staleness
     records = []
     for _ in range(steps):
+        wall, cpu = time.perf_counter(), time.process_time()
         records.append(run.rl_step())
+        records[-1]["bench/cores_used"] = (time.process_time() - cpu) / (time.perf_counter() - wall)
         timings = {k: round(v, 3) for k, v in records[-1].items() if k.startswith("time/")}
         print(json.dumps({"k": staleness, "step": run.step, **timings}), file=sys.stderr, flush=True)
     return records
@@ -82,6 +90,7 @@ def _mode(blocks: list[list[dict[str, float]]]) -> dict[str, Any]:
         "median_weight_sync_s": statistics.median(r["time/weight_sync_s"] for r in counted),
         "overlap_fraction": sum(r.get("time/overlap_s", 0.0) for r in counted) / train_s if train_s else 0.0,
         "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in counted),
+        "median_cores_used": statistics.median(r["bench/cores_used"] for r in counted),
     }
 
 
