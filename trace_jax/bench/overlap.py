@@ -19,7 +19,8 @@ Per mode, over those steps: the median step time, the generated tokens and the s
 two modes sample different trees, so "equal tokens" is checked, not forced), the median rollout and train seconds,
 the overlap fraction: the share of the trainer's time (batch + update) during which rollouts ran, and the cores
 the process kept busy (its CPU seconds over the step's wall seconds; XLA:CPU runs both host devices' programs on
-one shared thread pool, so a program can use both cores when the other device is idle). ``speedup`` is
+one shared thread pool, so a program can use both cores when the other device is idle), and the programs compiled
+during them (``compiles``, from JAX's compile event on any thread: 0 once warm, in either mode). ``speedup`` is
 the k = 0 median over the k = 1 median. The default config is the main job's (``configs/default.py``) with the tiny
 world of the job tests' warm start (``TINY_WORLD`` below): the default RL step (16 questions, 8 rollouts' budget
 each, 32 slots) on a warm start that trains in minutes.
@@ -52,7 +53,7 @@ TINY_WORLD = [
 DEVICES_FLAG = "--xla_force_host_platform_device_count=2"
 # Eigen's own threading off: each operation on one thread. XLA:CPU still runs a program's independent operations
 # concurrently on the one thread pool that both host devices share, so this does not pin a device to a core:
-# a device working alone keeps about 1.5 of the 2 cores busy (``median_cores_used`` at k = 0). ``--shared-cores``
+# a device working alone keeps about 1.7 of the 2 cores busy (``median_cores_used`` at k = 0). ``--shared-cores``
 # leaves Eigen's threading on as well.
 ONE_CORE_EACH = "--xla_cpu_multi_thread_eigen=false"
 
@@ -61,14 +62,31 @@ def _flag(argv: list[str], name: str, default: str) -> str:
     return next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}=")), default)
 
 
-def _block(run: Any, staleness: int, steps: int) -> list[dict[str, float]]:
+class CompileCount:
+    """Programs JAX compiles (or loads from its persistent cache: either means a program not seen before), on any
+    thread, counted from JAX's backend-compile event."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        import jax.monitoring  # here: JAX starts after the flags are set (see main)
+
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration_secs: float, **kwargs: Any) -> None:
+        self.count += event == self.EVENT
+
+
+def _block(run: Any, staleness: int, steps: int, compiles: CompileCount) -> list[dict[str, float]]:
     """``steps`` RL steps at ``rl.max_staleness = staleness``; the metrics of each."""
     run.pipeline.max_staleness = staleness
     records = []
     for _ in range(steps):
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, compiled = time.perf_counter(), time.process_time(), compiles.count
         records.append(run.rl_step())
         records[-1]["bench/cores_used"] = (time.process_time() - cpu) / (time.perf_counter() - wall)
+        records[-1]["bench/compiles"] = compiles.count - compiled
         timings = {k: round(v, 3) for k, v in records[-1].items() if k.startswith("time/")}
         print(json.dumps({"k": staleness, "step": run.step, **timings}), file=sys.stderr, flush=True)
     return records
@@ -91,6 +109,7 @@ def _mode(blocks: list[list[dict[str, float]]]) -> dict[str, Any]:
         "overlap_fraction": sum(r.get("time/overlap_s", 0.0) for r in counted) / train_s if train_s else 0.0,
         "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in counted),
         "median_cores_used": statistics.median(r["bench/cores_used"] for r in counted),
+        "compiles": sum(r["bench/compiles"] for r in counted),
     }
 
 
@@ -130,9 +149,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run = loop.Training(config, pathlib.Path(workdir), cli.Console(verbosity=-1), PhaseTimer())
         try:
             run.warm_up_predictor()
+            compiles = CompileCount()
             for round_ in range(rounds):
                 for staleness in (0, 1) if round_ % 2 == 0 else (1, 0):
-                    blocks[staleness].append(_block(run, staleness, steps))
+                    blocks[staleness].append(_block(run, staleness, steps, compiles))
         finally:
             run.pipeline.close()
             run.checkpointer.close()
