@@ -46,8 +46,8 @@ def _flat(grads) -> dict[str, np.ndarray]:
 
 
 def _diffs(a, b) -> tuple[float, float]:
-    """(largest logit difference, largest gradient difference relative to the gradient's largest entry)."""
-    logits = float(np.abs(a[0] - b[0]).max())
+    """Largest differences of the logits and of each gradient, relative to the reference's largest entry."""
+    logits = float(np.abs(a[0] - b[0]).max() / np.abs(b[0]).max())
     ga, gb = _flat(a[1]), _flat(b[1])
     grads = max(float(np.abs(ga[k] - gb[k]).max() / max(np.abs(gb[k]).max(), 1e-30)) for k in gb)
     return logits, grads
@@ -73,9 +73,11 @@ def main() -> None:
                 with jax.set_mesh(mesh):
                     batch = jax.device_put(ids, mesh_lib.batch_sharding(mesh))
                     (_, (logits, record)), grads = step(mesh_lib.shard_state(params, mesh), batch, routing)
+                    lowered = step.lower(mesh_lib.shard_state(params, mesh), batch, routing).as_text()
                 result = (np.asarray(logits), jax.device_get(grads))
                 shards = np.unique(np.asarray(record) // (config.num_experts // expert))
                 entry = {"shards_receiving": shards.tolist(), "experts_recorded": np.unique(record).tolist()}
+                entry["all_to_all_ops"] = lowered.count("all_to_all")
                 entry["logits_vs_one_device"], entry["grads_vs_one_device"] = _diffs(result, reference)
                 gather = out.get(f"{routing_name}/{mesh_name}/gather", {}).get("_result")
                 if gather is not None:
