@@ -87,12 +87,13 @@ def _exchange_rows(compute, shards, x_nd, top_i_nk, top_w_nk, gate_edf, up_edf, 
     n, k = top_i_nk.shape
     local = gate_edf.shape[0]
     c = n * k  # dropless: a destination block holds every row of this device
+    position_m = jnp.arange(n * k, dtype=jnp.int32)  # a row's place in the sorted order
     expert_m = top_i_nk.reshape(-1)
     order_m = jnp.argsort(expert_m, stable=True)  # rows grouped by shard, then by the shard's local expert
     shard_m = jnp.take(expert_m, order_m) // local
     sizes_se = jnp.bincount(expert_m, length=shards * local).astype(jnp.int32).reshape(shards, local)
     rows_s = jnp.sum(sizes_se, axis=1)
-    slot_m = shard_m * c + jnp.arange(c, dtype=jnp.int32) - (jnp.cumsum(rows_s) - rows_s)[shard_m]
+    slot_m = shard_m * c + position_m - (jnp.cumsum(rows_s) - rows_s)[shard_m]
     send_rd = jnp.zeros((shards * c, x_nd.shape[1]), x_nd.dtype).at[slot_m].set(jnp.take(x_nd, order_m // k, axis=0))
 
     def exchange(a):  # block i goes to shard i; block j of the result came from shard j
