@@ -5,7 +5,7 @@
 Compiles ``RLTrainer``'s step (``plan.compile.train_step_memory``: XLA's ``memory_analysis()`` on fake CPU
 devices) for a scaled-down Qwen3-MoE (hidden 256, 16 experts, top-4, expert width 128, 2 sparse layers,
 vocabulary 1,024; bf16 compute, fp32 weights) on 8 fake devices as fsdp 2 x expert 4, once with
-``expert_dispatch="gather"`` and once with ``"all_to_all"``, and prints the per-device GiB of each part and
+``expert_dispatch="gather"`` and once with ``"all_to_all"``, and prints the per-device MiB of each part and
 the ratio of temporaries. Nothing runs: these are compile-time estimates (XLA:CPU's schedule).
 """
 
@@ -19,6 +19,7 @@ import sys
 from trace_jax.bench.report import emit
 
 DEVICES = 8
+MIB = 2**20
 MESH = {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}
 DISPATCHES = ("gather", "all_to_all")
 
@@ -57,9 +58,13 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"config": dataclasses.asdict(base), "mesh": MESH, "rows": args.rows, "seq_len": args.seq_len}
     for dispatch in DISPATCHES:
         config = dataclasses.replace(base, expert_dispatch=dispatch)
-        report = train_step_memory(config, mesh, args.rows, args.seq_len).as_dict()
-        result[dispatch] = {k: report[k] for k in ("per_device_gib", "peak_gib", "compile_seconds")}
-    temporaries = [result[d]["per_device_gib"]["temporaries"] for d in DISPATCHES]
+        report = train_step_memory(config, mesh, args.rows, args.seq_len)
+        result[dispatch] = {
+            "per_device_mib": {k: round(v / MIB, 1) for k, v in {**report.by_kind, "peak": report.peak}.items()},
+            "temporaries_mib": round(report.temporaries / MIB, 1),
+            "compile_seconds": round(report.compile_seconds, 1),
+        }
+    temporaries = [result[d]["temporaries_mib"] for d in DISPATCHES]
     result["temporaries_all_to_all_over_gather"] = round(temporaries[1] / temporaries[0], 3)
     return emit(result, args.out)
 

@@ -147,9 +147,11 @@ class Planner:
 
         self.args = args
         self.devices = jax.devices()
-        # A mixture of experts' dispatch (MoeConfig.expert_dispatch); dense presets have no such field.
-        dispatch = {"expert_dispatch": args.expert_dispatch} if args.expert_dispatch else {}
-        self.config = ModelConfig.preset(args.model, dtype=args.dtype, param_dtype=args.param_dtype, **dispatch)
+        self.config = ModelConfig.preset(args.model, dtype=args.dtype, param_dtype=args.param_dtype)
+        if getattr(args, "expert_dispatch", None):  # MoeConfig.expert_dispatch; dense presets have no such field
+            if not hasattr(self.config, "expert_dispatch"):
+                raise SystemExit(f"--expert-dispatch needs a mixture-of-experts preset; {args.model} is dense")
+            self.config = dataclasses.replace(self.config, expert_dispatch=args.expert_dispatch)
         self.memo: dict[str, Any] = {}
         self.compiles = 0
 
