@@ -19,9 +19,10 @@ with the signature ``compute(x_nd, top_i_nk, top_w_nk, gate_edf, up_edf, down_ef
   device's rows, C = local tokens x top-k (the case where every row goes to one shard). The send and receive
   buffers are [S, C, d] each way (4 x S x C x d activations a sparse layer, S times the rows the gather
   dispatch holds), and the owner computes over its S x C received rows, the rows after its experts' groups
-  being padding. Pick it when one sparse layer's experts weigh more than those buffers (large expert sets,
-  few tokens per device) or when the experts' gather traffic dominates the step. With ``expert`` of size 1,
-  no mesh, or experts not divisible by the ``expert`` size it runs as ``gather``.
+  being padding (zero rows in no group: the CPU scan leaves them zero; whether ``ragged_dot`` on TPU or GPU
+  skips their work is not measured here). Pick it when one sparse layer's experts weigh more than those
+  buffers (large expert sets, few tokens per device) or when the experts' gather traffic dominates the step.
+  With ``expert`` of size 1, no mesh, or experts not divisible by the ``expert`` size it runs as ``gather``.
 
 Letters as in ``models.moe``; s shards of ``expert``, c rows per destination block, r = s x c received rows.
 """
