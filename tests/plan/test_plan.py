@@ -173,3 +173,21 @@ def test_the_moe_estimate_counts_the_dispatch_rows_and_the_gathered_experts():
     full = _activation_estimate(moe, rows * 4096, 1, "full", rows, 512) / 2**30
     assert 0.8 * 320.1 < none < 1.2 * 320.1
     assert full < none / 10  # full remat keeps no layer's experts
+
+
+def test_the_all_to_all_estimate_trades_gathered_experts_for_dispatch_buffers():
+    """qwen3-30b-a3b on fsdp 2 x expert 16: the all_to_all dispatch holds 1/16 of a layer's experts and a send
+    and a receive buffer of 16 blocks of the device's top-k rows. Fails if the estimate still counts the
+    gathered expert set, drops the buffers, or applies either where the expert axis is 1 (it runs as gather)."""
+    from trace_jax.plan.__main__ import _activation_estimate, _moe_terms
+
+    gather = ModelConfig.preset("qwen3-30b-a3b", dtype="bfloat16")
+    a2a = ModelConfig.preset("qwen3-30b-a3b", dtype="bfloat16", expert_dispatch="all_to_all")
+    rows_g, experts_g = _moe_terms(gather, 1, 2, 16)
+    rows_a, experts_a = _moe_terms(a2a, 1, 2, 16)
+    assert experts_a == experts_g / 16
+    assert rows_a == rows_g * (1 + 2 * 16)
+    assert _moe_terms(a2a, 1, 2, 1) == _moe_terms(gather, 1, 2, 1)
+    rows = 256 // 32 // 4
+    full_g, full_a = (_activation_estimate(c, rows * 4096, 1, "full", rows, 512, 16) for c in (gather, a2a))
+    assert full_a > full_g  # full remat keeps no experts: only the buffers differ

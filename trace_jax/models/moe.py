@@ -16,9 +16,10 @@ Expert compute (``MoeConfig.expert_compute``):
 * ``dense``: every expert on every token, weighted by the gates (zero for unchosen experts). The reference
   the grouped path is tested against (values and gradients); costs ``num_experts / top-k`` times the FLOPs.
 
-Under a mesh the dispatch runs per batch shard (``shard_local_experts``): each device sorts and computes its
-own tokens against one layer's experts gathered over ``expert`` and ``embed`` (split over ``tensor`` on the
-expert width), so no device holds another shard's (token, expert) rows; the experts' weights, gradients and
+Under a mesh the dispatch runs per batch shard (``MoeConfig.expert_dispatch``, ``models.expert_dispatch``):
+``gather`` (the default) computes each device's own tokens against one layer's experts gathered over
+``expert`` and ``embed``; ``all_to_all`` keeps the experts split over ``expert`` and sends each (token,
+expert) row to the shard holding its expert and back. Either way the experts' weights, gradients and
 optimizer state stay split over ``expert`` between layers.
 
 Mixed dense and sparse layers (``decoder_sparse_step``, ``mlp_only_layers``): layers of one kind cannot
@@ -52,8 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
+from trace_jax.models.expert_dispatch import EXPERT_DISPATCH
 from trace_jax.models.qwen import (
     HF_MODEL_TYPES,
     PRESETS,
@@ -65,7 +66,7 @@ from trace_jax.models.qwen import (
     scan_layers,
     stacked_layers,
 )
-from trace_jax.parallel.mesh import MESH_AXES, constrain, logical_to_spec
+from trace_jax.parallel.mesh import constrain
 
 EXPERT_COMPUTE = ("grouped", "dense")
 
@@ -87,6 +88,7 @@ class MoeConfig(ModelConfig):
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
     expert_compute: str = "grouped"  # one of EXPERT_COMPUTE
+    expert_dispatch: str = "gather"  # a key of EXPERT_DISPATCH (models.expert_dispatch); not an HF field
 
     def __post_init__(self):
         super().__post_init__()
@@ -102,6 +104,8 @@ class MoeConfig(ModelConfig):
             raise ValueError(f"mlp_only_layers={self.mlp_only_layers} name layers outside 0..{self.num_layers - 1}")
         if self.expert_compute not in EXPERT_COMPUTE:
             raise ValueError(f"expert_compute={self.expert_compute!r}; choose one of {EXPERT_COMPUTE}")
+        if self.expert_dispatch not in EXPERT_DISPATCH:
+            raise ValueError(f"expert_dispatch={self.expert_dispatch!r}; choose one of {tuple(EXPERT_DISPATCH)}")
 
     @property
     def family(self) -> str:
@@ -308,31 +312,6 @@ def dense_experts(x_nd, top_i_nk, top_w_nk, gate_edf, up_edf, down_efd) -> jax.A
 _EXPERT_COMPUTE = {"grouped": grouped_experts, "dense": dense_experts}
 
 
-def shard_local_experts(compute, x_nd, top_i_nk, top_w_nk, gate_edf, up_edf, down_efd) -> jax.Array:
-    """``compute`` (an ``_EXPERT_COMPUTE`` entry) on each batch shard's own tokens, when traced under a mesh.
-
-    Left to the SPMD partitioner, the dispatch's sort and gathers run over the global token order: every
-    device held all n x top-k rows. Inside ``shard_map`` each device sorts and computes only its tokens
-    (``batch``: data x fsdp x expert); the experts' weights enter gathered over ``expert`` and ``embed``
-    (one layer at a time, as FSDP gathers a dense layer) and stay split over ``tensor`` on the expert width,
-    whose partial outputs are summed (``psum``). Without a mesh (or a mesh without these axes) ``compute``
-    runs as is."""
-    mesh = jax.sharding.get_abstract_mesh()
-    args = (x_nd, top_i_nk, top_w_nk, gate_edf, up_edf, down_efd)
-    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
-        return compute(*args)
-    rows = logical_to_spec(("batch", None), mesh, x_nd.shape)
-    tensor = "tensor" if mesh.shape["tensor"] > 1 and gate_edf.shape[2] % mesh.shape["tensor"] == 0 else None
-    specs = (rows, rows, rows, P(None, None, tensor), P(None, None, tensor), P(None, tensor, None))
-
-    def local(*shards):
-        out_nd = compute(*shards)
-        return out_nd if tensor is None else jax.lax.psum(out_nd, tensor)
-
-    # check_vma off: the CPU scans' carries start as constants, the same on every shard
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows, check_vma=False)(*args)
-
-
 class MoeBlock(nnx.Module):
     """Top-k softmax router over ``num_experts`` SwiGLU experts (see the module docstring)."""
 
@@ -374,7 +353,8 @@ class MoeBlock(nnx.Module):
         probs_ne, top_w_nk, top_i_nk = self.route(x_nd, replay_nk)
         weights = (self.gate_proj.value, self.up_proj.value, self.down_proj.value)
         compute = _EXPERT_COMPUTE[self.config.expert_compute]
-        out_nd = shard_local_experts(compute, x_nd, top_i_nk, top_w_nk, *(w.astype(dtype) for w in weights))
+        dispatch = EXPERT_DISPATCH[self.config.expert_dispatch]
+        out_nd = dispatch(compute, x_nd, top_i_nk, top_w_nk, *(w.astype(dtype) for w in weights))
         mask_n = jnp.ones((b * t,), jnp.float32) if token_mask_bt is None else token_mask_bt.reshape(-1)
         mask_n = mask_n.astype(jnp.float32)
         chosen_e = jnp.zeros_like(probs_ne[0]).at[top_i_nk].add(jnp.broadcast_to(mask_n[:, None], top_i_nk.shape))

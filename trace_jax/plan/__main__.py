@@ -43,19 +43,21 @@ def _set_fake_devices(count: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ estimates
-def _activation_estimate(config: Any, tokens: int, tensor: int, remat: str, rows: int, chunk: int) -> float:
+def _activation_estimate(
+    config: Any, tokens: int, tensor: int, remat: str, rows: int, chunk: int, expert: int = 1
+) -> float:
     """Rough per-device activation bytes of one micro-batch (orders and prunes candidates; XLA decides)."""
     act = 2 if config.dtype == "bfloat16" else 4
     d, f, e = config.hidden_size, config.active_mlp_width / tensor, config.head_dim
     heads = (config.num_heads + 2 * config.num_kv_heads) * e / tensor
-    dispatch, experts = _moe_terms(config, tensor, act)
+    dispatch, experts = _moe_terms(config, tensor, act, expert)
     per_layer = tokens * act * (6 * d + 4 * f + 3 * heads + 2 * dispatch)  # what one layer keeps without remat
     saved = {
         "none": per_layer,
         "save_dots": tokens * act * (2 * d + 2 * f + heads + dispatch),
         "full": tokens * act * d,
     }
-    # Without full remat the backward pass reads each sparse layer's gathered experts: they stay live.
+    # Without full remat the backward pass reads each sparse layer's experts as the dispatch holds them.
     kept_experts = 0 if remat == "full" else experts * len(getattr(config, "sparse_layers", ()))
     seq = tokens / max(rows, 1)
     attention = rows * config.num_heads / tensor * min(512, seq) * seq * 4 * 4
@@ -64,16 +66,34 @@ def _activation_estimate(config: Any, tokens: int, tensor: int, remat: str, rows
     return 2.5 * (config.num_layers * saved[remat] + 2 * per_layer + kept_experts + 2 * experts) + attention + logits
 
 
-def _moe_terms(config: Any, tensor: int, act: int) -> tuple[float, float]:
-    """A mixture of experts' extra activation width per token and layer (each token's row copied top-k times
-    into and out of the experts, averaged over the layers) and the bytes of one sparse layer's experts as the
-    dispatch gathers them (``models.moe.shard_local_experts``); (0, 0) for a dense model."""
-    if not hasattr(config, "num_experts"):
-        return 0.0, 0.0
+def _gather_terms(config: Any, tensor: int, act: int, expert: int) -> tuple[float, float]:
+    """``gather``: each token's row copied top-k times into and out of the experts; one sparse layer's whole
+    expert set gathered over ``expert`` and ``embed``."""
     share = len(config.sparse_layers) / config.num_layers
     dispatch = config.num_experts_per_tok * config.hidden_size * share
-    experts = 3 * config.num_experts * config.hidden_size * config.moe_intermediate_size * act / tensor
-    return dispatch, experts
+    return dispatch, 3 * config.num_experts * config.hidden_size * config.moe_intermediate_size * act / tensor
+
+
+def _all_to_all_terms(config: Any, tensor: int, act: int, expert: int) -> tuple[float, float]:
+    """``all_to_all``: besides the top-k copies, a send and a receive buffer of ``expert`` blocks each holding
+    all of the device's top-k rows (dropless worst case, S x C x d each); the experts gathered over ``embed``
+    only, E / S of them. Runs as ``gather`` where the expert axis cannot split the experts."""
+    if expert == 1 or config.num_experts % expert:
+        return _gather_terms(config, tensor, act, expert)
+    dispatch, experts = _gather_terms(config, tensor, act, expert)
+    return dispatch * (1 + 2 * expert), experts / expert
+
+
+_DISPATCH_TERMS = {"gather": _gather_terms, "all_to_all": _all_to_all_terms}
+
+
+def _moe_terms(config: Any, tensor: int, act: int, expert: int = 1) -> tuple[float, float]:
+    """A mixture of experts' extra activation width per token and layer (averaged over the layers) and the
+    bytes of one sparse layer's experts as its dispatch (``MoeConfig.expert_dispatch``,
+    ``models.expert_dispatch``) holds them on a device; (0, 0) for a dense model."""
+    if not hasattr(config, "num_experts"):
+        return 0.0, 0.0
+    return _DISPATCH_TERMS[config.expert_dispatch](config, tensor, act, expert)
 
 
 def _expert_sizes(config: Any, chips: int) -> tuple[int, ...]:
@@ -101,7 +121,7 @@ def _train_candidates(config, topology: Topology, rows: int, seq_len: int, chunk
                     if chips % tensor or rows % (shards * micro):
                         continue
                     rows_dev = rows // shards // micro
-                    estimate = _activation_estimate(config, rows_dev * seq_len, tensor, remat, rows_dev, chunk)
+                    estimate = _activation_estimate(config, rows_dev * seq_len, tensor, remat, rows_dev, chunk, expert)
                     mesh = _mesh(config, data=1, fsdp=fsdp, expert=expert, tensor=tensor)
                     yield {"remat": remat, "micro_batches": micro, "mesh": mesh}, estimate
 
@@ -128,6 +148,10 @@ class Planner:
         self.args = args
         self.devices = jax.devices()
         self.config = ModelConfig.preset(args.model, dtype=args.dtype, param_dtype=args.param_dtype)
+        if getattr(args, "expert_dispatch", None):  # MoeConfig.expert_dispatch; dense presets have no such field
+            if not hasattr(self.config, "expert_dispatch"):
+                raise SystemExit(f"--expert-dispatch needs a mixture-of-experts preset; {args.model} is dense")
+            self.config = dataclasses.replace(self.config, expert_dispatch=args.expert_dispatch)
         self.memo: dict[str, Any] = {}
         self.compiles = 0
 
@@ -327,6 +351,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="train compute dtype")
     parser.add_argument("--param-dtype", default="float32", help="train weights (and optimizer state) dtype")
     parser.add_argument("--engine-dtype", default="bfloat16", help="engine weights, compute and KV cache dtype")
+    parser.add_argument(
+        "--expert-dispatch", default=None, help="a mixture of experts' dispatch: gather (the preset's) or all_to_all"
+    )
     parser.add_argument("--memory-gib", type=float, default=0, help="override the chip's memory (GiB)")
     parser.add_argument("--margin", type=float, default=0.1, help="fraction of chip memory kept free")
     parser.add_argument("--prune", type=float, default=1.5, help="skip candidates estimated above prune x budget")
