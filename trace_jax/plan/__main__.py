@@ -78,9 +78,9 @@ def _all_to_all_terms(config: Any, tensor: int, act: int, expert: int) -> tuple[
     """``all_to_all``: besides the top-k copies, a send and a receive buffer of ``expert`` blocks each holding
     all of the device's top-k rows (dropless worst case, S x C x d each); the experts gathered over ``embed``
     only, E / S of them. Runs as ``gather`` where the expert axis cannot split the experts."""
-    if expert == 1 or config.num_experts % expert:
-        return _gather_terms(config, tensor, act, expert)
     dispatch, experts = _gather_terms(config, tensor, act, expert)
+    if expert == 1 or config.num_experts % expert:
+        return dispatch, experts
     return dispatch * (1 + 2 * expert), experts / expert
 
 
