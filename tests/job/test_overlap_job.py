@@ -175,3 +175,26 @@ def test_sigterm_with_rollouts_in_flight_drops_them_and_the_rerun_equals_the_uni
     assert without_run_facts(_summary(workdir)) == without_run_facts(_summary(reference))
     assert _summary(workdir)["run"]["resumes"] == 1
     _assert_same_params(workdir, reference, step=2)
+
+
+def test_a_grace_that_runs_out_during_step_1_abandons_it_and_leaves_the_rollouts_in_flight_behind(
+    runs, shared, tmp_path
+):
+    """k = 1, the same notice while step 2's trees are being sampled ahead, with no grace to finish step 1
+    (``rl.preemption_grace_s=0``): step 1 is abandoned where it is (exit 143), its record and checkpoint are never
+    written, step 0's checkpoint stays the resume point, and the process ends without waiting for the rollouts
+    that never finish. Fails if the deadline is ignored (step 1 completes and is logged) or if the abandoned step
+    waits for the rollouts in flight (``run.pipeline.close(wait=True)`` in ``trace_jax.job.train``'s ``finally``:
+    the process never ends and the run times out)."""
+    from trace_jax.cli import ExitCode
+
+    cache, compiled = shared  # ``runs`` first: its warm start and compiled programs are reused here
+    workdir = tmp_path / "abandoned"
+    command = main_job_command(workdir, cache, [*OVERLAP, *AHEAD, "--config.rl.preemption_grace_s=0"])
+    driver = [sys.executable, "-c", SIGTERM_WHILE_SAMPLING_AHEAD, *command[3:]]
+    stopped = _run(driver, 2, compiled, ExitCode.PREEMPTED, timeout=600)
+    assert "SIGTERM sent while sampling step 2 ahead" in stopped.stderr  # premise: the notice came mid-rollouts
+    assert "stopped by SIGTERM before the step under way ended" in stopped.stderr
+    assert [r["step"] for r in records_without_timings(workdir)] == [0]
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0]
+    assert not (workdir / "summary.json").exists()
