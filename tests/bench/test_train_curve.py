@@ -159,6 +159,49 @@ def test_paired_differences_against_uniform_with_standard_errors():
     assert "trace | +0.0200 ± 0.0115 (2/3)" in result["markdown"]
 
 
+def test_every_policy_is_paired_against_uniform_and_dynamic_sampling_with_the_ratio_of_effective_ratios():
+    """Fails if a baseline that ran is left out, if the table's "× uniform's" is a difference or the wrong way up,
+    or if a baseline that did not run is asked for silently."""
+    runs = []
+    for seed in range(2):
+        for policy, eff in (("uniform", 0.3), ("dynamic_sampling", 0.4), ("trace", 0.6)):
+            records = fake_records([500] * 2, {2: 0.5}, eff=eff + 0.1 * seed)
+            runs.append(train_curve.run_curve(policy, seed, records, sft_em=0.4))
+    result = train_curve.aggregate(runs)
+    by_baseline = result["paired_by_baseline"]
+    assert list(by_baseline) == ["uniform", "dynamic_sampling"]
+    assert by_baseline["uniform"] == result["paired"]  # the default baseline's table, unchanged
+    trace_vs = {name: table["policies"]["trace"] for name, table in by_baseline.items()}
+    assert trace_vs["uniform"]["effective_ratio_times"] == pytest.approx(0.65 / 0.35)  # means over the seeds
+    assert trace_vs["dynamic_sampling"]["effective_ratio_times"] == pytest.approx(0.65 / 0.45)
+    assert trace_vs["dynamic_sampling"]["mean_effective_ratio"]["mean"] == pytest.approx(0.2)
+    assert "| trace | " in result["markdown"] and "| 1.86× |" in result["markdown"]
+    assert "policy − dynamic_sampling (paired by seed)" in result["markdown"]
+    with pytest.raises(ValueError, match="did not run"):
+        train_curve.paired_differences(runs, 1000.0, 2.0, baseline="greso")
+
+
+def test_held_out_em_change_per_group_is_the_last_evaluation_minus_the_sft_policys(tmp_path):
+    """Per question group, from a run directory: the SFT rows of ``eval_before.json`` and the *last* evaluation's
+    ``eval/em/<group>`` (fails if an earlier evaluation is read, or the overall row counted as a group)."""
+    rundir = tmp_path / "uniform_s0"
+    with MetricWriter(rundir, tensorboard=False) as writer:
+        for record in fake_records([500] * 4, {2: 0.5, 4: 0.45}):
+            groups = {4: {"1-hop": 0.75, "2-hop": 0.1}, 2: {"1-hop": 0.0, "2-hop": 0.9}}.get(record["step"], {})
+            if "eval/em" in record:
+                record.update({f"eval/em/{group}": em for group, em in groups.items()})
+            writer.write(record["step"], {k: v for k, v in record.items() if k != "step"})
+    rows = [{"group": "1-hop", "n": 4, "em": 0.5}, {"group": "2-hop", "n": 10, "em": 0.3}, {"group": "all", "em": 0.4}]
+    (rundir / "eval_before.json").write_text(json.dumps({"step": 0, "rows": rows}))
+    (rundir / "summary.json").write_text(json.dumps({"total_seconds": 5.0}))
+    run = train_curve.load_run("uniform", 0, rundir)
+    assert run.group_em_change() == pytest.approx({"1-hop": 0.25, "2-hop": -0.2})
+    result = train_curve.aggregate([run])
+    change = result["policies"]["uniform"]["group_em_change"]
+    assert (change["1-hop"]["mean"], change["2-hop"]["questions"]) == (pytest.approx(0.25), 10)
+    assert "| uniform | +0.250 | -0.200 |" in result["markdown"] and "1-hop (4 q.)" in result["markdown"]
+
+
 def test_config_file_selects_the_world():
     args = train_curve.parse_args(["--quick", "--config-file", str(train_curve.CONFIG_DIR / "realistic.py")])
     config = train_curve.run_config("trace", 0, args)

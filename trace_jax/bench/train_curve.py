@@ -19,7 +19,10 @@ the comparison is made at equal *cumulative* generated tokens: each run's held-o
 interpolated between its evaluations onto a common token axis, and "EM @ equal tokens" is the EM at the
 smallest total any run reached ("EM @ equal time" likewise on cumulative RL-step wall seconds, evaluations
 excluded). With several policies over the same seeds, ``paired`` holds per-seed differences against the
-first policy named ``uniform`` (else the last one): mean, standard error and wins.
+first policy named ``uniform`` (else the last one): mean, standard error and wins, and the ratio of mean
+effective ratios; ``paired_by_baseline`` the same against each of ``uniform`` and ``dynamic_sampling`` that ran.
+``policies.<name>.group_em_change`` is the held-out EM change (final − SFT) per question group (hops, buried,
+trivial), where a drop in EM comes from.
 
 Multi-epoch runs: ``--pool-size N --epochs E`` trains on a pool of N train questions (``rl.pool_size``), each
 visited once per epoch in a fresh seeded order, for E epochs: ``--steps`` is then derived per policy
@@ -116,6 +119,14 @@ class RunCurve:
     warmup_seconds: float = 0.0
     extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     steps_per_epoch: int = 0  # RL steps of one pass over the prompt pool; 0: no pool (fresh prompts)
+    # Held-out EM per question group (``eval/em/<group>``): the SFT policy's and the last evaluation's.
+    group_em_sft: dict[str, float] = dataclasses.field(default_factory=dict)
+    group_em_final: dict[str, float] = dataclasses.field(default_factory=dict)
+    group_questions: dict[str, int] = dataclasses.field(default_factory=dict)  # held-out questions per group
+
+    def group_em_change(self) -> dict[str, float]:
+        """Per question group both evaluations scored: final EM minus the SFT policy's."""
+        return {g: self.group_em_final[g] - em for g, em in self.group_em_sft.items() if g in self.group_em_final}
 
     def per_epoch(self) -> dict[str, list[float]]:
         """Each :data:`PER_STEP_KEYS` figure and the effective ratio, averaged over each epoch's steps (NaN-aware);
@@ -166,8 +177,11 @@ def run_curve(
     sft_em: float,
     seconds: float = 0.0,
     steps_per_epoch: int = 0,
+    sft_group_em: Mapping[str, float] | None = None,
+    group_questions: Mapping[str, int] | None = None,
 ):
-    """A :class:`RunCurve` from a run's ``metrics.jsonl`` records and the SFT policy's held-out EM."""
+    """A :class:`RunCurve` from a run's ``metrics.jsonl`` records and the SFT policy's held-out EM (overall, and
+    per question group when ``sft_group_em`` is given)."""
     steps = [r for r in records if r.get("alloc/effective_ratio") is not None]
     if not steps:
         raise ValueError(f"run {policy} seed {seed} logged no RL step (is its metrics.jsonl empty?)")
@@ -181,6 +195,9 @@ def run_curve(
         return np.asarray([r.get(key) if r.get(key) is not None else np.nan for r in steps], np.float64)
 
     eval_steps = np.asarray(sorted(evals), np.int64)
+    prefix = "eval/em/"
+    last_eval = [r for r in records if r.get("eval/em") is not None][-1:]
+    final_groups = {k[len(prefix) :]: float(v) for r in last_eval for k, v in r.items() if k.startswith(prefix)}
     return RunCurve(
         policy,
         seed,
@@ -200,6 +217,9 @@ def run_curve(
         warmup.get(WARMUP_KEYS[1], 0.0),
         {name: column(key) for name, key in PER_STEP_KEYS.items()},
         steps_per_epoch,
+        dict(sft_group_em or {}),
+        final_groups,
+        dict(group_questions or {}),
     )
 
 
@@ -222,13 +242,23 @@ def baseline_policy(policies: Sequence[str]) -> str:
     return "uniform" if "uniform" in policies else policies[-1]
 
 
-def paired_differences(runs: Sequence[RunCurve], equal_tokens: float, equal_seconds: float) -> dict[str, Any]:
-    """Per policy, its per-seed differences from the baseline policy (:func:`baseline_policy`) on the seeds both
+# The baselines every other policy is paired against, when they ran: the flat sampler, and the strongest
+# budget-reallocating baseline (DAPO's dynamic sampling).
+BASELINES = ("uniform", "dynamic_sampling")
+
+
+def paired_differences(
+    runs: Sequence[RunCurve], equal_tokens: float, equal_seconds: float, baseline: str | None = None
+) -> dict[str, Any]:
+    """Per policy, its per-seed differences from ``baseline`` (default :func:`baseline_policy`) on the seeds both
     ran: EM at equal tokens, EM at equal time, mean effective ratio, mean share of generated tokens with a
-    non-zero advantage. Each: mean, standard error (std with
-    ddof=1 over sqrt(n); NaN for one seed), n and wins (seeds where the policy is strictly ahead)."""
+    non-zero advantage. Each: mean, standard error (std with ddof=1 over sqrt(n); NaN for one seed), n and wins
+    (seeds where the policy is strictly ahead). ``effective_ratio_times``: the policy's mean effective ratio over
+    those seeds divided by the baseline's (the "× uniform's effective ratio" of the evidence)."""
     groups = _by_policy(runs)
-    baseline = baseline_policy(list(groups))
+    baseline = baseline_policy(list(groups)) if baseline is None else baseline
+    if baseline not in groups:
+        raise ValueError(f"baseline {baseline!r} did not run (policies: {sorted(groups)})")
     base = {run.seed: run for run in groups[baseline]}
     figures = {
         "em_at_equal_tokens": lambda r: float(r.em_at_tokens(np.asarray(equal_tokens))),
@@ -243,32 +273,57 @@ def paired_differences(runs: Sequence[RunCurve], equal_tokens: float, equal_seco
         pairs = [(run, base[run.seed]) for run in group if run.seed in base]
         if not pairs:
             continue
-        rows = {}
+        rows: dict[str, Any] = {}
         for name, figure in figures.items():
             diff = np.asarray([figure(a) - figure(b) for a, b in pairs])
             se = float(np.std(diff, ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else float("nan")
             rows[name] = {"mean": float(diff.mean()), "se": se, "n": int(diff.size), "wins": int((diff > 0).sum())}
+        ratio = figures["mean_effective_ratio"]
+        rows["effective_ratio_times"] = float(
+            np.mean([ratio(a) for a, _ in pairs]) / np.mean([ratio(b) for _, b in pairs])
+        )
         out["policies"][policy] = rows
     return out
 
 
 def paired_markdown(paired: Mapping[str, Any]) -> str:
-    """The paired-difference table: one row per policy, ``mean ± s.e. (wins/n)`` per figure."""
+    """The paired-difference table: one row per policy, ``mean ± s.e. (wins/n)`` per figure, and the ratio of
+    mean effective ratios."""
     lines = [
         f"| policy − {paired['baseline']} (paired by seed) | EM @ equal tokens | EM @ equal time | eff. ratio "
-        "| signal tokens |",
-        "| --- | --- | --- | --- | --- |",
+        f"| eff. ratio ÷ {paired['baseline']}'s | signal tokens |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for policy, rows in paired["policies"].items():
+        cell = lambda r: f"{r['mean']:+.4f} ± {r['se']:.4f} ({r['wins']}/{r['n']})"
         cells = [
-            f"{r['mean']:+.4f} ± {r['se']:.4f} ({r['wins']}/{r['n']})"
-            for r in (
-                rows["em_at_equal_tokens"],
-                rows["em_at_equal_time"],
-                rows["mean_effective_ratio"],
-                rows["mean_signal_token_share"],
-            )
+            cell(rows["em_at_equal_tokens"]),
+            cell(rows["em_at_equal_time"]),
+            cell(rows["mean_effective_ratio"]),
+            f"{rows['effective_ratio_times']:.2f}×",
+            cell(rows["mean_signal_token_share"]),
         ]
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def group_em_markdown(numbers: Mapping[str, Any]) -> str:
+    """Held-out EM change (final − SFT) per question group, mean over seeds, one row per policy; "" when no
+    run logged per-group EM."""
+    changes = {
+        policy: figures["group_em_change"] for policy, figures in numbers.items() if figures.get("group_em_change")
+    }
+    if not changes:
+        return ""
+    groups = {g: n["questions"] for by_group in changes.values() for g, n in by_group.items()}
+    lines = [
+        "| held-out EM change by group (final − SFT) | "
+        + " | ".join(f"{g} ({n} q.)" if n else g for g, n in groups.items())
+        + " |",
+        "| --- |" + " --- |" * len(groups),
+    ]
+    for policy, by_group in changes.items():
+        cells = [f"{by_group[g]['mean']:+.3f}" if g in by_group else "" for g in groups]
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -332,6 +387,18 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
                 "predictor_brier": [_nanmean(run.predictor_brier) for run in group],
             }.items()
         }
+        by_group = [run.group_em_change() for run in group]
+        shared_groups = [g for g in by_group[0] if all(g in changes for changes in by_group)]
+        if shared_groups:  # per question group both evaluations scored in every seed
+            numbers[policy]["group_em_change"] = {
+                g: {
+                    "mean": float(np.mean([c[g] for c in by_group])),
+                    "std": float(np.std([c[g] for c in by_group])),
+                    "values": [float(c[g]) for c in by_group],
+                    "questions": group[0].group_questions.get(g, 0),
+                }
+                for g in shared_groups
+            }
         epochs = [run.per_epoch() for run in group if run.steps_per_epoch]
         if epochs:  # per figure: mean over seeds of each epoch's mean, and the per-seed values
             numbers[policy]["per_epoch"] = {
@@ -356,9 +423,19 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
             }.items()
         }
     paired = paired_differences(runs, equal_tokens, equal_seconds)
+    ran = {run.policy for run in runs}
+    paired_by_baseline = {
+        baseline: paired_differences(runs, equal_tokens, equal_seconds, baseline)
+        for baseline in dict.fromkeys([paired["baseline"], *BASELINES])
+        if baseline in ran
+    }
     markdown = format_table(rows)
-    if paired["policies"]:
-        markdown += "\n\n" + paired_markdown(paired)
+    for table in paired_by_baseline.values():
+        if table["policies"]:
+            markdown += "\n\n" + paired_markdown(table)
+    group_table = group_em_markdown(numbers)
+    if group_table:
+        markdown += "\n\n" + group_table
     return {
         "equal_tokens": equal_tokens,
         "equal_seconds": equal_seconds,
@@ -366,6 +443,7 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
         "markdown": markdown,
         "policies": numbers,
         "paired": paired,
+        "paired_by_baseline": paired_by_baseline,
         "curves": curves,
     }
 
@@ -493,13 +571,23 @@ def load_run(policy: str, seed: int, rundir: pathlib.Path, seconds: float | None
     summary = json.loads((rundir / "summary.json").read_text())
     before = json.loads((rundir / BEFORE_FILE).read_text())
     sft_em = next(row["em"] for row in before["rows"] if row["group"] == "all")
+    groups = [row for row in before["rows"] if row["group"] != "all"]
     if seconds is None:  # the bench's own record (all its calls on this run), else the last train() call's
         seconds_file = rundir / "bench_seconds.json"
         recorded = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
         seconds = recorded.get("seconds", summary.get("total_seconds", 0.0))
     saved = rundir / build.CONFIG_FILE
     per_epoch = schema.steps_per_epoch(json.loads(saved.read_text())) if saved.is_file() else 0
-    return run_curve(policy, seed, read_jsonl(rundir / "metrics.jsonl"), sft_em, seconds, per_epoch)
+    return run_curve(
+        policy,
+        seed,
+        read_jsonl(rundir / "metrics.jsonl"),
+        sft_em,
+        seconds,
+        per_epoch,
+        {row["group"]: row["em"] for row in groups},
+        {row["group"]: row["n"] for row in groups},
+    )
 
 
 def _ints(text: str) -> list[int]:
