@@ -187,17 +187,17 @@ def run_curve(
         raise ValueError(f"run {policy} seed {seed} logged no RL step (is its metrics.jsonl empty?)")
     evals = {0: sft_em}
     warmup = {k: float(r[k]) for r in records if r.get("step") == 0 for k in WARMUP_KEYS if r.get(k) is not None}
+    prefix = "eval/em/"
+    final_groups: dict[str, float] = {}  # per question group, the last evaluation's
     for r in records:
         if r.get("eval/em") is not None:
             evals[int(r["step"])] = float(r["eval/em"])  # the last write of a step wins (the final eval)
+            final_groups = {k[len(prefix) :]: float(v) for k, v in r.items() if k.startswith(prefix)}
 
     def column(key: str) -> np.ndarray:
         return np.asarray([r.get(key) if r.get(key) is not None else np.nan for r in steps], np.float64)
 
     eval_steps = np.asarray(sorted(evals), np.int64)
-    prefix = "eval/em/"
-    last_eval = [r for r in records if r.get("eval/em") is not None][-1:]
-    final_groups = {k[len(prefix) :]: float(v) for r in last_eval for k, v in r.items() if k.startswith(prefix)}
     return RunCurve(
         policy,
         seed,
@@ -422,13 +422,14 @@ def aggregate(runs: Sequence[RunCurve], grid_points: int = 25) -> dict[str, Any]
                 "effective_ratio_vs_step": eff_steps,
             }.items()
         }
-    paired = paired_differences(runs, equal_tokens, equal_seconds)
-    ran = {run.policy for run in runs}
+    ran = list(dict.fromkeys(run.policy for run in runs))
+    default = baseline_policy(ran)
     paired_by_baseline = {
         baseline: paired_differences(runs, equal_tokens, equal_seconds, baseline)
-        for baseline in dict.fromkeys([paired["baseline"], *BASELINES])
+        for baseline in dict.fromkeys([default, *BASELINES])
         if baseline in ran
     }
+    paired = paired_by_baseline[default]
     markdown = format_table(rows)
     for table in paired_by_baseline.values():
         if table["policies"]:
