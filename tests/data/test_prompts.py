@@ -47,3 +47,25 @@ def test_a_pool_is_visited_once_per_epoch_in_a_seeded_order_and_resumes_exactly(
     assert [x for _ in range(3) for x in other_seed.next_batch()] != epochs[0]
     with pytest.raises(ValueError, match="pool_size"):
         PromptStream(rows, batch_size=4, pool_size=101)
+
+
+def test_an_rl_split_with_kinds_feeds_only_those_kinds_and_validates():
+    """``rl.split = "train:chain"`` on the realistic world (chain, buried and trivial questions): every prompt drawn
+    is a chain question. Catches the synthetic source reading the whole train split whatever ``rl.split`` says,
+    and a validator that refuses the kinds it documents (``eval.split = "test:chain"`` too)."""
+    import pathlib
+    import types
+
+    from trace_jax.config_utils import from_config, load_config_file
+    from trace_jax.data.synthetic import KINDS, SyntheticWorld, WorldConfig
+    from trace_jax.job import sources, validate
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    config = load_config_file(f"{root / 'configs' / 'realistic.py'}:uniform")
+    config.rl.split, config.eval.split = "train:chain", "test:chain"
+    validate.validate(config)
+    world = SyntheticWorld(from_config(WorldConfig, config.world))
+    assert {row["kind"] for row in world.questions("train")} == set(KINDS)  # premise: every kind is there
+    stream = sources.source_of(config).prompt_stream(config, types.SimpleNamespace(world=world))
+    drawn = [row for _ in range(12) for row in stream.next_batch()]
+    assert len(drawn) >= 100 and {row["kind"] for row in drawn} == {"chain"}

@@ -57,7 +57,7 @@ def main(workdir: str, steps: int, overrides: list[str]) -> None:
     logging.getLogger("jax").setLevel(logging.DEBUG)
     config.warm_start.cache_dir = str(pathlib.Path(workdir) / "warm_start_cache")
     run = Training(config, pathlib.Path(workdir), Console(verbosity=0), PhaseTimer())
-    engine = run.runner.engine
+    engine = run.sampler.runner.engine
     per_step, engine_counts = [], []
     for _ in range(steps):
         start = len(handler.names)

@@ -89,6 +89,23 @@ def test_show_config_lists_every_key_with_value_and_doc(capsys):
         ),
         (["--config.rl.pool_size=4"], ExitCode.CONFIG, ["rl.pool_size=4 holds fewer prompts than one step draws (16"]),
         (["--config.rl.pool_size=-1"], ExitCode.CONFIG, ["config.rl.pool_size=-1 is not allowed", ">= 0"]),
+        # Splits with question kinds: a kind that does not exist, and one the default world has none of.
+        (
+            ["--config.eval.split=test:bogus"],
+            ExitCode.CONFIG,
+            ["config.eval.split='test:bogus' is not allowed", "kinds"],
+        ),
+        (["--config.rl.split=dev"], ExitCode.CONFIG, ["config.rl.split='dev' is not allowed", "train, test or ood"]),
+        (
+            ["--config.rl.split=train:trivial"],
+            ExitCode.CONFIG,
+            ["config.rl.split='train:trivial' holds no question in this world", "trivial_questions"],
+        ),
+        (
+            ["--config.rl.split=train:chain", "--config.rl.pool_size=5000"],
+            ExitCode.CONFIG,
+            ["rl.pool_size=5000 is larger than the world's train:chain split (1001 questions)"],
+        ),
         (
             ["--config.allocation.select_on=bogus"],
             ExitCode.CONFIG,

@@ -33,7 +33,10 @@ OVERLAP = [
     "--config.allocation.predictor_warmup_rollouts=2",
 ]
 APART = ["--config.mesh.rollout_devices=1"]
-AHEAD = [*APART, "--config.rl.max_staleness=1"]
+SAMPLE_AHEAD = ["--config.rl.max_staleness=1"]
+AHEAD = [*APART, *SAMPLE_AHEAD]
+# Sampling in a process of its own on one core, the trainer on the others (one host device each).
+OWN_PROCESS = ["--config.mesh.rollout_cpus=1"]
 LAG_KEYS = ("rollout/staleness_mean", "rollout/staleness_max")
 
 # The main job with a SIGTERM sent from the sampling thread as it starts sampling step 2 ahead (while step 1
@@ -41,10 +44,10 @@ LAG_KEYS = ("rollout/staleness_mean", "rollout/staleness_max")
 # and a stop that waits for them never comes.
 SIGTERM_WHILE_SAMPLING_AHEAD = """
 import os, signal, sys, threading
-from trace_jax.job import loop
+from trace_jax.job.sampling import SamplingSide
 from trace_jax.job.commands import train_and_exit
 
-sample = loop.Training._sample
+sample = SamplingSide.sample
 
 def sample_after_a_notice(self, step, version):
     if step == 2 and threading.current_thread() is not threading.main_thread():
@@ -53,7 +56,7 @@ def sample_after_a_notice(self, step, version):
         threading.Event().wait()
     return sample(self, step, version)
 
-loop.Training._sample = sample_after_a_notice
+SamplingSide.sample = sample_after_a_notice
 sys.argv = ["trace_jax.train", *sys.argv[1:]]
 train_and_exit()
 """
@@ -90,7 +93,10 @@ def runs(tmp_path_factory, shared):
     cache, compiled = shared
     base = tmp_path_factory.mktemp("run")
     workdirs = {}
-    for name, flags, devices in (("colocated", [], 1), ("apart", APART, 2), ("ahead", AHEAD, 2)):
+    runs = [("colocated", [], 1), ("apart", APART, 2), ("ahead", AHEAD, 2)]
+    if len(os.sched_getaffinity(0)) >= 2:  # a core to sample on and one to train on
+        runs += [("own_process", OWN_PROCESS, 1), ("own_process_ahead", [*OWN_PROCESS, *SAMPLE_AHEAD], 1)]
+    for name, flags, devices in runs:
         workdirs[name] = base / name
         _run(main_job_command(workdirs[name], cache, [*OVERLAP, *flags]), devices, compiled)
     return workdirs
@@ -144,13 +150,34 @@ def test_sampling_one_step_ahead_lags_by_one_version_where_it_overlaps_and_nowhe
         assert summary[key] == reference[key], key
 
 
+@pytest.mark.parametrize("mode, reference", [("own_process", "apart"), ("own_process_ahead", "ahead")])
+def test_sampling_in_a_process_of_its_own_on_its_own_core_gives_the_in_process_run_bit_for_bit(runs, mode, reference):
+    """The sampling side in a child process pinned to one core (``mesh.rollout_cpus = 1``), at k = 0 and at k = 1:
+    the same records, summary and final params as the in-process run, on cores that do not overlap. Fails if the
+    weights reach the child changed, late or not at all (k = 0: step 2 samples with step 1's policy; a child that
+    keeps its first weights was run and caught), if the child's prompt stream, seeds or predictor drift from the
+    in-process ones, or if the two processes share a core."""
+    if mode not in runs:
+        pytest.skip("needs 2 cores: one to sample on, one to train on")
+    own, same = runs[mode], runs[reference]
+    placement = _summary(own)["run"]["placement"]
+    assert placement["sampling"] and placement["training"]  # premise: the child ran on cores of its own
+    assert not set(placement["sampling"]) & set(placement["training"])
+    assert records_without_timings(own) == records_without_timings(same)
+    assert without_run_facts(_summary(own)) == without_run_facts(_summary(same))
+    _assert_same_params(own, same, step=2)
+    by_step = {r["step"]: r for r in _timed_records(own)}
+    if mode == "own_process_ahead":
+        assert by_step[1]["time/overlap_s"] > 0.0  # step 2 was sampled in the child while step 1 trained
+
+
 def test_sigterm_with_rollouts_in_flight_drops_them_and_the_rerun_equals_the_uninterrupted_run(runs, shared, tmp_path):
     """k = 1, a SIGTERM while step 2's trees are being sampled ahead (during step 1), rollouts that never finish:
     the run stops at the first safe point, after step 1 (exit 143), without waiting for them, and writes no
     checkpoint past step 0 (one at step 1 would hold a prompt stream, seeds and predictor already moved by step 2's
     sampling); the rerun resumes at step 0 and ends as the uninterrupted k = 1 run: records, summary, params.
     Fails if the notice is ignored or kills the step under way, if the stop waits for the rollouts in flight
-    (``run.pipeline.close()`` waiting in ``trace_jax.job.train``'s ``finally``: the run never ends), if it checkpoints
+    (``run.close()`` waiting in ``trace_jax.job.train``'s ``finally``: the run never ends), if it checkpoints
     them (``run.save(force=True)`` after dropping them), or if step 1's first records survive the resume."""
     from trace_jax.cli import ExitCode
 
@@ -184,7 +211,7 @@ def test_a_grace_that_runs_out_during_step_1_abandons_it_and_leaves_the_rollouts
     (``rl.preemption_grace_s=0``): step 1 is abandoned where it is (exit 143), its record and checkpoint are never
     written, step 0's checkpoint stays the resume point, and the process ends without waiting for the rollouts
     that never finish. Fails if the deadline is ignored (step 1 completes and is logged) or if the abandoned step
-    waits for the rollouts in flight (``run.pipeline.close(wait=True)`` in ``trace_jax.job.train``'s ``finally``:
+    waits for the rollouts in flight (``run.close(wait=True)`` in ``trace_jax.job.train``'s ``finally``:
     the process never ends and the run times out)."""
     from trace_jax.cli import ExitCode
 

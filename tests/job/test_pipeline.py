@@ -1,5 +1,6 @@
 """Sampling ahead of the trainer (``trace_jax.job.pipeline``), the split of devices into sampling and training
-(``trace_jax.job.placement``, ``parallel.mesh.split_devices``) and the checks that refuse impossible splits."""
+(``trace_jax.job.placement``, ``parallel.mesh.split_devices``), the split of a CPU host's cores between a sampling
+process and the trainer (``trace_jax.job.sampling_process``) and the checks that refuse impossible splits."""
 
 import threading
 import time
@@ -11,7 +12,8 @@ import pytest
 from trace_jax.cli import ConfigError
 from trace_jax.job.pipeline import RolloutPipeline, Sampled
 from trace_jax.job.placement import Placement
-from trace_jax.job.validate import check_mesh
+from trace_jax.job.sampling_process import split_cpus
+from trace_jax.job.validate import check_mesh, check_sampling_process
 from trace_jax.parallel.mesh import split_devices
 
 
@@ -152,9 +154,10 @@ def test_colocated_placement_is_the_training_mesh_and_leaves_weights_alone():
     assert placement.to_engine(weights, layout=None) is weights
 
 
-def _config(rollout_devices, staleness=0, **axes):
+def _config(rollout_devices, staleness=0, rollout_cpus=0, recipe="synthetic", **axes):
     mesh = {"data": 1, "fsdp": -1, "tensor": 1, "expert": 1, "rollout_devices": rollout_devices, **axes}
-    return ml_collections.ConfigDict({"mesh": mesh, "rl": {"max_staleness": staleness}})
+    mesh["rollout_cpus"] = rollout_cpus
+    return ml_collections.ConfigDict({"mesh": mesh, "rl": {"max_staleness": staleness}, "recipe": {"kind": recipe}})
 
 
 @pytest.mark.parametrize(
@@ -164,6 +167,7 @@ def _config(rollout_devices, staleness=0, **axes):
         (_config(1, data=2, fsdp=1), 2, 1, "does not fit the 1 training device(s) (2 minus mesh.rollout_devices=1)"),
         (_config(1), 4, 2, "config.mesh.rollout_devices=1 needs one JAX process"),
         (_config(0, staleness=1), 4, 2, "config.rl.max_staleness=1 needs one JAX process"),
+        (_config(0, rollout_cpus=1), 4, 2, "config.mesh.rollout_cpus=1 needs one JAX process"),
     ],
 )
 def test_impossible_splits_are_config_errors(config, devices, processes, fragment):
@@ -178,3 +182,35 @@ def test_possible_splits_pass():
     check_mesh(_config(1), 2)
     check_mesh(_config(1, data=3, fsdp=1), 4)
     check_mesh(_config(0, staleness=2), 1)
+
+
+def test_the_sampling_process_gets_the_last_cores_and_the_trainer_the_rest():
+    """Fails if the two sides share a core, if one is left none, or if a count that leaves the trainer nothing
+    is accepted."""
+    assert split_cpus(1, [0, 1]) == ([1], [0])
+    assert split_cpus(2, [4, 0, 2, 6]) == ([4, 6], [0, 2])
+    for impossible in (0, 2, 3):
+        with pytest.raises(ValueError, match="must leave the trainer a core"):
+            split_cpus(impossible, [0, 1])
+
+
+@pytest.mark.parametrize(
+    "config, platform, cores, fragment",
+    [
+        (_config(0, rollout_cpus=1), "tpu", 8, "is for CPU hosts, and this backend is tpu"),
+        (_config(1, rollout_cpus=1), "cpu", 2, "and mesh.rollout_devices exclude each other"),
+        (_config(0, rollout_cpus=1, recipe="search_r1"), "cpu", 2, "needs the synthetic recipe"),
+        (_config(0, rollout_cpus=2), "cpu", 2, "leaves no core to train: this process may use 2; allowed 1 to 1"),
+    ],
+)
+def test_a_sampling_process_that_cannot_run_here_is_a_config_error(config, platform, cores, fragment):
+    """Fails if sampling in a process of its own gets past the check on an accelerator, beside apart devices,
+    with a recipe whose world the child cannot rebuild, or with no core left to train."""
+    with pytest.raises(ConfigError) as error:
+        check_sampling_process(config, platform, cores)
+    assert fragment in str(error.value)
+
+
+def test_a_sampling_process_that_can_run_here_passes():
+    check_sampling_process(_config(0, rollout_cpus=1), "cpu", 2)
+    check_sampling_process(_config(1), "tpu", 8)  # no sampling process: nothing to check

@@ -259,7 +259,8 @@ def test_a_few_rl_steps_raise_em_on_the_questions_they_train_on(tmp_path):
     config, _ = load_config(["train", *LEARNS, f"--config.warm_start.cache_dir={tmp_path / 'cache'}"])
     run = Training(config, tmp_path / "run", Console(verbosity=-1), PhaseTimer())
     tasks = run.world.world.questions("train")
-    sampler = build.build_runner(config, run.model_config, None, run.world, seed=10_000, engine=run.runner.engine)
+    engine = run.sampler.runner.engine
+    sampler = build.build_runner(config, run.model_config, None, run.world, seed=10_000, engine=engine)
 
     def sampled_em() -> float:
         sampler.load_state_dict({"next_seed": 10_000})  # the same draws before and after

@@ -1,15 +1,22 @@
-"""Rollouts beside training: the main job's RL step time with sampling and training on disjoint devices, sampling
-in turn (``rl.max_staleness = 0``) against sampling one step ahead (``= 1``), side by side in one process.
+"""Rollouts beside training: the main job's RL step time with sampling and training apart, sampling in turn
+(``rl.max_staleness = 0``) against sampling one step ahead (``= 1``), side by side in one run.
 
-    python -m trace_jax.bench.overlap [--steps=5] [--rounds=1] [--shared-cores] [--config.KEY=VALUE ...]
-                                      [--out=FILE.json]
+    python -m trace_jax.bench.overlap [--steps=5] [--rounds=1] [--placement=process|devices] [--shared-cores]
+                                      [--config.KEY=VALUE ...] [--out=FILE.json]
 
-Two devices, one sampling (``mesh.rollout_devices = 1``) and one training: on a CPU host, two XLA host devices
-(``--xla_force_host_platform_device_count=2``, set here before JAX starts), with Eigen's threading off
-(``ONE_CORE_EACH``). The two devices share XLA's one thread pool, so this is not a clean split of one core each:
-a program alone uses part of the other core too, and sampling in turn leaves less idle than on two chips. One
-``Training`` runs blocks of ``--steps`` RL steps, alternately at k = 0 and k = 1 (each round swaps the order, so
-a drift in the machine's load falls on both), on the same engine and trainer (nothing compiles twice).
+Where sampling runs (``--placement``):
+
+- ``process`` (the default): in a process of its own pinned to one core, the trainer's threads on the other
+  (``mesh.rollout_cpus = 1``, ``trace_jax.job.sampling_process``): one core each, each process with its own
+  XLA runtime, as two chips would be.
+- ``devices``: two XLA host devices in this process, one sampling (``mesh.rollout_devices = 1``) and one training
+  (``--xla_force_host_platform_device_count=2``, set here before JAX starts). The two devices share XLA's one
+  thread pool, so this is not a clean split of one core each: a program alone uses part of the other core too,
+  and sampling in turn leaves less idle than on two chips.
+
+Both run with Eigen's threading off (``ONE_CORE_EACH``) unless ``--shared-cores``. One ``Training`` runs blocks of
+``--steps`` RL steps, alternately at k = 0 and k = 1 (each round swaps the order, so a drift in the machine's load
+falls on both), on the same engine and trainer (nothing compiles twice).
 Checkpoints are never written, but the checkpoint period is the block length, so a block's last step is a
 boundary of the pipeline: nothing is in flight when the mode changes, and each block's first step samples in
 turn and its last step samples nothing ahead (the pipeline's ends): the figures are those of steps 2..N-1
@@ -18,9 +25,11 @@ of each block, the steady state (the first one also compiles).
 Per mode, over those steps: the median step time, the generated tokens and the step time per thousand of them (the
 two modes sample different trees, so "equal tokens" is checked, not forced), the median rollout and train seconds,
 the overlap fraction: the share of the trainer's time (batch + update) during which rollouts ran, and the cores
-the process kept busy (its CPU seconds over the step's wall seconds; XLA:CPU runs both host devices' programs on
-one shared thread pool, so a program can use both cores when the other device is idle), and the programs compiled
-during them (``compiles``, from JAX's compile event on any thread: 0 once warm, in either mode). ``speedup`` is
+this process kept busy (its CPU seconds over the step's wall seconds: with ``devices``, XLA:CPU runs both host
+devices' programs on one shared thread pool, so a program can use both cores when the other device is idle; with
+``process``, the trainer's side alone), and the programs this process compiled during them (``compiles``, from
+JAX's compile event on any thread: 0 once warm, in either mode; the engine's own count is its
+``programs.total``, in the child with ``process``). ``speedup`` is
 the k = 0 median over the k = 1 median. The default config is the main job's (``configs/default.py``) with the tiny
 world of the job tests' warm start (``TINY_WORLD`` below): the default RL step (16 questions, 8 rollouts' budget
 each, 32 slots) on a warm start that trains in minutes.
@@ -51,6 +60,11 @@ TINY_WORLD = [
     "--config.sft.practice_worlds=0",
 ]
 DEVICES_FLAG = "--xla_force_host_platform_device_count=2"
+# Where sampling runs (see the module's docstring): the config that puts it there and the host devices it needs.
+PLACEMENTS = {
+    "process": (["--config.mesh.rollout_cpus=1"], 1),
+    "devices": (["--config.mesh.rollout_devices=1"], 2),
+}
 # Eigen's own threading off: each operation on one thread. XLA:CPU still runs a program's independent operations
 # concurrently on the one thread pool that both host devices share, so this does not pin a device to a core:
 # a device working alone keeps about 1.7 of the 2 cores busy (``median_cores_used`` at k = 0). ``--shared-cores``
@@ -115,9 +129,14 @@ def _mode(blocks: list[list[dict[str, float]]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv if argv is None else argv)
-    if DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):  # must be set before JAX starts: a fresh interpreter
-        flags = [os.environ.get("XLA_FLAGS", ""), DEVICES_FLAG, "" if "--shared-cores" in argv else ONE_CORE_EACH]
-        env = dict(os.environ, XLA_FLAGS=" ".join(f for f in flags if f))
+    placement = _flag(argv, "placement", "process")
+    if placement not in PLACEMENTS:
+        sys.exit(f"--placement={placement!r}: choose one of {', '.join(PLACEMENTS)}")
+    apart, devices = PLACEMENTS[placement]
+    if "TRACE_JAX_OVERLAP_BENCH" not in os.environ:  # the flags must be set before JAX starts: a fresh interpreter
+        flags = [os.environ.get("XLA_FLAGS", ""), "" if "--shared-cores" in argv else ONE_CORE_EACH]
+        flags.append(DEVICES_FLAG if devices == 2 else "")
+        env = dict(os.environ, XLA_FLAGS=" ".join(f for f in flags if f), TRACE_JAX_OVERLAP_BENCH="1")
         env.setdefault("JAX_PLATFORMS", "cpu")
         sys.exit(subprocess.run([sys.executable, "-m", "trace_jax.bench.overlap", *argv[1:]], env=env).returncode)
     steps, rounds = int(_flag(argv, "steps", "5")), int(_flag(argv, "rounds", "1"))
@@ -136,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     total = 2 * steps * rounds
     bench = [
         *TINY_WORLD,
-        "--config.mesh.rollout_devices=1",
+        *apart,
         f"--config.rl.steps={total}",
         f"--config.rl.checkpoint_every={steps}",  # block ends are pipeline boundaries; nothing is saved
         "--config.eval.every=0",
@@ -144,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config, _ = commands.load_config(["overlap", *bench, *overrides])
     validate.validate(config)
     validate.check_mesh(config, jax.device_count())
+    validate.check_sampling_process(config, jax.default_backend(), len(os.sched_getaffinity(0)))
     blocks: dict[int, list[list[dict[str, float]]]] = {0: [], 1: []}
     with tempfile.TemporaryDirectory() as workdir:
         run = loop.Training(config, pathlib.Path(workdir), cli.Console(verbosity=-1), PhaseTimer())
@@ -154,12 +174,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for staleness in (0, 1) if round_ % 2 == 0 else (1, 0):
                     blocks[staleness].append(_block(run, staleness, steps, compiles))
         finally:
-            run.pipeline.close()
-            run.checkpointer.close()
+            run.close()
     sync, ahead = _mode(blocks[0]), _mode(blocks[1])
     result = {
         "config": [*bench, *overrides],
-        "devices": {"sampling": 1, "training": jax.device_count() - 1, "platform": jax.devices()[0].platform},
+        "placement": placement,
+        "devices": {"sampling": 1, "training": jax.device_count() - (devices - 1), "platform": jax.default_backend()},
+        "cores": getattr(run.sampler, "cores", None),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "load_average": os.getloadavg(),
         "k0": sync,

@@ -17,11 +17,12 @@ import numpy as np
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.cli import Console
 from trace_jax.config_utils import from_config
-from trace_jax.job import build, rundir, schema, sources
-from trace_jax.job.evaluate import evaluate
-from trace_jax.job.pipeline import RolloutPipeline, Sampled
+from trace_jax.job import rundir, schema, sources
+from trace_jax.job.pipeline import RolloutPipeline
 from trace_jax.job.placement import Placement
 from trace_jax.job.processes import Processes
+from trace_jax.job.sampling import SamplingSide
+from trace_jax.job.sampling_process import SamplingProcess
 from trace_jax.models import abstract_model
 from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import shard_state
@@ -92,27 +93,17 @@ class Training:
                 BatchConfig, config.batch, row_buckets=None, row_multiple=1, pad_id=self.world.tokenizer.pad_token_id
             )
             # One engine (its own sampling copy of the weights) serves both the rollouts and the evaluation; with
-            # several processes each has its own, on its own devices; with sampling devices apart, on those.
-            sampling_mesh = self.placement.engine_mesh(self.processes.sampling_mesh(self.mesh))
-            engine = build.build_engine(config, self.model_config, mesh=sampling_mesh)
-            self.runner = build.build_runner(
-                config, self.model_config, None, self.world, seed=config.seed, engine=engine
-            )
-            self.eval_runner = build.build_runner(
-                config, self.model_config, None, self.world, greedy=True, engine=engine
-            )
+            # several processes each has its own, on its own devices; with sampling devices apart, on those; with
+            # sampling cores apart (a CPU host), in a process of its own.
+            self.sampler = self._sampling_side()
             self.engine_version = -1  # the policy version (RL updates) of the engine's weights
             self._sync_weights()
-            # Each process samples the trees it owns; all hold every tree, so the allocation is the same everywhere.
-            self.rollouts = self.processes.backend(self.runner)
-            self.scheduler = build.build_scheduler(config, self.rollouts)
-            self.prompts = self.source.prompt_stream(config, self.world)
             self.checkpointer = StateCheckpointer(
                 workdir / rundir.CHECKPOINTS, save_every=config.rl.checkpoint_every, keep=config.rl.keep_checkpoints
             )
             # Where nothing may be in flight: a checkpoint, an evaluation, the last step (trace_jax.job.pipeline).
             boundary = lambda step: self.checkpointer.should_save(step) or evaluates_after(config, step)
-            self.pipeline = RolloutPipeline(self._sample, config.rl.get("max_staleness", 0), boundary)
+            self.pipeline = RolloutPipeline(self.sampler.sample, config.rl.get("max_staleness", 0), boundary)
         self.resumes = 0
         self.slowest_save_s = 0.0  # wall-clock seconds of the slowest checkpoint so far (the SIGTERM grace)
         self.eval_before: list[dict[str, Any]] = []
@@ -125,14 +116,15 @@ class Training:
             return  # nothing read: the scheduler, prompts and runner may be sampling ahead on another thread
         self._engine_idle("a checkpoint")
         # The policy is its own entry (evaluation restores just it); "train" holds the rest of the state once.
+        sampling = self.sampler.state_dict()
         state = {
             "params": self.state.params,
             "train": self.state._replace(params=None),
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": sampling["scheduler"],
         }
         metadata = {
-            "prompts": self.prompts.state_dict(),
-            "runner": self.runner.state_dict(),
+            "prompts": sampling["prompts"],
+            "runner": sampling["runner"],
             "eval_before": self.eval_before,
             "last_eval": self.last_eval,
             "timings": self.timer.state_dict(),
@@ -151,9 +143,9 @@ class Training:
             return False
         meta = restored.metadata
         self.state = restored.state["train"]._replace(params=restored.state["params"])
-        self.scheduler.load_state_dict(restored.state["scheduler"])
-        self.prompts.load_state_dict(meta["prompts"])
-        self.runner.load_state_dict(meta["runner"])
+        self.sampler.load_state_dict(
+            {"scheduler": restored.state["scheduler"], "prompts": meta["prompts"], "runner": meta["runner"]}
+        )
         self.eval_before, self.last_eval = meta.get("eval_before", []), meta.get("last_eval", [])
         self.timer.load_state_dict(meta.get("timings", {}))
         self.resumes = meta.get("resumes", 0) + 1
@@ -165,21 +157,12 @@ class Training:
         """The trainer's policy (version ``self.step``) as the engine's weights, in its sampling layout on its
         devices; returns the seconds it took (transfer and reshard, waited for)."""
         start = time.perf_counter()
-        layout = self.runner.engine.layout
-        weights = self.placement.to_engine(self.processes.engine_weights(self.state.params, layout), layout)
-        self.runner.set_params(weights)
-        self.eval_runner.set_params(weights)  # the same engine: free
-        jax.block_until_ready(self.runner.engine.params)
+        layout = self.sampler.layout
+        self.sampler.set_weights(
+            self.placement.to_engine(self.processes.engine_weights(self.state.params, layout), layout)
+        )
         self.engine_version = self.step
         return time.perf_counter() - start
-
-    def _drop_held(self) -> None:
-        """Each phase that grows trees (a step, the warm-up, an evaluation) starts from an engine that holds
-        nothing: prefix pages held for the previous phase's trees would decide, through the pool's evictions,
-        which later histories are prefilled whole and which continue a hold (different programs, different
-        rounding), and a resumed run never saw those trees."""
-        self.runner.drop_held()
-        self.eval_runner.drop_held()
 
     def _engine_idle(self, phase: str) -> None:
         if self.pipeline.in_flight:
@@ -236,43 +219,19 @@ class Training:
             metrics["time/rollout_wait_s"] = waited
             # Seconds of this step's training during which the next step's rollouts ran.
             metrics["time/overlap_s"] = self.pipeline.busy_during(train_start, train_end)
-        self.sampled_by_process = self.processes.sampled_questions(self.rollouts, scheduled.trees)
+        self.sampled_by_process = self.sampler.sampled_questions(scheduled.trees)
         return self.processes.reduce(metrics)
-
-    def _sample(self, step: int, version: int) -> Sampled:
-        """Step ``step``'s trees, grown by the scheduler with the engine's weights (policy ``version``)."""
-        started = time.perf_counter()
-        self._drop_held()
-        evicted = self.runner.evicted_holds
-        trees = self._roots(self.prompts.next_batch())
-        scheduled = self.scheduler.run(trees, batch_size=self.config.rl.prompts_per_step)
-        for tree in scheduled.trees:
-            tree.policy_version = version
-        evicted = self.runner.evicted_holds - evicted
-        return Sampled(step, version, scheduled, evicted, started, time.perf_counter())
-
-    def _roots(self, tasks: list[Any]) -> list[Any]:
-        """One unsampled tree per task, numbered by its position (the sharded backend's owner key)."""
-
-        return [RolloutTree(self.world.env.prompt_ids(task), task, i) for i, task in enumerate(tasks)]
 
     def warm_up_predictor(self) -> dict[str, float]:
         """The scheduler's predictor warm-up on the next ``allocation.predictor_warmup_prompts`` prompts of the
         stream (before RL step 1; the stream moves past them). Its metrics, or {} when there is none."""
 
-        wanted = self.scheduler.config.predictor_warmup_prompts
-        if not wanted:
-            return {}
         start = time.perf_counter()
         self._engine_idle("the predictor warm-up")
-        self._drop_held()
-        tasks: list[Any] = []
-        while len(tasks) < wanted:
-            tasks += self.prompts.next_batch()
-        trees = self._roots(tasks[:wanted])
-        metrics = {f"alloc/warmup/{k}": v for k, v in self.scheduler.warm_up(trees).items()}
+        metrics = self.sampler.warm_up_predictor()
+        if not metrics:
+            return {}
         metrics["time/warmup_s"] = time.perf_counter() - start
-        self.processes.sampled_questions(self.rollouts, trees)  # the warm-up's, so step 1 reports only its own
         return self.processes.reduce(metrics)
 
     def evaluate(self, description: str, leave: bool = True) -> list[dict[str, Any]]:
@@ -280,7 +239,6 @@ class Training:
 
         config = self.config
         self._engine_idle("an evaluation")
-        self._drop_held()
         tasks = self.world.world.questions(config.eval.split)
         if config.eval.num_questions < len(tasks):  # evenly spaced: the split is ordered by hops, keep every group
             picked = np.linspace(0, len(tasks) - 1, config.eval.num_questions).round().astype(int)
@@ -290,7 +248,27 @@ class Training:
         with self.timer.phase("evaluation"):
             bar = self.console.progress(len(tasks), description, unit="question", leave=leave)
             try:
-                backend = self.processes.backend(self.eval_runner)  # questions split across processes
-                return evaluate(backend, self.world.env, tasks, samples=1, progress=bar, chunk_size=chunk).rows
+                return self.sampler.evaluate(tasks, chunk, progress=bar)  # questions split across processes
             finally:
                 bar.close()
+
+    def close(self, wait: bool = True) -> None:
+        """Ends the rollouts sampled ahead (waited for, or ``wait=False``: left behind, the process ends next),
+        the sampling side and the checkpointer."""
+        try:
+            self.pipeline.close(wait=wait)
+            self.sampler.close(wait=wait)
+        finally:
+            self.checkpointer.close()
+
+    # --------------------------------------------------------------------------------------- placement
+    def _sampling_side(self) -> Any:
+        """The sampling side: in this process (``SamplingSide``), or in one of its own on its own cores
+        (``mesh.rollout_cpus``, ``SamplingProcess``)."""
+        config = self.config
+        cpus = config.mesh.get("rollout_cpus", 0)
+        if cpus:
+            return SamplingProcess(config, self.model_config, self.start.directory, cpus)
+        prompts = self.source.prompt_stream(config, self.world)
+        mesh = self.placement.engine_mesh(self.processes.sampling_mesh(self.mesh))
+        return SamplingSide(config, self.world, self.model_config, prompts, mesh, self.processes)

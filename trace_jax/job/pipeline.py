@@ -24,7 +24,9 @@ time order, so a rollout that ended before one of them starts can overlap none o
 forgets those, and the record stays a rollout or two long however long the run.
 
 JAX releases the GIL inside compiled calls, so the thread's decode programs run while the main thread's
-update does; on disjoint devices (``mesh.rollout_devices``) they do not compete for device memory either.
+update does; on disjoint devices (``mesh.rollout_devices``) they do not compete for device memory either. With
+the sampling side in a process of its own (``mesh.rollout_cpus``, ``trace_jax.job.sampling_process``) the thread
+only waits for that process's answer, and the decode runs on its cores.
 """
 
 from __future__ import annotations

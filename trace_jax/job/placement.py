@@ -32,7 +32,7 @@ class Placement:
         """The placement a config's ``mesh`` section asks for on ``devices`` (default: all of them). The sampling
         devices split the engine's slots over ``fsdp`` and its weights over ``tensor`` as training does, when
         the training ``tensor`` size divides them."""
-        axes = {key: value for key, value in mesh_config.items() if key != "rollout_devices"}
+        axes = {key: value for key, value in mesh_config.items() if key not in ("rollout_devices", "rollout_cpus")}
         sampling, training = split_devices(
             jax.devices() if devices is None else devices, mesh_config.get("rollout_devices", 0)
         )

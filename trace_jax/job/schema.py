@@ -56,10 +56,13 @@ class RLConfig:
     steps: number of RL updates; a finished run is extended by rerunning it with a larger value. The learning-rate
       schedule spans the whole run: rl.steps × ppo.ppo_epochs × ppo.mini_batches optimizer steps.
     prompts_per_step: training questions per step (each grows one rollout tree).
-    pool_size: the prompt pool, evenly spaced over the train split (every kind keeps its share; the same pool
+    pool_size: the prompt pool, evenly spaced over the RL split (rl.split; every kind keeps its share; the same pool
       for every seed); each epoch visits it once in a fresh seeded order (``trace_jax.data.prompts``). 0: the
       whole split. The epochs a run makes follow from rl.steps (``rl.epochs`` under [derived]); synthetic
       recipe only.
+    split: the world split the prompts come from, optionally only some question kinds: ``"train:chain"`` trains on
+      the chain questions alone (``trace_jax.data.synthetic.KINDS``). Synthetic recipe only (a search_r1 run
+      streams ``data.train_split``).
     advantage: advantage estimator, a key of ``trace_jax.rl.advantages.ESTIMATORS``.
     warmup_steps: linear learning-rate warm-up over this many RL steps, i.e. over the first rl.warmup_steps ×
       ppo.ppo_epochs × ppo.mini_batches optimizer steps (rounded); fractions count (0.5: the first half of step
@@ -85,6 +88,7 @@ class RLConfig:
     steps: int = 30
     prompts_per_step: int = 16
     pool_size: int = 0
+    split: str = "train"
     advantage: str = "grpo"
     warmup_steps: float = 0.5
     checkpoint_every: int = 5
@@ -98,7 +102,8 @@ class RLConfig:
 class EvalConfig:
     """Greedy held-out evaluation (EM / F1 per hop group) before RL, every ``every`` steps and at the end.
 
-    split: world split evaluated: train, test or ood.
+    split: world split evaluated: train, test or ood; optionally only some question kinds: ``"test:chain"``
+      evaluates the chain questions alone (``trace_jax.data.synthetic.KINDS``).
     num_questions: how many questions of the split, evenly spaced over it (every hop group keeps its share).
     every: also evaluate every this many RL steps; 0 evaluates only before and after RL.
     """
@@ -119,6 +124,11 @@ class MeshConfig:
         them (slots split over fsdp) with its own copy of the weights, which each update sends there
         (``time/weight_sync_s``), and the axes above lay out the remaining devices, which train. 0 (the
         default): colocated, the engine decodes on the training devices. One process only.
+    rollout_cpus: CPU hosts: sampling runs in a process of its own pinned to this many of the host's cores (the
+        last ones this process may use), and the trainer's threads keep the rest (``trace_jax.job.sampling_process``).
+        XLA:CPU runs all of a process's host devices on one thread pool, so apart devices (``rollout_devices``)
+        still share every core; two processes do not. 0 (the default): sampling in the trainer's process. CPU
+        backend, one JAX process, the synthetic recipe; not with ``rollout_devices``.
     """
 
     data: int = 1
@@ -126,6 +136,7 @@ class MeshConfig:
     tensor: int = 1
     expert: int = 1
     rollout_devices: int = 0
+    rollout_cpus: int = 0
 
 
 SECTIONS: dict[str, type] = {

@@ -138,7 +138,7 @@ class SyntheticSource:
         )
 
     def prompt_stream(self, config, world):
-        rows = world.world.questions("train")
+        rows = world.world.questions(config.rl.get("split", "train"))
         return PromptStream(rows, schema.prompts_drawn_per_step(config), config.seed, config.rl.get("pool_size", 0))
 
     def finish(self, config, workdir, policy):
@@ -221,8 +221,11 @@ class SearchR1Source:
         return Start(world, model_config, params, source, message, facts, hf_dir, _tokenizer_dir(config), token_ids)
 
     def prompt_stream(self, config, world):
-        if config.rl.get("pool_size"):
-            raise ValueError("rl.pool_size is for the synthetic recipe; a search_r1 run streams its whole train split")
+        for key, default in (("pool_size", 0), ("split", "train")):
+            if config.rl.get(key, default) != default:
+                raise ValueError(
+                    f"rl.{key} is for the synthetic recipe; a search_r1 run streams its whole data.train_split"
+                )
         # Every process reads the whole step's batch: all of them run the scheduler over every tree, and each
         # samples the trees it owns (``trace_jax.job.sharded_rollouts``).
         return world.world.stream(config.data.train_split, schema.prompts_drawn_per_step(config), config.seed, 0, 1)

@@ -86,7 +86,7 @@ def _summary(run: Training, records: list[dict[str, Any]]) -> dict[str, Any]:
         "warm_start_dir": str(run.start.directory),
         # Which process sampled which questions in the last step (one list per process).
         "processes": {**run.processes.describe(), "last_step_questions": run.sampled_by_process},
-        "placement": run.placement.describe(),
+        "placement": {**run.placement.describe(), **getattr(run.sampler, "cores", {})},
         "note": "wall-clock figures: they depend on the machine and its load",
     }
     return summary
@@ -157,6 +157,7 @@ def _train(
     config: ml_collections.ConfigDict, workdir: epath.Path, console: Console, logs: paths.LocalMirror
 ) -> dict[str, Any]:
     validate.check_mesh(config, jax.device_count(), jax.process_count())
+    validate.check_sampling_process(config, jax.default_backend(), len(os.sched_getaffinity(0)))
     console.log(f"start: {' '.join(sys.argv[1:]) or '(defaults)'}")
     distributed.run_on_main(build.save_run_config, config, workdir)
     timer = PhaseTimer()
@@ -209,9 +210,8 @@ def _train(
                 )
                 bar.update(1)
     finally:
-        run.pipeline.close(wait=not TERMINATION.requested)  # a SIGTERM's stop leaves rollouts in flight behind
         writer.close()
-        run.checkpointer.close()
+        run.close(wait=not TERMINATION.requested)  # a SIGTERM's stop leaves rollouts in flight behind
     final = dataclasses.replace(run.start, params=run.state.params, source=f"rl step {run.step}")
     exports = run.source.finish(config, workdir, final)  # search_r1: the HF export (collective)
     summary = distributed.run_on_main(_finish, run, workdir, logs, exports)

@@ -26,7 +26,7 @@ from trace_jax.allocation.policies import POLICIES
 from trace_jax.allocation.predictor import PREDICTORS
 from trace_jax.cli import ConfigError
 from trace_jax.config_utils import from_config
-from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
+from trace_jax.data.synthetic import KINDS, SyntheticWorld, WorldConfig
 from trace_jax.envs.react import TAGS
 from trace_jax.job.schema import SECTIONS, prompts_drawn_per_step, retired_problems
 from trace_jax.models import PRESETS
@@ -58,6 +58,14 @@ def positive_or_none(v: Any) -> bool:
 
 def one_of(choices: Callable[[], Iterable[str]]) -> Callable[[Any], bool]:
     return lambda v: v in set(choices())
+
+
+def _is_split(value: Any, names: Iterable[str]) -> bool:
+    """``value`` names a split of ``names``, optionally followed by question kinds: ``"test:chain,trivial"``."""
+    if not isinstance(value, str):
+        return False
+    name, colon, kinds = value.partition(":")
+    return name in set(names) and (not colon or set(kinds.split(",")) <= set(KINDS))
 
 
 def _training_policies() -> list[str]:
@@ -141,13 +149,20 @@ RULES: list[Rule] = [
     Rule("engine.max_turn_tokens", at_least(1), "an integer >= 1"),
     Rule(
         "eval.split",
-        one_of(lambda: ("train", "test", "ood", "dev")),
-        "one of train, test, ood (synthetic world); train, dev, test (recipe.kind=search_r1)",
+        lambda v: _is_split(v, ("train", "test", "ood", "dev")),
+        f"one of train, test, ood, each optionally with question kinds ('test:chain'; kinds: {', '.join(KINDS)}) "
+        "(synthetic world); train, dev, test (recipe.kind=search_r1)",
+    ),
+    Rule(
+        "rl.split",
+        lambda v: _is_split(v, ("train", "test", "ood")),
+        f"train, test or ood, optionally with question kinds ('train:chain'; kinds: {', '.join(KINDS)})",
     ),
     Rule("eval.num_questions", at_least(1), "an integer >= 1"),
     Rule("eval.every", at_least(0), "an integer >= 0 (0: only before and after RL)"),
     Rule("seed", _is_int, "an integer"),
     Rule("mesh.rollout_devices", at_least(0), "an integer >= 0 (0: the engine decodes on the training devices)"),
+    Rule("mesh.rollout_cpus", at_least(0), "an integer >= 0 (0: sampling in the trainer's process)"),
     *(
         Rule(f"mesh.{axis}", lambda v: _is_int(v) and (v >= 1 or v == -1), "an integer >= 1, or -1")
         for axis in MESH_AXES
@@ -190,16 +205,32 @@ def _routing_problems(config: ml_collections.ConfigDict) -> list[str]:
     ]
 
 
-def _pool_problems(config: ml_collections.ConfigDict) -> list[str]:
-    """A prompt pool (``rl.pool_size``) larger than the synthetic world's train split, or smaller than the prompts
-    one step draws. The split's size needs the world built (about a second), so only a run with a pool pays."""
-    pool = config.rl.get("pool_size", 0)
-    if not pool or (config.get("recipe") or {}).get("kind", "synthetic") != "synthetic":
+def _prompt_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """Synthetic recipe: an RL split (``rl.split``) or an evaluation split (``eval.split``) with no question (a kind
+    the world has none of), a prompt pool (``rl.pool_size``) larger than the RL split, or smaller than the prompts
+    one step draws. Sizes need the world built (about a second): only a run with a pool or a split of its own pays."""
+    if (config.get("recipe") or {}).get("kind", "synthetic") != "synthetic":
         return []
-    split = len(SyntheticWorld(from_config(WorldConfig, config.world)).questions("train"))
+    pool, name, evaluated = config.rl.get("pool_size", 0), config.rl.get("split", "train"), config.eval.split
+    if not pool and name == "train" and ":" not in evaluated:
+        return []
+    world = SyntheticWorld(from_config(WorldConfig, config.world))
+    empty = [
+        f"config.{key}={value!r} holds no question in this world"
+        for key, value in (("rl.split", name), ("eval.split", evaluated))
+        if not world.questions(value)
+    ]
+    if empty:
+        return [
+            f"{line}: check the kinds after ':' against config.world (buried_questions, trivial_questions)"
+            for line in empty
+        ]
+    split = len(world.questions(name))
+    if not pool:
+        return []
     if pool > split:
         return [
-            f"config.rl.pool_size={pool} is larger than the world's train split ({split} questions): pass at most "
+            f"config.rl.pool_size={pool} is larger than the world's {name} split ({split} questions): pass at most "
             f"--config.rl.pool_size={split} (0: the whole split)"
         ]
     drawn = prompts_drawn_per_step(config)
@@ -233,8 +264,8 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
     if not found and {"loss", "batch", "rl"} <= set(config.keys()):
         found.extend(_objective_problems(config))
     found.extend(_routing_problems(config))
-    if not found and {"rl", "world", "allocation"} <= set(config.keys()):
-        found.extend(_pool_problems(config))
+    if not found and {"rl", "world", "allocation", "eval"} <= set(config.keys()):
+        found.extend(_prompt_problems(config))
     mesh = [config.mesh.get(axis) for axis in MESH_AXES] if "mesh" in config else []
     if mesh.count(-1) > 1:
         found.append(f"config.mesh has {mesh.count(-1)} axes set to -1: at most one axis may be -1")
@@ -254,7 +285,12 @@ def check_mesh(config: ml_collections.ConfigDict, device_count: int, process_cou
     (``rl.max_staleness``) need one process."""
     sampling = config.mesh.get("rollout_devices", 0)
     if process_count > 1:
-        for key, value in (("mesh.rollout_devices", sampling), ("rl.max_staleness", config.rl.get("max_staleness", 0))):
+        apart = {
+            "mesh.rollout_devices": sampling,
+            "mesh.rollout_cpus": config.mesh.get("rollout_cpus", 0),
+            "rl.max_staleness": config.rl.get("max_staleness", 0),
+        }
+        for key, value in apart.items():
             if value:
                 raise ConfigError(
                     f"config.{key}={value} needs one JAX process; this job has {process_count} (with several, "
@@ -280,3 +316,22 @@ def check_mesh(config: ml_collections.ConfigDict, device_count: int, process_cou
             f"config {shown} does not fit the {training} {which}: the axes' product must equal {training} (one "
             "axis may be -1 to take the rest)"
         )
+
+
+def check_sampling_process(config: ml_collections.ConfigDict, platform: str, cores: int) -> None:
+    """Raises :class:`ConfigError` unless ``mesh.rollout_cpus`` (sampling in a process of its own) can run here:
+    a CPU backend (``platform``), the synthetic recipe, no ``mesh.rollout_devices``, and a core left to train
+    of the ``cores`` this process may use."""
+    cpus = config.mesh.get("rollout_cpus", 0)
+    if not cpus:
+        return
+    recipe = (config.get("recipe") or {}).get("kind", "synthetic")
+    found = [
+        (platform != "cpu", f"is for CPU hosts, and this backend is {platform}: pass mesh.rollout_devices instead"),
+        (config.mesh.get("rollout_devices", 0), "and mesh.rollout_devices exclude each other: pass one of them"),
+        (recipe != "synthetic", f"needs the synthetic recipe (the child rebuilds its world), not {recipe!r}"),
+        (cpus >= cores, f"leaves no core to train: this process may use {cores}; allowed 1 to {cores - 1}"),
+    ]
+    problems = [f"config.mesh.rollout_cpus={cpus} {why}" for failed, why in found if failed]
+    if problems:
+        raise ConfigError("; ".join(problems))
