@@ -102,7 +102,15 @@ def test_sections_leave_out_the_keys_the_job_sets():
 
     section = schema.section(BatchConfig(row_multiple=4))
     assert {"row_buckets", "row_multiple", "pad_id"}.isdisjoint(section.keys()) and "layout" in section
-    for name in ("default.py", "ablation.py", "realistic.py", "realistic_large.py", "search_r1.py:tiny"):
+    shipped = (
+        "default.py",
+        "ablation.py",
+        "realistic.py",
+        "realistic_large.py",
+        "default_ushaped.py",
+        "search_r1.py:tiny",
+    )
+    for name in shipped:
         config = config_file(name)
         assert schema.retired_problems(config) == [], name
         assert validate.problems(config) == [], name
@@ -173,6 +181,7 @@ WARM_START_KEYS = {
     "default.py": "fde1c28b476bd470",
     "realistic.py": "66345a55723be7bb",
     "realistic_large.py": "a9c11bd85fed4aac",
+    "default_ushaped.py": "58d3ad25fbcc31f3",
 }
 
 
