@@ -184,7 +184,10 @@ def test_the_run_equals_the_one_process_run(runs):
         for key in mine:
             if key.startswith(float_level):
                 rtol = 1e-2 if key.endswith("auc") else 1e-4
-                assert mine[key] == pytest.approx(theirs[key], rel=rtol, abs=1e-6), key
+                # The behaviour gap is a mean |log-prob difference| of ~1e-2: the layouts' rounding of each
+                # log-prob (~1e-6) is its own size, not a fraction of it (1.7e-6 measured on one CPU).
+                atol = 5e-6 if "behaviour_gap" in key else 1e-6
+                assert mine[key] == pytest.approx(theirs[key], rel=rtol, abs=atol), key
     updates = [np.abs(a - w).max() for a, w in zip(one_params, warm, strict=True)]
     for a, b, update in zip(one_params, two_params, updates, strict=True):
         np.testing.assert_allclose(b, a, rtol=0, atol=min(1.5e-6, 2e-3 * update))

@@ -18,8 +18,10 @@ Linux, and an end of the pipe anywhere).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
+import pathlib
 import threading
 import traceback
 from collections.abc import Sequence
@@ -28,8 +30,12 @@ from typing import Any
 import jax
 import ml_collections
 
+from trace_jax.job import build, sources
 from trace_jax.job.pipeline import Sampled
+from trace_jax.job.processes import Processes
+from trace_jax.job.sampling import SamplingSide
 from trace_jax.models import ModelConfig
+from trace_jax.parallel.mesh import make_mesh
 
 # The calls a child serves: ``SamplingSide``'s methods that cross the pipe.
 CALLS = ("set_weights", "sample", "warm_up_predictor", "evaluate", "state_dict", "load_state_dict")
@@ -119,9 +125,7 @@ class SamplingProcess:
         return rows
 
     def sampled_questions(self, trees: list[Any]) -> list[list[str]]:
-        from trace_jax.job.processes import Processes  # one process: the trees' own questions
-
-        return Processes().sampled_questions(None, trees)
+        return Processes().sampled_questions(None, trees)  # one JAX process: the trees' own questions
 
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")
@@ -146,8 +150,6 @@ class SamplingProcess:
 def _die_with_parent() -> None:
     """Linux: the kernel kills this process when its parent ends (a parent's ``os._exit`` runs no cleanup)."""
     with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _SIGKILL)
 
 
@@ -156,14 +158,7 @@ def serve(
 ) -> None:
     """The child's main: pins itself, builds the sampling side, then answers calls until told to close."""
     _die_with_parent()
-    pin_threads(cores)  # before JAX starts its threads: they inherit it
-    import pathlib
-
-    from trace_jax.job import build, sources
-    from trace_jax.job.processes import Processes
-    from trace_jax.job.sampling import SamplingSide
-    from trace_jax.parallel.mesh import make_mesh
-
+    pin_threads(cores)  # before JAX's backend starts its threads: they inherit it
     try:
         world = build.build_world(config, pathlib.Path(world_dir))
         prompts = sources.source_of(config).prompt_stream(config, world)
