@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": [*bench, *overrides],
         "placement": placement,
         "devices": {"sampling": 1, "training": jax.device_count() - (devices - 1), "platform": jax.default_backend()},
-        "cores": getattr(run.sampler, "cores", None),
+        "cores": run.sampler.describe() or None,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "load_average": os.getloadavg(),
         "k0": sync,

@@ -78,6 +78,16 @@ _CONSONANTS = list("bdfgklmnprstvz")
 _VOWELS = list("aeiou")
 
 
+def split_kinds(split: str) -> tuple[str, tuple[str, ...]]:
+    """``"test:chain,trivial"`` -> ``("test", ("chain", "trivial"))``; ``"test"`` -> ``("test", ())``. Raises
+    ``ValueError`` for a kind not in :data:`KINDS`."""
+    name, colon, kinds = split.partition(":")
+    wanted = tuple(kinds.split(",")) if colon else ()
+    if set(wanted) - set(KINDS):
+        raise ValueError(f"unknown question kind in {split!r}; kinds are {list(KINDS)}")
+    return name, wanted
+
+
 @dataclasses.dataclass(frozen=True)
 class WorldConfig:
     """Everything that defines a world. The defaults give ~280 entities and ~1.2k questions.
@@ -201,14 +211,11 @@ class SyntheticWorld:
         """The rows of ``split``; ``"<split>:<kind>,<kind>..."`` keeps only rows of those kinds (in order), e.g.
         ``"train:chain,trivial"``: a warm start on it never sees a buried question's answer, which SFT would
         teach by heart (no lookup can find it)."""
-        name, _, kinds = split.partition(":")
+        name, wanted = split_kinds(split)
         if name not in self.splits:
             raise ValueError(f"unknown split {name!r}; the synthetic world has {list(self.splits)}")
-        if not kinds:
+        if not wanted:
             return self.splits[name]
-        wanted = kinds.split(",")
-        if set(wanted) - set(KINDS):
-            raise ValueError(f"unknown question kind in {split!r}; kinds are {list(KINDS)}")
         return [q for q in self.splits[name] if q["kind"] in wanted]
 
     def texts(self) -> Iterator[str]:

@@ -127,5 +127,9 @@ class SamplingSide:
         self.prompts.load_state_dict(state["prompts"])
         self.runner.load_state_dict(state["runner"])
 
+    def describe(self) -> dict[str, Any]:
+        """Facts for a run's summary: none beyond the placement's (it samples in the trainer's process)."""
+        return {}
+
     def close(self, wait: bool = True) -> None:
         """Nothing to release in this process (a ``SamplingProcess`` ends its child here)."""

@@ -133,6 +133,10 @@ class SamplingProcess:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._call("load_state_dict", state)
 
+    def describe(self) -> dict[str, Any]:
+        """Facts for a run's summary: the cores of each side."""
+        return dict(self.cores)
+
     def close(self, wait: bool = True) -> None:
         """Ends the child (asked to, when ``wait`` and it is idle; else killed) and gives this process its cores
         back."""

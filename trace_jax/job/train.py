@@ -86,7 +86,7 @@ def _summary(run: Training, records: list[dict[str, Any]]) -> dict[str, Any]:
         "warm_start_dir": str(run.start.directory),
         # Which process sampled which questions in the last step (one list per process).
         "processes": {**run.processes.describe(), "last_step_questions": run.sampled_by_process},
-        "placement": {**run.placement.describe(), **getattr(run.sampler, "cores", {})},
+        "placement": {**run.placement.describe(), **run.sampler.describe()},
         "note": "wall-clock figures: they depend on the machine and its load",
     }
     return summary

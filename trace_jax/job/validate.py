@@ -26,7 +26,7 @@ from trace_jax.allocation.policies import POLICIES
 from trace_jax.allocation.predictor import PREDICTORS
 from trace_jax.cli import ConfigError
 from trace_jax.config_utils import from_config
-from trace_jax.data.synthetic import KINDS, SyntheticWorld, WorldConfig
+from trace_jax.data.synthetic import KINDS, SyntheticWorld, WorldConfig, split_kinds
 from trace_jax.envs.react import TAGS
 from trace_jax.job.schema import SECTIONS, prompts_drawn_per_step, retired_problems
 from trace_jax.models import PRESETS
@@ -64,8 +64,11 @@ def _is_split(value: Any, names: Iterable[str]) -> bool:
     """``value`` names a split of ``names``, optionally followed by question kinds: ``"test:chain,trivial"``."""
     if not isinstance(value, str):
         return False
-    name, colon, kinds = value.partition(":")
-    return name in set(names) and (not colon or set(kinds.split(",")) <= set(KINDS))
+    try:
+        name, _ = split_kinds(value)
+    except ValueError:
+        return False
+    return name in set(names)
 
 
 def _training_policies() -> list[str]:
@@ -215,17 +218,14 @@ def _prompt_problems(config: ml_collections.ConfigDict) -> list[str]:
     if not pool and name == "train" and ":" not in evaluated:
         return []
     world = SyntheticWorld(from_config(WorldConfig, config.world))
-    empty = [
-        f"config.{key}={value!r} holds no question in this world"
-        for key, value in (("rl.split", name), ("eval.split", evaluated))
-        if not world.questions(value)
-    ]
+    sizes = {("rl.split", name): len(world.questions(name)), ("eval.split", evaluated): len(world.questions(evaluated))}
+    empty = [f"config.{key}={value!r} holds no question in this world" for (key, value), n in sizes.items() if not n]
     if empty:
         return [
             f"{line}: check the kinds after ':' against config.world (buried_questions, trivial_questions)"
             for line in empty
         ]
-    split = len(world.questions(name))
+    split = sizes["rl.split", name]
     if not pool:
         return []
     if pool > split:
