@@ -41,8 +41,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # max_depth 8 still tells every turn depth apart (react.max_turns is 5 here, 6 in realistic.py).
     config.allocation = section(SchedulerConfig(policy="trace", rollouts_per_prompt=8.0, max_depth=8))
     # Length buckets up to engine.max_len; fixed_length: every row is 512 long (tree-packed to the largest
-    # bucket), so the trainer compiles once.
-    config.batch = section(BatchConfig(length_buckets=(128, 256, 384, 512), fixed_length=True))
+    # bucket), so the trainer compiles once. skip_zero_advantage: the all-right and all-wrong groups are counted
+    # in the loss's denominator but never run through the update (their gradient is exactly 0).
+    config.batch = section(
+        BatchConfig(length_buckets=(128, 256, 384, 512), fixed_length=True, skip_zero_advantage=True)
+    )
     config.loss = section(LossConfig(policy_loss="ppo", aggregation="token-mean"))
     config.ppo = section(UpdateConfig())  # epochs x mini-batches per rollout batch, behaviour log-probs
     # The tiny policy's learning rate, held constant (OptimizerConfig's generic defaults: 1e-5, cosine). The

@@ -205,9 +205,13 @@ def test_too_long_rows_and_empty_batches_are_clear_errors():
     flat.add_turn(0, [2], reward=1.0)
     flat.add_turn(0, [3], reward=1.0)
     with pytest.raises(ValueError, match="no rows"):
-        build_batch([flat], compute_advantages("grpo", [flat]), BatchConfig(skip_zero_advantage=True))
-    _, info = build_batch([flat, tree], compute_advantages("grpo", [flat, tree]), BatchConfig(skip_zero_advantage=True))
-    assert info.num_trees_skipped == 1 and info.num_rows == 1
+        build_batch([RolloutTree([1])], compute_advantages("grpo", [RolloutTree([1])]))
+    skip = BatchConfig(skip_zero_advantage=True)
+    _, info = build_batch([flat, tree], compute_advantages("grpo", [flat, tree]), skip)
+    # flat's two one-token answers are its trained tokens, each on one path (token-mean weight 1).
+    assert info.num_trees_skipped == 1 and info.num_rows == 1 and info.skipped_denominator == 2.0
+    _, info = build_batch([flat], compute_advantages("grpo", [flat]), skip)  # no signal anywhere: nothing left out
+    assert info.num_trees_skipped == 0 and info.num_rows == 1 and info.skipped_denominator == 0.0
 
 
 def test_segment_weight_one_trains_each_turn_with_weight_one():

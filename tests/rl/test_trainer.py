@@ -426,3 +426,57 @@ def test_mini_batches_sum_to_the_full_batch_objective_and_gradient(aggregation, 
     full, split = flat(full_grads), flat(split_grads)
     assert np.abs(full).max() > 1e-4, "premise: a gradient to compare"
     np.testing.assert_allclose(split, full, rtol=1e-6, atol=1e-6 * np.abs(full).max())
+
+
+def _all_equal_tree(reward: float, first: int) -> RolloutTree:
+    """A prompt and two turns-then-answers with the same reward: every advantage 0 under GRPO."""
+    tree = RolloutTree([1, first], task="equal")
+    for ids in ([first + 1, first + 2], [first + 3]):
+        lp = [-0.3] * len(ids)
+        turn = tree.add_turn(0, ids, logprobs=lp, sample_logprobs=lp, observation_ids=[95])
+        tree.add_turn(turn, [first + 4], logprobs=[-0.7], sample_logprobs=[-0.7], reward=reward)
+    return tree
+
+
+@pytest.mark.parametrize(
+    "aggregation, policy_loss", [("token-mean", "ppo"), ("seq-mean-token-mean", "ppo"), ("seq-mean-token-mean", "gspo")]
+)
+def test_skipping_zero_advantage_trees_keeps_the_whole_batch_objective_and_gradient(aggregation, policy_loss):
+    # Catches the mutant "the update divides by the kept rows' denominator only" (skipped_denominator not
+    # added): the gradient is then the full one times D_all / D_kept, here at least 1.3x, not equal.
+    graphdef, params, _ = shared_setup()
+    rng = np.random.default_rng(7)
+    trees = [branching_tree(), _all_equal_tree(1.0, 40), random_tree(rng), _all_equal_tree(0.0, 60), random_tree(rng)]
+    loss = LossConfig(aggregation=aggregation, policy_loss=policy_loss)
+    advantages = compute_advantages("grpo", trees)
+    config = dataclasses.replace(BATCH_CONFIG, layout="paths")
+    full_batch, full_info = build_batch(trees, advantages, config, loss)
+    skip_batch, skip_info = build_batch(trees, advantages, dataclasses.replace(config, skip_zero_advantage=True), loss)
+    assert skip_info.num_trees_skipped >= 2 and skip_info.num_rows < full_info.num_rows, "premise: trees left out"
+    kept = float(skip_batch.paths.sum() if aggregation != "token-mean" else skip_batch.weights.sum())
+    assert (kept + skip_info.skipped_denominator) / kept > 1.3, "premise: the skipped trees weigh in the mean"
+    trainer = RLTrainer(graphdef, _gradient_recorder(), loss)
+    trainer.update_config = UpdateConfig(ppo_epochs=1, mini_batches=1, micro_rows=2, behaviour_logprobs="recompute")
+    results = []
+    for batch, info in ((full_batch, full_info), (skip_batch, skip_info)):
+        state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+        state, metrics = trainer.update(state, batch, info.path_tokens, info.skipped_denominator)
+        results.append((metrics["loss"], jax.tree.leaves(_host(state.opt_state))))
+    (full_loss, full_grads), (skip_loss, skip_grads) = results
+    assert skip_loss == pytest.approx(full_loss, rel=1e-5, abs=1e-7)
+    flat = lambda leaves: np.concatenate([np.ravel(x) for x in leaves])
+    full, skipped = flat(full_grads), flat(skip_grads)
+    assert np.abs(full).max() > 1e-4, "premise: a gradient to compare"
+    np.testing.assert_allclose(skipped, full, rtol=1e-5, atol=1e-5 * np.abs(full).max())
+
+
+def test_no_tree_is_skipped_when_a_term_outside_the_advantage_trains_every_token():
+    # Catches the mutant "skip whatever the loss": the KL / entropy / router terms of the left-out trees' tokens
+    # would then be lost from the gradient.
+    trees = [branching_tree(), _all_equal_tree(1.0, 40)]
+    skip = dataclasses.replace(BATCH_CONFIG, skip_zero_advantage=True)
+    _, info = build_batch(trees, compute_advantages("grpo", trees), skip)
+    assert info.num_trees_skipped == 1, "premise: without such a term the all-equal tree is left out"
+    for loss in (LossConfig(kl_coef=0.1), LossConfig(entropy_coef=0.01), LossConfig(router_aux_loss_coef=0.01)):
+        _, info = build_batch(trees, compute_advantages("grpo", trees), skip, loss)
+        assert info.num_trees_skipped == 0 and info.skipped_denominator == 0.0

@@ -187,7 +187,7 @@ class Training:
         advantages = compute_advantages(self.config.rl.advantage, scheduled.trees)
         batch, info = build_batch(scheduled.trees, advantages, self.batch_config, self.trainer.loss_config)
         # Every process: all rows, its own fed.
-        self.state, train_metrics = self.trainer.update(self.state, batch, info.path_tokens)
+        self.state, train_metrics = self.trainer.update(self.state, batch, info.path_tokens, info.skipped_denominator)
         train_end = time.perf_counter()
         version, self.step = self.step, step
         if not self.pipeline.in_flight:  # the new weights now; else once the engine is done sampling ahead
@@ -208,6 +208,7 @@ class Training:
                 "alloc/nonzero_adv_token_share": figures.nonzero_advantage_share(scheduled.trees)["tokens"],
                 "batch/rows": float(info.num_rows),
                 "batch/trained_tokens": float(info.num_trained_tokens),
+                "batch/trees_skipped": float(info.num_trees_skipped),
                 "time/rollout_s": sampled.seconds,
                 "time/train_s": train_end - train_start,
                 "time/weight_sync_s": sync_seconds,

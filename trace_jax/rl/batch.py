@@ -99,6 +99,9 @@ class BatchInfo:
       num_path_tokens: tokens of all leaf paths (what one-row-per-path training would process, unpadded).
       num_trained_tokens: tokens with non-zero weight (each sampled turn token at most once).
       num_trees_skipped: trees left out by ``skip_zero_advantage``.
+      skipped_denominator: the share of the loss denominator (``trace_jax.rl.losses.loss_denominator``) that
+        the skipped trees hold: their trained tokens' weights, or their trained paths. ``RLTrainer.update``
+        adds it to the rows' own, so the batch trains the objective of every tree given (0 when none skipped).
       layout: where every token sits (tree / node / offset per position).
       path_tokens: every leaf path's trained tokens and advantages (sequence-level GSPO's input).
     """
@@ -109,6 +112,7 @@ class BatchInfo:
     num_path_tokens: int
     num_trained_tokens: int
     num_trees_skipped: int
+    skipped_denominator: float
     layout: RowLayout = dataclasses.field(repr=False)
     path_tokens: PathTokens = dataclasses.field(repr=False)
 
@@ -138,7 +142,12 @@ class BatchConfig:
         benchmarks) is then as long as its longest row needs, not the default buckets' 4096.
       segment_weight: "leaves": the per-path objective; "one": each turn weighs 1 whatever its leaf count
         (a tree-native objective, token-mean only).
-      skip_zero_advantage: leave out trees whose every advantage is 0 (no policy-gradient signal).
+      skip_zero_advantage: leave out of the rows the trees whose every advantage is 0, and count them in
+        ``BatchInfo.skipped_denominator``. Their tokens' policy-gradient terms are exactly 0, so with that
+        denominator the update's objective and gradient are those of the whole batch, at the cost of the trees
+        that carry signal only. A term outside the advantage (``LossConfig.kl_coef``, ``entropy_coef``,
+        ``router_aux_loss_coef``) trains every token, so with one none is left out; nor when no tree carries
+        signal.
       pad_id: token id used for padding (never trained, never attended to by real tokens); the main job
         uses its tokenizer's.
     """
@@ -245,6 +254,27 @@ def _node_tables(
     )
 
 
+def _has_signal(tree: RolloutTree, advantages: NodeAdvantages) -> bool:
+    """Whether any trained node has a non-zero advantage ``A(ℓ, y)`` on a path ``ℓ`` through it."""
+    on_path = tree.subtree_sums(np.eye(len(tree.leaves()))) > 0  # [nodes, leaves]: y on ℓ's path
+    on_path[0] = False  # the root is never trained
+    return bool(np.any(advantages.path_advantages(tree)[on_path]))
+
+
+def _denominator(
+    trees: Sequence[RolloutTree], advantages: Sequence[NodeAdvantages], config: BatchConfig, loss: LossConfig
+) -> float:
+    """The loss denominator these trees' rows would hold: Σ of their trained tokens' weights (each sampled turn
+    token once, as the rows train it), or their paths with a trained token (per-path aggregations)."""
+    if not trees:
+        return 0.0
+    if AGGREGATIONS[loss.aggregation].per_path:
+        return float(sum(np.count_nonzero(_trained_tokens_per_path(tree)) for tree in trees))
+    tables = _node_tables(trees, advantages, config, loss)
+    tokens = np.concatenate([[node.token_ids.shape[0] for node in tree] for tree in trees])
+    return float(np.sum(np.where(tables.weights > 0, tables.weights, 0.0) * tokens))
+
+
 def _path_tokens(trees: Sequence[RolloutTree], tables: _NodeTables, flat: np.ndarray, trains: np.ndarray) -> PathTokens:
     """Every leaf path's trained tokens (``flat``: global node id per position; ``trains``: where it trains)."""
     rows, cols = np.nonzero(trains)
@@ -283,18 +313,14 @@ def build_batch(
     check_objective(None, loss, config)
     if len(trees) != len(advantages):
         raise ValueError(f"{len(trees)} trees but {len(advantages)} advantage sets")
-    kept, skipped = [], 0
-    for i, (tree, adv) in enumerate(zip(trees, advantages, strict=True)):
-        if not tree.leaves():
-            continue
-        if config.skip_zero_advantage and not np.any(adv.advantages[adv.weights > 0]):
-            skipped += 1
-            continue
-        kept.append(i)
-    if not kept:
-        raise ValueError(
-            f"no rows to train: {len(trees)} trees, {skipped} skipped for zero advantage, the rest without a leaf"
-        )
+    with_leaves = [i for i, tree in enumerate(trees) if tree.leaves()]
+    if not with_leaves:
+        raise ValueError(f"no rows to train: none of the {len(trees)} trees has a leaf")
+    kept, skipped = with_leaves, []
+    if config.skip_zero_advantage and not (loss.kl_coef or loss.entropy_coef or loss.router_aux_loss_coef):
+        signal = [i for i in with_leaves if _has_signal(trees[i], advantages[i])]
+        kept, skipped = (signal, [i for i in with_leaves if i not in signal]) if signal else (with_leaves, [])
+    skipped_denominator = _denominator([trees[i] for i in skipped], [advantages[i] for i in skipped], config, loss)
     trees = [trees[i] for i in kept]
     advantages = [advantages[i] for i in kept]
     longest_path = max(t.prefix_length(leaf) for t in trees for leaf in t.leaves())
@@ -353,7 +379,8 @@ def build_batch(
         num_padded_tokens=int(layout.tokens.size),
         num_path_tokens=int(sum(t.prefix_length(leaf) for t in trees for leaf in t.leaves())),
         num_trained_tokens=int(trains.sum()),
-        num_trees_skipped=skipped,
+        num_trees_skipped=len(skipped),
+        skipped_denominator=skipped_denominator,
         path_tokens=_path_tokens(trees, tables, flat, trains),
     )
     return batch, info

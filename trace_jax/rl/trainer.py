@@ -491,13 +491,19 @@ class RLTrainer:
         return batch._replace(seq_loss=seq_loss, seq_grad=seq_grad), pairs
 
     def update(
-        self, state: TrainState, batch: TrainBatch, path_tokens: PathTokens | None = None
+        self,
+        state: TrainState,
+        batch: TrainBatch,
+        path_tokens: PathTokens | None = None,
+        skipped_denominator: float = 0.0,
     ) -> tuple[TrainState, dict[str, float]]:
         """PPO on one rollout batch: ``prepare``, then ``ppo_epochs`` passes, each over ``mini_batches``
         reshuffled mini-batches of rows, one optimizer step each, its gradient accumulated over micro-batches
         of exactly ``micro_rows`` rows (rows without tokens are dropped; the batch may have any row count).
         ``path_tokens`` (``BatchInfo.path_tokens``) is needed by ``policy_loss="gspo"`` only: before each of
         its steps every path's sequence ratio is computed at the step's params (``sequence_step_batch``).
+        ``skipped_denominator`` (``BatchInfo.skipped_denominator``) is the denominator of the trees the batch
+        left out for zero advantage: added to the rows' own, the update trains the objective of every tree.
 
         Metrics: the loss metrics pooled over every step (``ratio`` is the mean ratio, ``ratio_max`` the
         largest, ``clip_fraction`` the clipped share; each measured at the start of its step), the same per
@@ -526,6 +532,7 @@ class RLTrainer:
         # leaves sit in other mini-batches, so only the whole batch's count makes the mini-batch losses (and
         # gradients, at equal params) sum to the full-batch objective.
         whole = loss_denominator(np.asarray(prepared.weights), np.asarray(prepared.paths), self.loss_config)
+        whole = whole + skipped_denominator
         denominator = np.float32(max(float(whole), 1e-8))
         rng = np.random.default_rng([config.shuffle_seed, int(jax.device_get(state.step))])
         outs: list[list[Any]] = []  # per epoch, each step's device metrics: fetched once, after the last step
