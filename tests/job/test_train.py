@@ -224,6 +224,27 @@ def test_the_tiny_run_prints_its_recorded_summary(finished_run):
     assert computed_summary(summary) == record["summary"]
 
 
+def test_leaving_out_the_zero_advantage_trees_trains_the_same_first_step(cache, tmp_path):
+    """The default recipe leaves the all-equal groups out of the update (``batch.skip_zero_advantage``): one
+    optimizer step on the same trees gives the same loss and gradient norm with it on and off. Catches the
+    mutant "the loop does not pass the skipped trees' denominator to the update" (the gradient then grows by
+    the skipped trees' share of the batch)."""
+    one_step = ["--config.rl.steps=1", "--config.ppo.ppo_epochs=1", "--config.ppo.mini_batches=1"]
+    steps = {}
+    for skip in (True, False):
+        workdir = tmp_path / f"skip_{skip}"
+        flags = [*TINY_MAIN_JOB, *one_step, f"--config.batch.skip_zero_advantage={skip}"]
+        done = subprocess.run(main_job_command(workdir, cache, flags), cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-4000:]
+        steps[skip] = next(r for r in records_without_timings(workdir) if "train/loss" in r)
+    on, off = steps[True], steps[False]
+    assert on["alloc/budget/generated_tokens"] == off["alloc/budget/generated_tokens"]  # premise: the same trees
+    assert on["batch/trees_skipped"] >= 1 and off["batch/trees_skipped"] == 0, "premise: trees left out"
+    assert on["batch/rows"] < off["batch/rows"]
+    assert on["train/grad_norm"] == pytest.approx(off["train/grad_norm"], rel=1e-4)
+    assert on["train/loss"] == pytest.approx(off["train/loss"], rel=1e-4, abs=1e-7)
+
+
 # A world slice where a few RL steps reliably raise EM: 1-hop questions only, a warm start cut short (greedy
 # answers 9 of its 13 training questions, samples at temperature 0.5 about half), every training question in
 # every step, and EM measured on those questions by the policy RL trains (the tempered one, 8 samples each).

@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             pack_length=args.pack_length,
             row_multiple=trainer.row_multiple,
             row_buckets=(32, 64, 96, 128, 192, 256),  # a few padded row counts: a handful of programs
+            skip_zero_advantage=False,  # every tree in both layouts: this compares the layouts, not the skip
             **fixed,
         )
         batch, info = build_batch(trees, advantages, batch_config, loss)
