@@ -254,25 +254,25 @@ def _node_tables(
     )
 
 
-def _has_signal(tree: RolloutTree, advantages: NodeAdvantages) -> bool:
-    """Whether any trained node has a non-zero advantage ``A(ℓ, y)`` on a path ``ℓ`` through it."""
-    on_path = tree.subtree_sums(np.eye(len(tree.leaves()))) > 0  # [nodes, leaves]: y on ℓ's path
-    on_path[0] = False  # the root is never trained
-    return bool(np.any(advantages.path_advantages(tree)[on_path]))
-
-
-def _denominator(
+def _tree_terms(
     trees: Sequence[RolloutTree], advantages: Sequence[NodeAdvantages], config: BatchConfig, loss: LossConfig
-) -> float:
-    """The loss denominator these trees' rows would hold: Σ of their trained tokens' weights (each sampled turn
-    token once, as the rows train it), or their paths with a trained token (per-path aggregations)."""
-    if not trees:
-        return 0.0
-    if AGGREGATIONS[loss.aggregation].per_path:
-        return float(sum(np.count_nonzero(_trained_tokens_per_path(tree)) for tree in trees))
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per tree: whether any of its tokens carries a policy-gradient term (a non-zero ``c_ℓ·A(ℓ, y)`` sum,
+    what ``adv_pos`` / ``adv_neg`` hold), and the loss denominator its rows would hold: Σ of its trained tokens'
+    weights (each sampled turn token once, as the rows train it), or its paths with a trained token."""
     tables = _node_tables(trees, advantages, config, loss)
-    tokens = np.concatenate([[node.token_ids.shape[0] for node in tree] for tree in trees])
-    return float(np.sum(np.where(tables.weights > 0, tables.weights, 0.0) * tokens))
+    per_path = AGGREGATIONS[loss.aggregation].per_path
+    ends = np.r_[tables.base[1:], len(tables.weights)]
+    signal, denominators = [], []
+    for tree, start, end in zip(trees, tables.base, ends, strict=True):
+        nodes = slice(start, end)
+        signal.append(bool(np.any(tables.adv_pos[nodes]) or np.any(tables.adv_neg[nodes])))
+        if per_path:
+            denominators.append(float(np.count_nonzero(_trained_tokens_per_path(tree))))
+        else:
+            tokens = np.asarray([node.token_ids.shape[0] for node in tree])
+            denominators.append(float(np.sum(np.maximum(tables.weights[nodes], 0.0) * tokens)))
+    return np.asarray(signal, bool), np.asarray(denominators)
 
 
 def _path_tokens(trees: Sequence[RolloutTree], tables: _NodeTables, flat: np.ndarray, trains: np.ndarray) -> PathTokens:
@@ -316,11 +316,14 @@ def build_batch(
     with_leaves = [i for i, tree in enumerate(trees) if tree.leaves()]
     if not with_leaves:
         raise ValueError(f"no rows to train: none of the {len(trees)} trees has a leaf")
-    kept, skipped = with_leaves, []
+    kept, skipped_denominator, skipped = with_leaves, 0.0, 0
     if config.skip_zero_advantage and not (loss.kl_coef or loss.entropy_coef or loss.router_aux_loss_coef):
-        signal = [i for i in with_leaves if _has_signal(trees[i], advantages[i])]
-        kept, skipped = (signal, [i for i in with_leaves if i not in signal]) if signal else (with_leaves, [])
-    skipped_denominator = _denominator([trees[i] for i in skipped], [advantages[i] for i in skipped], config, loss)
+        signal, denominators = _tree_terms(
+            [trees[i] for i in with_leaves], [advantages[i] for i in with_leaves], config, loss
+        )
+        if signal.any():  # with none, every tree stays: the update then runs as without the option
+            kept = [i for i, keep in zip(with_leaves, signal, strict=True) if keep]
+            skipped, skipped_denominator = int((~signal).sum()), float(denominators[~signal].sum())
     trees = [trees[i] for i in kept]
     advantages = [advantages[i] for i in kept]
     longest_path = max(t.prefix_length(leaf) for t in trees for leaf in t.leaves())
@@ -379,7 +382,7 @@ def build_batch(
         num_padded_tokens=int(layout.tokens.size),
         num_path_tokens=int(sum(t.prefix_length(leaf) for t in trees for leaf in t.leaves())),
         num_trained_tokens=int(trains.sum()),
-        num_trees_skipped=len(skipped),
+        num_trees_skipped=skipped,
         skipped_denominator=skipped_denominator,
         path_tokens=_path_tokens(trees, tables, flat, trains),
     )
