@@ -65,7 +65,7 @@ def test_show_config_lists_every_key_with_value_and_doc(capsys):
         ),
         (["--config.engine.max_len=0"], ExitCode.CONFIG, ["config.engine.max_len=0 is not allowed", ">= 2"]),
         (["--config.rl.warmup_steps=-1"], ExitCode.CONFIG, ["config.rl.warmup_steps=-1.0", "a number >= 0"]),
-        (["--config.ppo.micro_rows=0"], ExitCode.CONFIG, ["config.ppo", "micro_rows must be >= 1"]),
+        (["--config.ppo.micro_rows=-1"], ExitCode.CONFIG, ["config.ppo", "micro_rows must be >= 1, or 0"]),
         (
             ["--config.rl.micro_batches=2"],
             ExitCode.CONFIG,

@@ -74,9 +74,10 @@ def test_packing_splits_big_trees_and_fills_rows():
     sizes = [sum(n.num_tokens for n in t) for t in trees]
     pieces = [tree_pieces(t, 24) for t in trees]
     assert any(len(p) > 1 for p in pieces) and max(sizes) > 24  # some tree is split over rows
-    for tree, tree_p in zip(trees, pieces, strict=True):
-        trained = [y for p in tree_p for y, trains in p if trains]
-        assert sorted(trained) == sorted({y for leaf in tree.leaves() for y in tree.path(leaf)})  # each once
+    for tree in trees:
+        for split in ("fewest", "each"):
+            trained = [y for p in tree_pieces(tree, 24, split) for y, trains in p if trains]
+            assert sorted(trained) == sorted({y for leaf in tree.leaves() for y in tree.path(leaf)})  # each once
     assert pack_rows([5, 4, 3, 3, 1], 8) == [[0, 2], [1, 3, 4]]
 
 
@@ -105,6 +106,34 @@ def test_pieces_of_one_tree_in_one_row_share_their_context():
     trains = layout.trains
     trained = list(zip(layout.node[trains].tolist(), layout.offset[trains].tolist(), strict=True))
     assert sorted(trained) == sorted({(y, o) for y in range(1, 6) for o in range(tree[y].token_ids.shape[0])})
+
+
+def test_a_split_tree_fills_the_room_another_tree_leaves():
+    """A (11 tokens: root 3, one turn of 8) fits a row of 20; B (root 3 + turns 6, 4, 8, 4 = 25) does not. Cut
+    into one piece per turn, B's pieces share their root within a row, and one of them fills the 9 tokens A
+    leaves: 2 rows, the fewest 36 tokens can take. Grouped into as few pieces as fit (3 + 8 + 6 and 3 + 4 + 4),
+    B leaves pieces of 17 and 11 that share a row with nothing: 3 rows. The layout packs both, keeps the 2."""
+
+    def star(root, turns):
+        tree = RolloutTree(np.full(root, 5))
+        for n in turns:
+            tree.add_turn(0, np.full(n, 7), sample_logprobs=np.zeros(n), reward=float(n % 2 == 0))
+        return tree
+
+    trees = [star(3, [8]), star(3, [6, 4, 8, 4])]
+    sizes = [sum(n.num_tokens for n in t) for t in trees]
+    assert sizes == [11, 25] and sum(sizes) <= 2 * 20  # premise: B needs splitting; 2 rows could hold both
+    assert [len(p) for p in tree_pieces(trees[1], 20, "each")] == [2, 2, 2, 2]  # one piece per turn
+    assert [len(p) for p in tree_pieces(trees[1], 20, "fewest")] == [3, 3]  # premise: the other cut differs
+    config = BatchConfig(length_buckets=(20,), row_buckets=None, pack_length=20)
+    trees[1][1].reward, trees[1][2].reward = 1.0, 0.0  # B is mixed (A's lone leaf is kept too: no skip)
+    _, info = build_batch(trees, compute_advantages("grpo", trees), config)
+    assert info.num_rows == 2
+    trained = info.layout.trains.sum()
+    assert trained == 8 + 6 + 4 + 8 + 4  # every turn once
+    # Padded to 4 rows either way (and 39 tokens either way): the tie keeps the fewest pieces, 3 rows.
+    _, tied = build_batch(trees, compute_advantages("grpo", trees), dataclasses.replace(config, row_buckets=(4,)))
+    assert tied.layout.tokens.shape[0] == 4 and (tied.num_rows, tied.num_tokens) == (3, 39) == (3, info.num_tokens)
 
 
 def test_packed_logprobs_equal_the_per_path_ones():

@@ -229,7 +229,26 @@ def test_update_compiles_its_programs_once_whatever_the_batch_size():
     assert trainer._behaviour_fn._cache_size() == behaviour == 1
     assert metrics["programs"] == 2  # (program, shape) pairs: behaviour log-probs and accumulate, one shape each
     with pytest.raises(ValueError, match="micro_rows"):
-        UpdateConfig(micro_rows=0)
+        UpdateConfig(micro_rows=-1)
+
+
+def test_zero_micro_rows_runs_one_row_per_batch_shard():
+    graphdef, params, _ = shared_setup()
+    batch = _path_batch(seed=0, n_trees=4)
+    real = int((batch.lengths > 0).sum())
+    results = []
+    for micro_rows in (0, 1):
+        update = UpdateConfig(ppo_epochs=2, mini_batches=2, micro_rows=micro_rows, behaviour_logprobs="recompute")
+        trainer = _trainer(graphdef, update=update)
+        assert trainer.micro_rows == trainer.step_row_multiple_of(trainer.mesh, 1) == 1  # no mesh: one shard
+        state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+        state, metrics = trainer.update(state, batch)
+        results.append((_host(state.params), metrics))
+    (zero_params, zero_metrics), (one_params, one_metrics) = results
+    assert real > 2 and zero_metrics["micro_batches"] == 2 * real  # a call per row, each of 2 epochs
+    for a, b in zip(jax.tree.leaves(zero_params), jax.tree.leaves(one_params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert zero_metrics == one_metrics
 
 
 def test_update_runs_epochs_times_mini_batches_steps_on_shuffled_rows():

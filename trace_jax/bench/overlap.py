@@ -24,6 +24,8 @@ of each block, the steady state (the first one also compiles).
 
 Per mode, over those steps: the median step time, the generated tokens and the step time per thousand of them (the
 two modes sample different trees, so "equal tokens" is checked, not forced), the median rollout and train seconds,
+the median rows the update ran and its seconds per row (the trees left out for zero advantage differ from step
+to step, so the train seconds of the two modes compare only per row),
 the overlap fraction: the share of the trainer's time (batch + update) during which rollouts ran, and the cores
 this process kept busy (its CPU seconds over the step's wall seconds: with ``devices``, XLA:CPU runs both host
 devices' programs on one shared thread pool, so a program can use both cores when the other device is idle; with
@@ -92,6 +94,11 @@ class CompileCount:
         self.count += event == self.EVENT
 
 
+# What a step trains, beside its timings: the update's cost follows its rows (the trees left out for zero
+# advantage are not run), which differ between the steps each mode happens to run.
+BATCH_FIGURES = ("batch/rows", "batch/trees_skipped", "train/micro_batches")
+
+
 def _block(run: Any, staleness: int, steps: int, compiles: CompileCount) -> list[dict[str, float]]:
     """``steps`` RL steps at ``rl.max_staleness = staleness``; the metrics of each."""
     run.pipeline.max_staleness = staleness
@@ -101,8 +108,8 @@ def _block(run: Any, staleness: int, steps: int, compiles: CompileCount) -> list
         records.append(run.rl_step())
         records[-1]["bench/cores_used"] = (time.process_time() - cpu) / (time.perf_counter() - wall)
         records[-1]["bench/compiles"] = compiles.count - compiled
-        timings = {k: round(v, 3) for k, v in records[-1].items() if k.startswith("time/")}
-        print(json.dumps({"k": staleness, "step": run.step, **timings}), file=sys.stderr, flush=True)
+        shown = {k: round(v, 3) for k, v in records[-1].items() if k.startswith("time/") or k in BATCH_FIGURES}
+        print(json.dumps({"k": staleness, "step": run.step, **shown}), file=sys.stderr, flush=True)
     return records
 
 
@@ -119,6 +126,8 @@ def _mode(blocks: list[list[dict[str, float]]]) -> dict[str, Any]:
         "step_s_per_1k_tokens": sum(step_s) / tokens * 1000 if tokens else None,
         "median_rollout_s": statistics.median(r["time/rollout_s"] for r in counted),
         "median_train_s": statistics.median(r["time/train_s"] for r in counted),
+        "median_rows": statistics.median(r["batch/rows"] for r in counted),
+        "train_s_per_row": train_s / sum(r["batch/rows"] for r in counted),
         "median_weight_sync_s": statistics.median(r["time/weight_sync_s"] for r in counted),
         "overlap_fraction": sum(r.get("time/overlap_s", 0.0) for r in counted) / train_s if train_s else 0.0,
         "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in counted),

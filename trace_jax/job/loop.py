@@ -88,9 +88,15 @@ class Training:
             )
             self.state = self.trainer.init_state(params, jax.random.key(config.seed))
             del params
-            # Only the rows that hold tokens: ``update`` cuts them into fixed micro-batches itself.
+            # Rows padded to whole micro-batches of ``ppo.micro_rows``, what ``update`` runs (it drops the padding
+            # rows and cuts the rest into fixed micro-batches itself), so the tree packing keeps the cut of the
+            # trees that fills fewer of them (``trace_jax.rl.packing.tree_layout``).
             self.batch_config = from_config(
-                BatchConfig, config.batch, row_buckets=None, row_multiple=1, pad_id=self.world.tokenizer.pad_token_id
+                BatchConfig,
+                config.batch,
+                row_buckets=None,
+                row_multiple=self.trainer.micro_rows,
+                pad_id=self.world.tokenizer.pad_token_id,
             )
             # One engine (its own sampling copy of the weights) serves both the rollouts and the evaluation; with
             # several processes each has its own, on its own devices; with sampling devices apart, on those; with

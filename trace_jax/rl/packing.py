@@ -30,6 +30,9 @@ from trace_jax.registry import Registry
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 Piece = list[tuple[int, bool]]  # (node id, trains here) in pre-order; a piece starts with its root's node
+# How ``tree_pieces`` cuts a tree that does not fit a row: the children of a split node in as few pieces as fit,
+# or one piece each.
+PIECE_SPLITS = ("fewest", "each")
 
 
 @dataclasses.dataclass
@@ -96,14 +99,24 @@ def _preorder(children: list[list[int]], start: int) -> list[int]:
     return out
 
 
-def tree_pieces(tree: RolloutTree, capacity: int) -> list[Piece]:
+def tree_pieces(tree: RolloutTree, capacity: int, split: str = "fewest") -> list[Piece]:
     """The tree's kept nodes cut into pieces of at most ``capacity`` tokens, each node trained in one piece.
 
     A subtree that fits (with the path above it as context) is one piece. Otherwise its top node ``y`` is
-    split off: the child subtrees that fit beside the path down to ``y`` are grouped first-fit decreasing
-    into as few pieces as possible, each repeating that path as context (``y`` trains in the first), and
-    each child that does not fit is placed the same way one level down.
+    split off: the child subtrees that fit beside the path down to ``y`` become pieces that repeat that path
+    as context (``y`` trains in the first), by ``split``, and each child that does not fit is placed the same
+    way one level down:
+
+    * ``"fewest"``: the children grouped first-fit decreasing into as few pieces as fit, so the fewest context
+      repeats, but pieces of half a row or more, which rarely share a row;
+    * ``"each"``: a piece per child. ``pack_pieces`` puts pieces of one tree side by side in a row at the cost
+      of their own nodes only, so it regroups them where they fit together, and the small pieces fill the room
+      other trees leave.
+
+    ``tree_layout`` packs both and keeps the one the trainer runs fewer rows of.
     """
+    if split not in PIECE_SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {PIECE_SPLITS}")
     if not tree.leaves():
         return []
     children = kept_children(tree)
@@ -125,8 +138,11 @@ def tree_pieces(tree: RolloutTree, capacity: int) -> list[Piece]:
                 "bucket to BatchConfig.length_buckets or lower the rollout token limits"
             )
         fitting = [c for c in children[y] if base + subtree[c] <= capacity]
-        groups = pack_rows([subtree[c] for c in fitting], capacity - base) or [[]]
-        for i, group in enumerate(groups):
+        if split == "fewest":
+            groups = pack_rows([subtree[c] for c in fitting], capacity - base)
+        else:
+            groups = [[g] for g in range(len(fitting))]
+        for i, group in enumerate(groups or [[]]):
             piece = [(c, False) for c in context] + [(y, i == 0)]
             pieces.append(piece + [(n, True) for g in group for n in _preorder(children, fitting[g])])
         for c in children[y]:
@@ -232,6 +248,14 @@ def pack_pieces(trees: Sequence[RolloutTree], pieces: list[tuple[int, Piece]], c
     return rows
 
 
+def _row_tokens(trees: Sequence[RolloutTree], pieces: list[tuple[int, Piece]], rows: list[list[int]]) -> list[int]:
+    """Tokens of each row of ``pack_pieces``, every node of a tree once however many of its pieces the row holds."""
+    return [
+        sum(trees[t][y].num_tokens for t, y in {(pieces[p][0], y) for p in row for y, _ in pieces[p][1]})
+        for row in rows
+    ]
+
+
 def _merge(tree: RolloutTree, parts: list[Piece]) -> Piece:
     """One piece holding every node of ``parts`` once, in the tree's pre-order (a node trains if it trains in
     any part; parts are ancestor-closed, so the union is too)."""
@@ -283,9 +307,19 @@ def _layout(
 
 @LAYOUTS.register("tree")
 def tree_layout(trees: Sequence[RolloutTree], capacity: int, shape: ShapeFn, pad_id: int = 0) -> RowLayout:
-    """Tree-packed rows of at most ``capacity`` tokens, padded to ``shape(rows, longest row)``."""
-    pieces = [(t, p) for t, tree in enumerate(trees) for p in tree_pieces(tree, capacity)]
-    return _layout(trees, pieces, pack_pieces(trees, pieces, capacity), shape, pad_id)
+    """Tree-packed rows of at most ``capacity`` tokens, padded to ``shape(rows, longest row)``. The trees are cut
+    both ways of ``PIECE_SPLITS`` and packed; the layout keeps the one with fewer padded rows (what the trainer
+    runs), then fewer tokens (on a tie, the first: the fewest context repeats)."""
+    best = None
+    for split in PIECE_SPLITS:
+        pieces = [(t, p) for t, tree in enumerate(trees) for p in tree_pieces(tree, capacity, split)]
+        rows = pack_pieces(trees, pieces, capacity)
+        tokens = _row_tokens(trees, pieces, rows)
+        cost = (shape(len(rows), max(tokens, default=0))[0], sum(tokens))
+        if best is None or cost < best[0]:
+            best = (cost, pieces, rows)
+    _, pieces, rows = best
+    return _layout(trees, pieces, rows, shape, pad_id)
 
 
 @LAYOUTS.register("paths")

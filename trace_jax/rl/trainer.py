@@ -93,7 +93,8 @@ class UpdateConfig:
       entropy_metric: compute (and log) the policy entropy even when ``entropy_coef`` is 0 (costs a pass
         over the vocabulary per position).
       micro_rows: rows per forward/backward call; every call has this shape, so the update compiles once.
-        Sets the activation memory; must be a multiple of the batch shards (data × fsdp × expert).
+        Sets the activation memory; must be a multiple of the batch shards (data × fsdp × expert). 0: one row
+        per batch shard (``RLTrainer.micro_rows``), the smallest call, which also pads the fewest rows.
       shuffle_seed: seed of the per-epoch row shuffles (combined with the state's step).
     """
 
@@ -105,8 +106,8 @@ class UpdateConfig:
     shuffle_seed: int = 0
 
     def __post_init__(self):
-        if self.micro_rows < 1:
-            raise ValueError(f"micro_rows must be >= 1, got {self.micro_rows}")
+        if self.micro_rows < 0:
+            raise ValueError(f"micro_rows must be >= 1, or 0 for one row per batch shard; got {self.micro_rows}")
         if self.ppo_epochs < 1 or self.mini_batches < 1:
             raise ValueError(f"ppo_epochs and mini_batches must be >= 1, got {self.ppo_epochs}, {self.mini_batches}")
         if self.behaviour_logprobs not in BEHAVIOUR_LOGPROBS:
@@ -228,6 +229,11 @@ class RLTrainer:
         return self.step_row_multiple * self.update_config.mini_batches
 
     @property
+    def micro_rows(self) -> int:
+        """Rows per forward/backward call of ``update``: ``UpdateConfig.micro_rows``, or with 0 one per batch shard."""
+        return self.update_config.micro_rows or self.step_row_multiple_of(self.mesh, 1)
+
+    @property
     def step_row_multiple(self) -> int:
         """Rows of one ``train_step`` batch must be a multiple of this (batch shards × micro-batches)."""
         return self.step_row_multiple_of(self.mesh, self.micro_batches)
@@ -295,7 +301,7 @@ class RLTrainer:
 
     def _micro(self, batch: TrainBatch, rows: np.ndarray) -> TrainBatch:
         """Rows ``rows`` of the host ``batch`` as one placed micro-batch of exactly ``micro_rows`` rows."""
-        count = self.update_config.micro_rows
+        count = self.micro_rows
         if count % self.step_row_multiple_of(self.mesh, 1):
             raise ValueError(
                 f"ppo.micro_rows={count} must be a multiple of the batch shards (data × fsdp × expert = "
@@ -309,7 +315,7 @@ class RLTrainer:
         batch = jax.tree.map(multihost.to_host, batch)  # whole rows on every process
         out = np.zeros(np.asarray(batch.tokens).shape, np.float32)
         real = np.flatnonzero(np.asarray(batch.lengths) > 0)
-        count = self.update_config.micro_rows
+        count = self.micro_rows
         for start in range(0, real.size, count):
             part = real[start : start + count]
             micro = self._micro(batch, part)
@@ -524,7 +530,7 @@ class RLTrainer:
         # Micro-batch calls per epoch: enough for every real row, at least one per mini-batch (a batch with
         # fewer rows than mini_batches takes one step per row).
         mini_batches = min(config.mini_batches, real.size)
-        calls = max(-(-real.size // config.micro_rows), mini_batches)
+        calls = max(-(-real.size // self.micro_rows), mini_batches)
         if self._update_fns is None:
             self._update_fns = self._compile_update(state)
         fns = self._update_fns
