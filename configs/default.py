@@ -47,8 +47,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         BatchConfig(length_buckets=(128, 256, 384, 512), fixed_length=True, skip_zero_advantage=True)
     )
     config.loss = section(LossConfig(policy_loss="ppo", aggregation="token-mean"))
-    # Epochs x mini-batches per rollout batch, behaviour log-probs. micro_rows 0: one row per device a call, the
-    # fastest update on CPU (a row's activations stay in the core's cache; no padding rows to fill a call).
+    # Epochs x mini-batches per rollout batch, behaviour log-probs. micro_rows 0: one row per device a call (no
+    # padding rows to fill a call, the smallest activations); docs/benchmarks.md, "Sampling beside training".
     config.ppo = section(UpdateConfig(micro_rows=0))
     # The tiny policy's learning rate, held constant (OptimizerConfig's generic defaults: 1e-5, cosine). The
     # schedule's length and warm-up are derived from rl.steps and rl.warmup_steps (schema.derived).
