@@ -139,6 +139,24 @@ def test_em_at_equal_time_reads_the_step_wall_clock():
     assert result["policies"]["trace"]["em_at_equal_time"]["mean"] == pytest.approx(0.5)  # trace is at step 2
 
 
+def test_em_final_pairs_the_last_evaluations_whatever_tokens_the_steps_took():
+    # uniform: 500 tokens a step; dynamic_sampling: 250 (it reaches uniform's last step's tokens only at step 4 of
+    # 4, uniform at step 2 of 4). At equal tokens (1,000) uniform reads its step-2 EM, at equal updates its last.
+    runs = []
+    for seed, gain in enumerate([0.0, 0.02]):
+        uniform = fake_records([500] * 4, {2: 0.5, 4: 0.6 + gain}, eff=0.5)
+        dynamic = fake_records([250] * 4, {2: 0.45, 4: 0.55}, eff=0.6)
+        runs.append(train_curve.run_curve("uniform", seed, uniform, sft_em=0.4))
+        runs.append(train_curve.run_curve("dynamic_sampling", seed, dynamic, sft_em=0.4))
+    result = train_curve.aggregate(runs)
+    rows = result["paired"]["policies"]["dynamic_sampling"]
+    assert result["equal_tokens"] == 1000.0  # premise: dynamic sampling's whole run, half of uniform's
+    assert rows["em_at_equal_tokens"]["mean"] == pytest.approx(0.05)  # 0.55 against uniform's step-2 0.5
+    assert rows["em_final"]["mean"] == pytest.approx(-0.06)  # 0.55 against 0.6 and 0.62
+    assert (rows["em_final"]["n"], rows["em_final"]["wins"]) == (2, 0)
+    assert "| EM final (equal updates) |" in result["markdown"]
+
+
 def test_paired_differences_against_uniform_with_standard_errors():
     runs = []
     for seed, gain in enumerate([0.02, 0.04, 0.0]):

@@ -251,8 +251,9 @@ def paired_differences(
     runs: Sequence[RunCurve], equal_tokens: float, equal_seconds: float, baseline: str | None = None
 ) -> dict[str, Any]:
     """Per policy, its per-seed differences from ``baseline`` (default :func:`baseline_policy`) on the seeds both
-    ran: EM at equal tokens, EM at equal time, mean effective ratio, mean share of generated tokens with a
-    non-zero advantage. Each: mean, standard error (std with ddof=1 over sqrt(n); NaN for one seed), n and wins
+    ran: EM at equal tokens, EM at equal time, EM at the last evaluation (equal updates: every run makes the
+    same number of steps, whatever tokens its steps take), mean effective ratio, mean share of generated tokens
+    with a non-zero advantage. Each: mean, standard error (std with ddof=1 over sqrt(n); NaN for one seed), n and wins
     (seeds where the policy is strictly ahead). ``effective_ratio_times``: the policy's mean effective ratio over
     those seeds divided by the baseline's (the "× uniform's effective ratio" of the evidence)."""
     groups = _by_policy(runs)
@@ -263,6 +264,7 @@ def paired_differences(
     figures = {
         "em_at_equal_tokens": lambda r: float(r.em_at_tokens(np.asarray(equal_tokens))),
         "em_at_equal_time": lambda r: float(r.em_at_seconds(np.asarray(equal_seconds))),
+        "em_final": lambda r: float(r.eval_em[-1]),
         "mean_effective_ratio": lambda r: float(np.nanmean(r.effective_ratio)),
         "mean_signal_token_share": lambda r: _nanmean(r.signal_token_share),
     }
@@ -290,15 +292,16 @@ def paired_markdown(paired: Mapping[str, Any]) -> str:
     """The paired-difference table: one row per policy, ``mean ± s.e. (wins/n)`` per figure, and the ratio of
     mean effective ratios."""
     lines = [
-        f"| policy − {paired['baseline']} (paired by seed) | EM @ equal tokens | EM @ equal time | eff. ratio "
-        f"| eff. ratio ÷ {paired['baseline']}'s | signal tokens |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"| policy − {paired['baseline']} (paired by seed) | EM @ equal tokens | EM @ equal time "
+        f"| EM final (equal updates) | eff. ratio | eff. ratio ÷ {paired['baseline']}'s | signal tokens |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for policy, rows in paired["policies"].items():
         cell = lambda r: f"{r['mean']:+.4f} ± {r['se']:.4f} ({r['wins']}/{r['n']})"
         cells = [
             cell(rows["em_at_equal_tokens"]),
             cell(rows["em_at_equal_time"]),
+            cell(rows["em_final"]),
             cell(rows["mean_effective_ratio"]),
             f"{rows['effective_ratio_times']:.2f}×",
             cell(rows["mean_signal_token_share"]),
