@@ -222,9 +222,13 @@ def _fill(layout: RowLayout, r: int, start: int, tree_index: int, tree: RolloutT
     return i
 
 
-def pack_pieces(trees: Sequence[RolloutTree], pieces: list[tuple[int, Piece]], capacity: int) -> list[list[int]]:
+def pack_pieces(
+    trees: Sequence[RolloutTree], pieces: list[tuple[int, Piece]], capacity: int
+) -> tuple[list[list[int]], list[int]]:
     """First-fit decreasing of ``(tree index, piece)`` into rows of at most ``capacity`` tokens, where a piece
-    costs only the tokens of the nodes its row does not hold yet (pieces of one tree share their context)."""
+    costs only the tokens of the nodes its row does not hold yet (pieces of one tree share their context).
+    Returns the rows (piece indices) and their tokens, every node of a tree once however many of its pieces the
+    row holds."""
     rows: list[list[int]] = []
     held: list[dict[int, set[int]]] = []  # per row: tree index -> node ids already in the row
     used: list[int] = []
@@ -245,15 +249,7 @@ def pack_pieces(trees: Sequence[RolloutTree], pieces: list[tuple[int, Piece]], c
         used[r] += cost(r, p)
         rows[r].append(p)
         held[r].setdefault(pieces[p][0], set()).update(y for y, _ in pieces[p][1])
-    return rows
-
-
-def _row_tokens(trees: Sequence[RolloutTree], pieces: list[tuple[int, Piece]], rows: list[list[int]]) -> list[int]:
-    """Tokens of each row of ``pack_pieces``, every node of a tree once however many of its pieces the row holds."""
-    return [
-        sum(trees[t][y].num_tokens for t, y in {(pieces[p][0], y) for p in row for y, _ in pieces[p][1]})
-        for row in rows
-    ]
+    return rows, used
 
 
 def _merge(tree: RolloutTree, parts: list[Piece]) -> Piece:
@@ -313,8 +309,7 @@ def tree_layout(trees: Sequence[RolloutTree], capacity: int, shape: ShapeFn, pad
     best = None
     for split in PIECE_SPLITS:
         pieces = [(t, p) for t, tree in enumerate(trees) for p in tree_pieces(tree, capacity, split)]
-        rows = pack_pieces(trees, pieces, capacity)
-        tokens = _row_tokens(trees, pieces, rows)
+        rows, tokens = pack_pieces(trees, pieces, capacity)
         cost = (shape(len(rows), max(tokens, default=0))[0], sum(tokens))
         if best is None or cost < best[0]:
             best = (cost, pieces, rows)
