@@ -5,6 +5,9 @@ the parent node's last token for a node's first token in a packed tree row; ``t 
 LM head and the softmax over the vocabulary run ``chunk`` positions at a time under ``jax.checkpoint``, so
 the backward pass recomputes one chunk's logits instead of storing all of them: peak logits memory is
 [rows, chunk, V]. The entropy (a second pass over the vocabulary per position) is computed only on request.
+The trainer asks only for the tokens a batch trains (``trained_only``): those move to the front of their row
+and the chunks past them are skipped, so the head runs over the trained share of a row (about a fifth on the
+default world), not over its prompts, observations and padding.
 
 Needs a model with ``forward_hidden(tokens, positions_bt=..., kv_visible_end_bt=..., token_mask_bt=...) ->
 (hidden_btd, _, extra)`` and ``logits(hidden) -> float32 [..., V]``, as ``trace_jax.models.qwen.Qwen``.
@@ -47,18 +50,57 @@ def predecessor_hidden(model: Any, batch: Any) -> jax.Array:
 
 
 def map_chunks(
-    fn: Callable[[jax.Array, jax.Array], dict[str, jax.Array]], hidden_btd: jax.Array, targets_bt: jax.Array, chunk: int
+    fn: Callable[[jax.Array, jax.Array], dict[str, jax.Array]],
+    hidden_btd: jax.Array,
+    targets_bt: jax.Array,
+    chunk: int,
+    needed_bt: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """``fn(hidden [B, C, D], targets [B, C]) -> {name: [B, C]}`` over ``chunk``-position slices, each
-    rematerialised in the backward pass; returns {name: [B, T]}."""
+    rematerialised in the backward pass; returns {name: [B, T]}.
+
+    With ``needed_bt`` (bool [B, T]) only the needed positions are computed and the others get 0: each row's
+    needed positions move to its front (in order), and a chunk past every row's last needed one is skipped,
+    in the backward pass too. A row that trains a fifth of its positions runs ``fn`` over about a fifth of
+    its chunks."""
+    if needed_bt is None:
+        return _over_chunks(fn, hidden_btd, targets_bt, chunk)
+    order = jnp.argsort(jnp.logical_not(needed_bt), axis=1, stable=True)  # needed first, in row order
+    front = lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1)
+    live = jnp.max(jnp.sum(needed_bt, axis=1))
+    out = _over_chunks(fn, front(hidden_btd), front(targets_bt), chunk, live=live)
+    back = jnp.argsort(order, axis=1)
+    return jax.tree.map(lambda x: jnp.where(needed_bt, jnp.take_along_axis(x, back, axis=1), 0.0), out)
+
+
+def _over_chunks(
+    fn: Callable[[jax.Array, jax.Array], dict[str, jax.Array]],
+    hidden_btd: jax.Array,
+    targets_bt: jax.Array,
+    chunk: int,
+    live: jax.Array | None = None,
+) -> dict[str, jax.Array]:
+    """``map_chunks`` over every position, or (``live``) over the chunks that start before position ``live``,
+    0 in the others."""
     b, t = targets_bt.shape
     chunk = max(1, min(chunk, t))
     n = -(-t // chunk)
     pad = n * chunk - t
     hidden = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, -1).swapaxes(0, 1)
     targets = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
-    out = jax.lax.map(jax.checkpoint(lambda args: fn(*args)), (hidden, targets))
+    if live is None:
+        out = jax.lax.map(jax.checkpoint(lambda args: fn(*args)), (hidden, targets))
+    else:
+        zeros = lambda *args: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
+        # Checkpointed outside the cond, the scan keeps a chunk's inputs, never a branch's residuals (which
+        # would stack [n, rows, chunk, V]); inside it, the cond hands its backward those inputs, not the logits.
+        body = jax.checkpoint(lambda args: jax.lax.cond(args[2] < live, jax.checkpoint(fn), zeros, *args[:2]))
+        out = jax.lax.map(body, (hidden, targets, jnp.arange(n) * chunk))
     return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :t], out)
+
+
+def _trained(batch: Any) -> jax.Array:
+    return batch.weights > 0
 
 
 def _has_context(batch: Any) -> jax.Array:
@@ -73,13 +115,16 @@ def policy_forward(
     chunk: int = DEFAULT_CHUNK,
     temperature: float = 1.0,
     entropy: bool = False,
+    trained_only: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, Any]:
     """``(logprobs_bt, entropies_bt or None, extra)``: float32 [B, T] log-probs (and entropies, when asked) of
     the policy ``softmax(logits / temperature)``, and the forward's ``extra`` (``predecessor_forward``: a
     mixture of experts' router statistics, for its load-balancing loss; None for a dense model).
 
     ``batch`` has ``tokens``, ``positions``, ``visible_end`` and ``predecessor`` ([B, T] int32) and ``lengths``
-    ([B]), as ``TrainBatch``. Tokens without context (a prompt's first token, padding) get 0. Differentiable.
+    ([B]), as ``TrainBatch``. Tokens without context (a prompt's first token, padding) get 0; with
+    ``trained_only`` so do the tokens the batch does not train (``weights`` 0), whose LM head is not run
+    (``map_chunks``' needed positions). Differentiable.
     """
     model = nnx.merge(graphdef, params)
 
@@ -92,7 +137,7 @@ def policy_forward(
         return out
 
     hidden_btd, extra = predecessor_forward(model, batch)
-    out = map_chunks(stats, hidden_btd, batch.tokens, chunk)
+    out = map_chunks(stats, hidden_btd, batch.tokens, chunk, _trained(batch) if trained_only else None)
     keep = _has_context(batch)
     mask = lambda x: jnp.where(keep, x, 0.0)
     return mask(out["logprobs"]), mask(out["entropies"]) if entropy else None, extra
@@ -107,10 +152,17 @@ def policy_logprobs(
 
 
 def behaviour_logprobs(
-    graphdef: nnx.GraphDef, params: Any, batch: Any, sampling: SamplingConfig, *, chunk: int = DEFAULT_CHUNK
+    graphdef: nnx.GraphDef,
+    params: Any,
+    batch: Any,
+    sampling: SamplingConfig,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    trained_only: bool = False,
 ) -> jax.Array:
     """float32 [B, T]: log-probs of the tokens under the sampling distribution (``sampling``'s temperature,
-    top-k and top-p applied to ``params``' logits, exactly as the sampler does). Not for differentiation."""
+    top-k and top-p applied to ``params``' logits, exactly as the sampler does); ``trained_only`` as in
+    ``policy_forward``. Not for differentiation."""
     model = nnx.merge(graphdef, params)
 
     def stats(h_bcd: jax.Array, y_bc: jax.Array) -> dict[str, jax.Array]:
@@ -118,5 +170,6 @@ def behaviour_logprobs(
         logits = model.logits(h_bcd).reshape(b * c, -1)
         return {"logprobs": token_sample_logprobs(logits, y_bc.reshape(-1), sampling).reshape(b, c)}
 
-    out = map_chunks(stats, predecessor_hidden(model, batch), batch.tokens, chunk)
+    needed = _trained(batch) if trained_only else None
+    out = map_chunks(stats, predecessor_hidden(model, batch), batch.tokens, chunk, needed)
     return jnp.where(_has_context(batch), out["logprobs"], 0.0)

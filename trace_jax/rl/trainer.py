@@ -14,8 +14,8 @@ Usage (the wiring ``trace_jax.job.loop`` does)::
     state, metrics = trainer.update(state, batch)          # metrics: dict of floats (ratio stats included)
 
 Inside a step the policy's log-probs are recomputed under the current params from the exact token ids of
-the batch (``trace_jax.rl.logprobs``: packed rows, chunked LM head), as log-probs of the *sampling*
-temperature's policy ``softmax(logits / T)``; the entropy over the vocabulary only when
+the batch (``trace_jax.rl.logprobs``: packed rows, chunked LM head, run over the trained tokens only), as
+log-probs of the *sampling* temperature's policy ``softmax(logits / T)``; the entropy over the vocabulary only when
 ``entropy_coef != 0`` or ``UpdateConfig.entropy_metric``; reference log-probs only when ``kl_coef != 0``.
 The loss of a mini-batch is ``Σ_micro numerator / denominator(whole rollout batch)`` (see
 ``trace_jax.rl.losses``), so any number of micro-batches gives the mini-batch gradient, and the mini-batches of
@@ -291,13 +291,16 @@ class RLTrainer:
             chunk=self.logprob_chunk,
             temperature=self.sampling.temperature,
             entropy=entropy,
+            trained_only=True,
         )
 
     def _policy_logprobs(self, params: Any, batch: TrainBatch) -> jax.Array:
         return self._policy_stats(params, batch, entropy=False)[0]
 
     def _behaviour_logprobs(self, params: Any, batch: TrainBatch) -> jax.Array:
-        return behaviour_logprobs(self.graphdef, params, batch, self.sampling, chunk=self.logprob_chunk)
+        return behaviour_logprobs(
+            self.graphdef, params, batch, self.sampling, chunk=self.logprob_chunk, trained_only=True
+        )
 
     def _micro(self, batch: TrainBatch, rows: np.ndarray) -> TrainBatch:
         """Rows ``rows`` of the host ``batch`` as one placed micro-batch of exactly ``micro_rows`` rows."""
@@ -324,7 +327,8 @@ class RLTrainer:
         return out
 
     def logprobs(self, params: Any, batch: TrainBatch) -> np.ndarray:
-        """float32 [B, T] (host) log-probs of the batch's tokens under ``params``' tempered policy."""
+        """float32 [B, T] (host) log-probs of the tokens the batch trains (``weights`` > 0) under ``params``'
+        tempered policy; 0 on the others, whose LM head is not run (every log-prob the trainer computes is so)."""
         return self._map_rows("logprobs", self._logprobs_fn, params, batch)
 
     def prepare(self, state: TrainState, batch: TrainBatch, recompute_old_logprobs: bool | None = None) -> TrainBatch:
