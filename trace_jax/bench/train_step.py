@@ -59,7 +59,7 @@ def synthetic_batch(rows: int, seq_len: int, vocab: int, seed: int = 0) -> Train
         "lengths": np.full((rows,), seq_len, np.int32),
         "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)).copy(),
     }
-    optional = ("ref_logprobs", "routing")  # None: no reference log-probs, no routing replay
+    optional = ("ref_logprobs", "seq_loss", "seq_grad", "routing")  # None: no reference, GSPO terms or replay
     fields = {name: known.get(name) for name in TrainBatch._fields if name not in optional}
     missing = [name for name, value in fields.items() if value is None]
     if missing:
