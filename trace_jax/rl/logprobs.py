@@ -99,8 +99,9 @@ def _over_chunks(
     return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :t], out)
 
 
-def _trained(batch: Any) -> jax.Array:
-    return batch.weights > 0
+def _needed(batch: Any, trained_only: bool) -> jax.Array | None:
+    """``map_chunks``' needed positions: the tokens the batch trains, or None (every position)."""
+    return batch.weights > 0 if trained_only else None
 
 
 def _has_context(batch: Any) -> jax.Array:
@@ -137,7 +138,7 @@ def policy_forward(
         return out
 
     hidden_btd, extra = predecessor_forward(model, batch)
-    out = map_chunks(stats, hidden_btd, batch.tokens, chunk, _trained(batch) if trained_only else None)
+    out = map_chunks(stats, hidden_btd, batch.tokens, chunk, _needed(batch, trained_only))
     keep = _has_context(batch)
     mask = lambda x: jnp.where(keep, x, 0.0)
     return mask(out["logprobs"]), mask(out["entropies"]) if entropy else None, extra
@@ -170,6 +171,5 @@ def behaviour_logprobs(
         logits = model.logits(h_bcd).reshape(b * c, -1)
         return {"logprobs": token_sample_logprobs(logits, y_bc.reshape(-1), sampling).reshape(b, c)}
 
-    needed = _trained(batch) if trained_only else None
-    out = map_chunks(stats, predecessor_hidden(model, batch), batch.tokens, chunk, needed)
+    out = map_chunks(stats, predecessor_hidden(model, batch), batch.tokens, chunk, _needed(batch, trained_only))
     return jnp.where(_has_context(batch), out["logprobs"], 0.0)

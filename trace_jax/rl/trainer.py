@@ -15,8 +15,8 @@ Usage (the wiring ``trace_jax.job.loop`` does)::
 
 Inside a step the policy's log-probs are recomputed under the current params from the exact token ids of
 the batch (``trace_jax.rl.logprobs``: packed rows, chunked LM head, run over the trained tokens only), as
-log-probs of the *sampling* temperature's policy ``softmax(logits / T)``; the entropy over the vocabulary only when
-``entropy_coef != 0`` or ``UpdateConfig.entropy_metric``; reference log-probs only when ``kl_coef != 0``.
+log-probs of the *sampling* temperature's policy ``softmax(logits / T)``; the entropy over the vocabulary only
+when ``entropy_coef != 0`` or ``UpdateConfig.entropy_metric``; reference log-probs only when ``kl_coef != 0``.
 The loss of a mini-batch is ``Σ_micro numerator / denominator(whole rollout batch)`` (see
 ``trace_jax.rl.losses``), so any number of micro-batches gives the mini-batch gradient, and the mini-batches of
 an epoch sum to the full-batch objective (a shared-prefix token carries paths whose leaves are in other
