@@ -34,6 +34,7 @@ from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
 from trace_jax.rollout.tree import RolloutTree
 
 TRUE_P_KEY = "_simulator_success_probability"
+BLUR_KEY = "_blurred_oracle_noise"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,3 +167,31 @@ class Simulator:
         noise = cfg.feature_noise * self.rng.standard_normal(cfg.feature_dim)
         signal = cfg.feature_signal * float(_logit(p)) * self.signal_direction
         return (signal + 0.5 * depth * self.depth_direction + self.nuisance[prompt_index] + noise).astype(np.float32)
+
+
+class BlurredOracle:
+    """A :class:`Simulator` whose ``true_success_probability`` is seen through noise: a success estimate of chosen
+    quality, for asking how good the predictor must be (``trace_jax.bench.predictor_need``).
+
+    It reports ``sigmoid(logit(p) + noise * z)`` with ``z ~ N(0, 1)`` drawn once per node, so, like a predictor,
+    it gives a node the same estimate each time it is asked; ``noise = 0`` is the oracle itself. Everything
+    else is the simulator's.
+    """
+
+    def __init__(self, simulator: Simulator, noise: float, seed: int = 0):
+        if not noise >= 0:
+            raise ValueError(f"noise={noise} must be >= 0")
+        self.simulator, self.noise = simulator, float(noise)
+        self._rng = np.random.default_rng([seed, 2])
+
+    def __getattr__(self, name: str):
+        return getattr(self.simulator, name)
+
+    def true_success_probability(self, tree: RolloutTree, node_id: int) -> float:
+        p = self.simulator.true_success_probability(tree, node_id)
+        if self.noise == 0:
+            return p
+        info = tree[node_id].info
+        if BLUR_KEY not in info:
+            info[BLUR_KEY] = float(self._rng.standard_normal())
+        return float(1.0 / (1.0 + np.exp(-(_logit(p) + self.noise * info[BLUR_KEY]))))

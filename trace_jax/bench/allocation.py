@@ -40,7 +40,7 @@ from trace_jax.allocation.context import AllocationContext, Budget
 from trace_jax.allocation.policies import POLICIES, StagedPolicy
 from trace_jax.allocation.predictor import make_predictor
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
-from trace_jax.allocation.simulate import Simulator, SimulatorConfig
+from trace_jax.allocation.simulate import BlurredOracle, Simulator, SimulatorConfig
 from trace_jax.allocation.solvers import allocate_prefixes
 from trace_jax.bench.difficulty import predictor_informativeness
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
@@ -164,9 +164,11 @@ def run_policy(
     token_budget: float,
     overrides: dict | None = None,
     world: SimulatorConfig | None = None,
+    oracle_noise: float = 0.0,
 ) -> dict[str, float]:
-    """Mean figures over ``args.steps`` measured batches after ``args.warmup`` batches of online learning."""
-    sim = Simulator(world or SimulatorConfig(), seed)
+    """Mean figures over ``args.steps`` measured batches after ``args.warmup`` batches of online learning;
+    ``oracle_noise`` blurs what the oracle sees (:class:`~trace_jax.allocation.simulate.BlurredOracle`)."""
+    sim = BlurredOracle(Simulator(world or SimulatorConfig(), seed), oracle_noise, seed)
     config = SchedulerConfig(
         policy=policy,
         policy_kwargs=dict(overrides or {}),
