@@ -23,7 +23,9 @@ Policies: uniform, dynamic_sampling, root_only, tree_random, tree_entropy, trace
   log history's worth on the same anchors); ``trace_history_select3`` with prompt selection;
   ``greso`` / ``greso_select2``, the history-only baseline (GRESO's rule, without / with 2 candidates a prompt);
 * the gated stage 2: ``trace_gated`` (active stage 2 only while the predictor's held-out AUC on prefixes is at
-  least 0.65, random anchors otherwise) and ``trace_history_gated``.
+  least 0.65, random anchors otherwise) and ``trace_history_gated``;
+* all of them together: ``trace_history_select3_first_search_gated`` (history, selection on the first search with
+  3 candidates a prompt, and the gate).
 
 All share the default's budget accounting: equal rollouts per prompt by default; set
 ``--config.allocation.tokens_per_prompt`` (and a large ``rollouts_per_prompt``) for equal generated tokens, as
@@ -76,6 +78,7 @@ ARMS = {
     "greso_select2": Arm("greso", allocation={"candidates_per_prompt": 2.0}),
     "trace_gated": Arm("trace", GATE),
     "trace_history_gated": Arm("trace", GATE, HISTORY),
+    "trace_history_select3_first_search_gated": Arm("trace", GATE, {**HISTORY, **SELECT3, **FIRST_SEARCH}),
 }
 
 
