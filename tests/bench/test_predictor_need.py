@@ -12,25 +12,23 @@ from trace_jax.rollout.backend import ContinuationRequest
 WORLD = SimulatorConfig(num_prompts=256, difficulty_a=0.4, difficulty_b=0.4, max_turns=3)
 
 
-def _estimates(noise: float) -> tuple[np.ndarray, np.ndarray, list]:
+def _blurred(noise: float) -> tuple[BlurredOracle, list]:
+    """A blurred oracle over 64 prompts with 2 rollouts each, and every (tree, node) of them."""
     oracle = BlurredOracle(Simulator(WORLD, seed=3), noise, seed=3)
     trees = oracle.sample_batch(64)
     oracle.continue_anchors([ContinuationRequest(t, 0, 2) for t in trees])
-    items = [(t, n) for t in trees for n in range(len(t))]
-    truth = np.asarray([oracle.simulator.true_success_probability(t, n) for t, n in items])
-    return truth, np.asarray([oracle.true_success_probability(t, n) for t, n in items]), items
+    return oracle, [(t, n) for t in trees for n in range(len(t))]
+
+
+def _seen(oracle, items) -> np.ndarray:
+    return np.asarray([oracle.true_success_probability(t, n) for t, n in items])
 
 
 def test_the_blurred_oracle_is_the_oracle_without_noise_and_a_fixed_estimate_per_node_with_it():
-    truth, exact, _ = _estimates(0.0)
-    np.testing.assert_array_equal(exact, truth)
-    oracle = BlurredOracle(Simulator(WORLD, seed=3), 2.0, seed=3)
-    trees = oracle.sample_batch(64)
-    oracle.continue_anchors([ContinuationRequest(t, 0, 2) for t in trees])
-    items = [(t, n) for t in trees for n in range(len(t))]
-    first = np.asarray([oracle.true_success_probability(t, n) for t, n in items])
-    again = np.asarray([oracle.true_success_probability(t, n) for t, n in items])
-    truth = np.asarray([oracle.simulator.true_success_probability(t, n) for t, n in items])
+    exact, items = _blurred(0.0)
+    np.testing.assert_array_equal(_seen(exact, items), _seen(exact.simulator, items))
+    oracle, items = _blurred(2.0)
+    first, again, truth = _seen(oracle, items), _seen(oracle, items), _seen(oracle.simulator, items)
     assert np.abs(first - truth).mean() > 0.05  # premise: the noise moves the estimates
     np.testing.assert_array_equal(first, again)  # mutant caught: a fresh draw on every call
     # Still an estimate of the truth: it ranks nodes with it, less well than the truth itself.

@@ -82,7 +82,9 @@ def _mean(runs: Sequence[dict[str, float]], key: str) -> float:
     return float(np.mean([run[key] for run in runs]))
 
 
-def measure(world: SimulatorConfig, args: argparse.Namespace) -> dict[str, Any]:
+def measure(world: SimulatorConfig, aucs: dict[float, float], args: argparse.Namespace) -> dict[str, Any]:
+    """Per candidate count: uniform's figures, the blurred oracle's at each noise (``aucs``: each noise's
+    ``mixed_auc``) and the AUC each target ratio needs."""
     budget = args.group_size * tokens_per_rollout(world)
     by_candidates: dict[str, Any] = {}
     for candidates in args.candidates:
@@ -101,7 +103,7 @@ def measure(world: SimulatorConfig, args: argparse.Namespace) -> dict[str, Any]:
             rows.append(
                 {
                     "noise": noise,
-                    "mixed_auc": args.aucs[noise],
+                    "mixed_auc": aucs[noise],
                     "effective_ratio": effective,
                     "nonzero_advantage_tokens": _mean(runs, "nonzero_advantage_tokens"),
                     "ratio": effective / base,
@@ -169,16 +171,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     world, calibration = SimulatorConfig(), None
     if args.calibrated:
         world, calibration = calibrated_simulator(json.loads(pathlib.Path(args.calibrated).read_text()), False)
-    args.aucs = {n: mixed_auc(world, n, args.auc_prompts, args.samples, args.group_size, seed=1000) for n in args.noise}
+    aucs = {n: mixed_auc(world, n, args.auc_prompts, args.samples, args.group_size, seed=1000) for n in args.noise}
     results: dict[str, Any] = {
         "command": " ".join(["python -m trace_jax.bench.predictor_need", *(sys.argv[1:] if argv is None else argv)]),
         "simulator": world.__dict__,
         "calibration": calibration,
         "noise": args.noise,
         "target": args.target,
-        "mixed_auc": {str(n): auc for n, auc in args.aucs.items()},
+        "mixed_auc": {str(n): auc for n, auc in aucs.items()},
         "setup": {k: getattr(args, k) for k in ("seeds", "batch", "steps", "group_size", "samples", "auc_prompts")},
-        "candidates": measure(world, args),
+        "candidates": measure(world, aucs, args),
     }
     results["seconds"] = time.perf_counter() - start
     results["markdown"] = markdown(results)
