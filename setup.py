@@ -41,7 +41,7 @@ EXTRAS = {
     "gcs": ["gcsfs", "google-cloud-storage"],
     "tpu": ["jax[tpu]>=0.10.2", "gcsfs", "google-cloud-storage"],
     "cuda": ["jax[cuda12]>=0.10.2"],
-    # The real JetStream (trace_jax.rollout.jetstream_engine); never `jetstream-pt` (a dependency-confusion dummy).
+    # The real JetStream (trace_jax.rollout.engine.jetstream); never `jetstream-pt` (a dependency-confusion dummy).
     # Its engine_api imports seqio, which pulls TensorFlow (~2.2 GB installed), so `test` leaves it out.
     "jetstream": ["google-jetstream>=0.2.2"],
 }

@@ -12,7 +12,7 @@ import ml_collections
 from trace_jax.allocation.scheduler import SchedulerConfig
 from trace_jax.data.synthetic import WorldConfig
 from trace_jax.envs.react import ReActConfig
-from trace_jax.envs.retriever import RetrieverConfig
+from trace_jax.envs.retrieval.retriever import RetrieverConfig
 from trace_jax.job.schema import EvalConfig, MeshConfig, RLConfig, TokenizerConfig, section
 from trace_jax.job.sft import SFTConfig
 from trace_jax.job.warm_start import WarmStartConfig
@@ -21,7 +21,7 @@ from trace_jax.parallel.distributed import DistributedConfig
 from trace_jax.rl.batch import BatchConfig
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import UpdateConfig
-from trace_jax.rollout.engine import EngineConfig
+from trace_jax.rollout.engine.engine import EngineConfig
 from trace_jax.rollout.runner import RunnerConfig
 
 

@@ -13,7 +13,7 @@ safetensors and the tokenizer files; ``model.tokenizer_dir`` points elsewhere fo
 ``--config.eval.split=dev``; a split the directory lacks stops the run at start, exit code 2). A row's
 ``prompt`` chat messages are rendered with the checkpoint's chat template, as Search-R1 trains on them; rows
 with only a ``question`` get the ``react.template`` instruction. The retriever is a
-Search-R1 HTTP server at ``retriever.url`` (``python -m trace_jax.envs.retriever serve --corpus ...``), or
+Search-R1 HTTP server at ``retriever.url`` (``python -m trace_jax.envs.retrieval.retriever serve --corpus ...``), or
 ``--config.retriever.kind=bm25 --config.retriever.corpus=<corpus.jsonl>`` in process. No SFT warm start.
 """
 
@@ -24,10 +24,10 @@ import ml_collections
 from trace_jax.config_utils import load_config_file, to_config
 from trace_jax.data.search_r1 import SearchR1DataConfig
 from trace_jax.envs.react import ReActConfig
-from trace_jax.envs.retriever import RetrieverConfig
+from trace_jax.envs.retrieval.retriever import RetrieverConfig
 from trace_jax.job.schema import section
 from trace_jax.rl.batch import BatchConfig
-from trace_jax.rollout.engine import EngineConfig
+from trace_jax.rollout.engine.engine import EngineConfig
 
 # name: (compute dtype, tensor-parallel ways, decode slots, context, per-turn tokens, prompts/step, rollouts/prompt,
 #        learning rate). Contexts follow Search-R1 (4 turns of <= 500 tokens, 3 passages of <= 512 tokens each

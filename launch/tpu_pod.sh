@@ -25,7 +25,7 @@ WORKDIR=""  # a pod needs an explicit shared workdir (common.sh defaults to a lo
 TPU=""; ZONE=""; PROJECT=""; ACCELERATOR="v5p-64"; RUNTIME=""; PY_VERSION="3.11"
 CREATE=0; QUEUED=0; SPOT=0; STREAM=1; CHECK=1; ACTION="launch"; WORKER=0; ENVS=()
 WATCH=0; MAX_RELAUNCHES=10
-PREEMPTED=143  # trace_jax.cli.ExitCode.PREEMPTED: stopped by SIGTERM after checkpointing; a rerun resumes
+PREEMPTED=143  # trace_jax.job.cli.ExitCode.PREEMPTED: stopped by SIGTERM after checkpointing; a rerun resumes
 PYTHON="${PYTHON:-python3}"
 parse_specific() {
   SHIFT_TWO=1

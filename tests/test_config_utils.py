@@ -3,8 +3,8 @@
 import pytest
 
 from trace_jax.config_utils import from_config, to_config
-from trace_jax.rollout.engine import EngineConfig
-from trace_jax.rollout.sampling import SamplingConfig
+from trace_jax.rollout.engine.engine import EngineConfig
+from trace_jax.rollout.engine.sampling import SamplingConfig
 
 
 def test_round_trip_with_nested_dataclass_and_tuples():

@@ -4,7 +4,7 @@ leaves the compiling step's time out (a fake clock, so nothing here depends on t
 import io
 import re
 
-from trace_jax.cli import Console
+from trace_jax.job.cli import Console
 
 
 class FakeClock:

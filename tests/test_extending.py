@@ -6,7 +6,7 @@ import re
 import pytest
 
 from trace_jax.allocation.policies import POLICIES
-from trace_jax.envs.retriever import RETRIEVERS
+from trace_jax.envs.retrieval.retriever import RETRIEVERS
 from trace_jax.models import MODEL_FAMILIES, PRESETS
 from trace_jax.rl.advantages import ESTIMATORS
 

@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from trace_jax import heap
+from trace_jax.job import heap
 
 
 def rss_mib():

@@ -140,11 +140,11 @@ def test_tpu_pod_watch_recreates_a_preempted_slice_and_relaunches_the_same_job_o
     assert flag(cmds[starts[0]], "command") == flag(cmds[starts[1]], "command")
     job = shlex.split(flag(cmds[starts[1]], "command"))
     assert "--workdir=gs://bucket/run" in job and job[-1] == "--config.seed=3"
-    assert "exited 143" in done.stdout  # the job's preemption exit code (trace_jax.cli.ExitCode.PREEMPTED)
+    assert "exited 143" in done.stdout  # the job's preemption exit code (trace_jax.job.cli.ExitCode.PREEMPTED)
 
 
 def test_the_launcher_and_the_job_agree_on_the_preemption_exit_code():
-    from trace_jax.cli import ExitCode
+    from trace_jax.job.cli import ExitCode
 
     assert f"PREEMPTED={int(ExitCode.PREEMPTED)}" in (ROOT / "launch" / "tpu_pod.sh").read_text()
 

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from trace_jax.metrics import (
+from trace_jax.job.metrics import (
     MetricWriter,
     PhaseTimer,
     format_mean_std,

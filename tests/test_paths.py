@@ -63,8 +63,8 @@ def test_a_bucket_run_directory_keeps_its_url_through_the_main_job_s_writers(tmp
 
     from trace_jax.checkpoint.state import StateCheckpointer
     from trace_jax.job import build, rundir
+    from trace_jax.job.metrics import MetricWriter, read_jsonl
     from trace_jax.job.train import _write_json
-    from trace_jax.metrics import MetricWriter, read_jsonl
 
     monkeypatch.chdir(tmp_path)
     config = ml_collections.ConfigDict({"rl": {"steps": 1}, "seed": 0})

@@ -140,7 +140,7 @@ def test_extending_names_five_extension_points_that_exist():
         "trace_jax.rl.advantages.ESTIMATORS",
         "trace_jax.models",
         "trace_jax.envs",
-        "trace_jax.envs.retriever.RETRIEVERS",
+        "trace_jax.envs.retrieval.retriever.RETRIEVERS",
     ):
         assert f"`{name}`" in body
     assert not dotted_names_missing(readme())

@@ -10,8 +10,8 @@ from trace_jax.allocation.predictor import MLPPredictor
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
 from trace_jax.rollout.backend import ContinuationRequest
-from trace_jax.rollout.engine import EngineConfig
-from trace_jax.rollout.mock import MockEngine, ToyEnv, toy_policy
+from trace_jax.rollout.engine.engine import EngineConfig
+from trace_jax.rollout.engine.mock import MockEngine, ToyEnv, toy_policy
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
 from trace_jax.rollout.tree import RolloutTree
 

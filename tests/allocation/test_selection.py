@@ -12,8 +12,8 @@ from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
 from trace_jax.allocation.selection import selection_metrics
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
 from trace_jax.rollout.backend import ContinuationRequest
-from trace_jax.rollout.engine import EngineConfig
-from trace_jax.rollout.mock import EOS, FILLER, GOOD, OBS, MockEngine, ToyEnv, mock_hidden, toy_policy
+from trace_jax.rollout.engine.engine import EngineConfig
+from trace_jax.rollout.engine.mock import EOS, FILLER, GOOD, OBS, MockEngine, ToyEnv, mock_hidden, toy_policy
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
 from trace_jax.rollout.tree import ROOT, RolloutTree
 

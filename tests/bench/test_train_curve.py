@@ -7,7 +7,7 @@ import pytest
 
 from trace_jax.bench import train_curve
 from trace_jax.job import schema
-from trace_jax.metrics import MetricWriter, read_jsonl
+from trace_jax.job.metrics import MetricWriter, read_jsonl
 
 
 def fake_records(tokens_per_step, em_by_step, eff=0.5, step_seconds=1.0, signal=0.4):

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from tests.helpers import build_hf_checkpoint
 from trace_jax.checkpoint import hf
 from trace_jax.checkpoint.hf import _read_safetensors, _write_safetensors, load_hf
-from trace_jax.cli import ExitCode
+from trace_jax.job.cli import ExitCode
 from trace_jax.job.commands import hf_main
 from trace_jax.models import MoeConfig
 

@@ -58,7 +58,7 @@ def test_an_rl_split_with_kinds_feeds_only_those_kinds_and_validates():
 
     from trace_jax.config_utils import from_config, load_config_file
     from trace_jax.data.synthetic import KINDS, SyntheticWorld, WorldConfig
-    from trace_jax.job import sources, validate
+    from trace_jax.job import recipes, validate
 
     root = pathlib.Path(__file__).resolve().parents[2]
     config = load_config_file(f"{root / 'configs' / 'realistic.py'}:uniform")
@@ -66,6 +66,6 @@ def test_an_rl_split_with_kinds_feeds_only_those_kinds_and_validates():
     validate.validate(config)
     world = SyntheticWorld(from_config(WorldConfig, config.world))
     assert {row["kind"] for row in world.questions("train")} == set(KINDS)  # premise: every kind is there
-    stream = sources.source_of(config).prompt_stream(config, types.SimpleNamespace(world=world))
+    stream = recipes.source_of(config).prompt_stream(config, types.SimpleNamespace(world=world))
     drawn = [row for _ in range(12) for row in stream.next_batch()]
     assert len(drawn) >= 100 and {row["kind"] for row in drawn} == {"chain"}

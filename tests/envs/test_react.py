@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.data.tokenizer import train_world_tokenizer
 from trace_jax.envs import react
-from trace_jax.envs.retriever import BM25Retriever, HttpRetriever, make_server
+from trace_jax.envs.retrieval.retriever import BM25Retriever, HttpRetriever, make_server
 from trace_jax.rollout.tree import RolloutTree
 
 TASK = {"question": "Who directed Zorvak?", "golden_answers": ["Belmo Trask", "B. Trask"]}

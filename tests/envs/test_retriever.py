@@ -13,7 +13,7 @@ import pytest
 
 from trace_jax.data import synthetic
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
-from trace_jax.envs import retriever as R
+from trace_jax.envs.retrieval import retriever as R
 
 ROWS = [
     {"id": "0", "title": "Zorvak", "text": "Zorvak is a film: director Belmo Trask; studio Kelda."},
@@ -46,7 +46,7 @@ def test_bm25_ranks_the_named_entity_first_and_skips_empty_queries(corpus_file):
 
 
 def test_top_k_is_best_first_with_ties_to_the_lower_index():
-    from trace_jax.envs.bm25 import top_k
+    from trace_jax.envs.retrieval.bm25 import top_k
 
     scores = np.asarray([1.0, 3.0, 2.0, 3.0, 2.0, 0.0, 2.0], np.float32)
     for k, expected in [(1, [1]), (2, [1, 3]), (3, [1, 3, 2]), (4, [1, 3, 2, 4]), (7, [1, 3, 2, 4, 6, 0, 5])]:
@@ -89,7 +89,16 @@ def test_search_r1_contents_rows_are_read(tmp_path):
 
 def test_served_index_returns_the_same_passages_as_in_process(corpus_file):
     server = subprocess.Popen(
-        [sys.executable, "-m", "trace_jax.envs.retriever", "serve", "--corpus", str(corpus_file), "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "trace_jax.envs.retrieval.retriever",
+            "serve",
+            "--corpus",
+            str(corpus_file),
+            "--port",
+            "0",
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -172,10 +181,10 @@ def test_config_mistakes_are_one_line_errors():
 
 def test_importing_the_retrievers_runs_no_jax_op():
     """bm25s runs a JAX op when imported; our modules must not import it before a BM25 index is built, so
-    ``jax.distributed.initialize`` can still run after ``import trace_jax.envs.retriever``."""
+    ``jax.distributed.initialize`` can still run after ``import trace_jax.envs.retrieval.retriever``."""
     probe = (
         "import sys, jax; from jax._src import xla_bridge as xb\n"
-        "import trace_jax.envs, trace_jax.envs.retriever, trace_jax.envs.react\n"
+        "import trace_jax.envs, trace_jax.envs.retrieval.retriever, trace_jax.envs.react\n"
         "print(len(xb._backends), 'bm25s' in sys.modules)\n"
         "import bm25s\n"
         "print(len(xb._backends))\n"
@@ -199,7 +208,7 @@ def test_serve_synthetic_world_corpus(tmp_path):
     corpus = tmp_path / "world.jsonl"
     synthetic.main(["corpus", "--world", json.dumps(world), "--out", str(corpus)])
     server = subprocess.Popen(
-        [sys.executable, "-m", "trace_jax.envs.retriever", "serve", "--corpus", str(corpus), "--port", "0"],
+        [sys.executable, "-m", "trace_jax.envs.retrieval.retriever", "serve", "--corpus", str(corpus), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

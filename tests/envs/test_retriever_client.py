@@ -12,8 +12,8 @@ import pytest
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.data.tokenizer import train_world_tokenizer
 from trace_jax.envs import react
-from trace_jax.envs.retrieval_client import HttpRetriever, parse_reply
-from trace_jax.envs.retriever import RetrievalError
+from trace_jax.envs.retrieval.client import HttpRetriever, parse_reply
+from trace_jax.envs.retrieval.retriever import RetrievalError
 
 GOOD_DOC = {"id": "0", "title": "Zorvak", "text": "Zorvak is a film."}
 

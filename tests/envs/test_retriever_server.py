@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from trace_jax.envs.retrieval_server import FairBatcher, ServerLimits, make_server
-from trace_jax.envs.retriever import BM25Retriever, HttpRetriever, Passage
+from trace_jax.envs.retrieval.retriever import BM25Retriever, HttpRetriever, Passage
+from trace_jax.envs.retrieval.server import FairBatcher, ServerLimits, make_server
 
 ROWS = [
     {"id": "0", "title": "Zorvak", "text": "Zorvak is a film: director Belmo Trask; studio Kelda."},
@@ -218,10 +218,10 @@ def test_a_failing_retriever_is_a_500_and_the_server_keeps_serving():
 
 
 def test_one_access_log_line_per_request(server, caplog):
-    with caplog.at_level(logging.INFO, logger="trace_jax.envs.retrieval_server"):
+    with caplog.at_level(logging.INFO, logger="trace_jax.envs.retrieval.server"):
         post(server, {"queries": ["Kelda", "Quilon"], "topk": 2})
         post(server, {"queries": "Kelda"})
-    lines = [r.getMessage() for r in caplog.records if r.name == "trace_jax.envs.retrieval_server"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "trace_jax.envs.retrieval.server"]
     assert len(lines) == 2
     assert " POST /retrieve 200 queries=2 ms=" in lines[0] and " POST /retrieve 400 queries=0 ms=" in lines[1]
 

@@ -6,11 +6,11 @@ import pytest
 
 from tests import search_r1_fixtures as fixtures
 from trace_jax.envs import react
-from trace_jax.envs.retriever import BM25Retriever
+from trace_jax.envs.retrieval.retriever import BM25Retriever
 from trace_jax.envs.stops import TextStops, first_stop_end, stop_id_sequences
 from trace_jax.rollout.backend import ContinuationRequest
-from trace_jax.rollout.engine import EngineConfig
-from trace_jax.rollout.mock import MockEngine
+from trace_jax.rollout.engine.engine import EngineConfig
+from trace_jax.rollout.engine.mock import MockEngine
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
 from trace_jax.rollout.tree import RolloutTree
 

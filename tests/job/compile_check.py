@@ -1,4 +1,4 @@
-"""Runs the real main job (``trace_jax.job.loop.Training``) for N RL steps on a tiny config in this process and
+"""Runs the real main job (``trace_jax.job.training.Training``) for N RL steps on a tiny config in this process and
 prints, as JSON, every XLA compile after the first step: the engine's own counter and late list, and every
 compile jax reports (``jax_log_compiles``), by function name and step.
 
@@ -13,11 +13,11 @@ import sys
 
 import jax
 
-from trace_jax.cli import Console
 from trace_jax.config_utils import load_config_file
+from trace_jax.job.cli import Console
 from trace_jax.job.commands import DEFAULT_CONFIG
-from trace_jax.job.loop import Training
-from trace_jax.metrics import PhaseTimer
+from trace_jax.job.metrics import PhaseTimer
+from trace_jax.job.training import Training
 
 
 class CompileLog(logging.Handler):

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from trace_jax.cli import ExitCode
 from trace_jax.job import train
+from trace_jax.job.cli import ExitCode
 from trace_jax.job.commands import evaluate_main, train_main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

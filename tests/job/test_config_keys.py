@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from trace_jax.cli import ExitCode, WorkdirError
 from trace_jax.config_utils import from_config, load_config_file
 from trace_jax.job import build, rundir, schema, validate, warm_start
+from trace_jax.job.cli import ExitCode, WorkdirError
 from trace_jax.job.commands import train_main
 from trace_jax.job.warm_start import fingerprint
 from trace_jax.optim import make_optimizer, make_schedule

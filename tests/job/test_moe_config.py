@@ -4,9 +4,9 @@ import pathlib
 
 import pytest
 
-from trace_jax.cli import ConfigError
 from trace_jax.config_utils import load_config_file
 from trace_jax.job import validate
+from trace_jax.job.cli import ConfigError
 from trace_jax.models import PRESETS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -179,7 +179,7 @@ def test_sigterm_with_rollouts_in_flight_drops_them_and_the_rerun_equals_the_uni
     Fails if the notice is ignored or kills the step under way, if the stop waits for the rollouts in flight
     (``run.close()`` waiting in ``trace_jax.job.train``'s ``finally``: the run never ends), if it checkpoints
     them (``run.save(force=True)`` after dropping them), or if step 1's first records survive the resume."""
-    from trace_jax.cli import ExitCode
+    from trace_jax.job.cli import ExitCode
 
     cache, compiled = shared
     workdir = tmp_path / "preempted"
@@ -213,7 +213,7 @@ def test_a_grace_that_runs_out_during_step_1_abandons_it_and_leaves_the_rollouts
     that never finish. Fails if the deadline is ignored (step 1 completes and is logged) or if the abandoned step
     waits for the rollouts in flight (``run.close(wait=True)`` in ``trace_jax.job.train``'s ``finally``:
     the process never ends and the run times out)."""
-    from trace_jax.cli import ExitCode
+    from trace_jax.job.cli import ExitCode
 
     cache, compiled = shared  # ``runs`` first: its warm start and compiled programs are reused here
     workdir = tmp_path / "abandoned"

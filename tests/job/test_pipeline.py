@@ -1,5 +1,5 @@
-"""Sampling ahead of the trainer (``trace_jax.job.pipeline``), the split of devices into sampling and training
-(``trace_jax.job.placement``, ``parallel.mesh.split_devices``), the split of a CPU host's cores between a sampling
+"""Sampling ahead of the trainer (``trace_jax.cluster.pipeline``), the split of devices into sampling and training
+(``trace_jax.cluster.placement``, ``parallel.mesh.split_devices``), the split of a CPU host's cores between a sampling
 process and the trainer (``trace_jax.job.sampling_process``) and the checks that refuse impossible splits."""
 
 import threading
@@ -9,9 +9,9 @@ import jax
 import ml_collections
 import pytest
 
-from trace_jax.cli import ConfigError
-from trace_jax.job.pipeline import RolloutPipeline, Sampled
-from trace_jax.job.placement import Placement
+from trace_jax.cluster.pipeline import RolloutPipeline, Sampled
+from trace_jax.cluster.placement import Placement
+from trace_jax.job.cli import ConfigError
 from trace_jax.job.sampling_process import split_cpus
 from trace_jax.job.validate import check_mesh, check_sampling_process
 from trace_jax.parallel.mesh import split_devices

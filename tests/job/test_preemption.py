@@ -1,4 +1,4 @@
-"""SIGTERM as a preemption notice (``trace_jax.cli.Termination``): outside a grace it stops at once, inside one
+"""SIGTERM as a preemption notice (``trace_jax.job.cli.Termination``): outside a grace it stops at once, inside one
 the work goes on until the caller stops or the grace runs out; either way the exit code is 143.
 
 The main job's side (a SIGTERM during an RL step checkpoints it, exits 143, and the rerun equals the uninterrupted
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from trace_jax.cli import Console, ExitCode, Preempted, Termination, run_main
+from trace_jax.job.cli import Console, ExitCode, Preempted, Termination, run_main
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_the_deadline_interrupts_a_job_started_in_the_background_with_sigint_ign
 
 
 def test_run_main_exits_143_after_a_sigterm_and_130_after_ctrl_c(monkeypatch):
-    from trace_jax import cli
+    from trace_jax.job import cli
 
     console = Console(verbosity=-1)
     monkeypatch.setattr(cli, "TERMINATION", Termination())

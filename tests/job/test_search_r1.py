@@ -27,7 +27,6 @@ from flax import nnx
 
 from tests import search_r1_fixtures as fixtures
 from tests.helpers import torch_logits
-from trace_jax import cli
 from trace_jax.checkpoint.hf import load_hf
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.config_utils import load_config_file
@@ -39,9 +38,9 @@ from trace_jax.envs.react import (
     STOP_TAGS,
     format_passages,
 )
-from trace_jax.envs.retriever import BM25Retriever, HttpRetriever, make_server
+from trace_jax.envs.retrieval.retriever import BM25Retriever, HttpRetriever, make_server
 from trace_jax.envs.stops import stop_id_sequences
-from trace_jax.job import build, sources
+from trace_jax.job import build, cli, recipes
 from trace_jax.job.commands import hf_main
 from trace_jax.job.evaluate import evaluate
 from trace_jax.models import abstract_model
@@ -125,9 +124,9 @@ def test_train_over_a_stalling_http_server_checkpoints_evaluates_and_exports_wha
     assert [row["group"] for row in summary["eval_after"]] == ["hotpotqa", "nq", "all"]  # EM/F1 per source
     assert StateCheckpointer(workdir / build.CHECKPOINTS).latest_step() == 2
 
-    export = pathlib.Path(summary["exports"][sources.EXPORT_DIR])
+    export = pathlib.Path(summary["exports"][recipes.EXPORT_DIR])
     config = build.load_run_config(workdir)
-    start, params, source = sources.latest_policy(config, workdir)
+    start, params, source = recipes.latest_policy(config, workdir)
     world = start.world
     assert source == "rl step 2"
     _, initial = load_hf(files["hf"])
@@ -156,8 +155,8 @@ def test_train_over_a_stalling_http_server_checkpoints_evaluates_and_exports_wha
     for out in (export, tmp_path / "again"):
         exported = json.loads((out / "config.json").read_text())
         assert {k: exported.get(k) for k in keys} == {k: source_config[k] for k in keys}
-        generation = (files["hf"] / sources.GENERATION_CONFIG).read_text()
-        assert (out / sources.GENERATION_CONFIG).read_text() == generation
+        generation = (files["hf"] / recipes.GENERATION_CONFIG).read_text()
+        assert (out / recipes.GENERATION_CONFIG).read_text() == generation
 
 
 def test_a_stop_table_over_the_engine_maximum_fails_at_start_with_the_flag_to_raise(files, tmp_path):
@@ -167,7 +166,7 @@ def test_a_stop_table_over_the_engine_maximum_fails_at_start_with_the_flag_to_ra
     assert 2 < count <= config.engine.max_stop_sequences  # premise: several spellings, and they fit
     config.engine.max_stop_sequences = count - 1
     with pytest.raises(ValueError, match=f"--config.engine.max_stop_sequences={count} or more"):
-        sources.source_of(config).start(config, tmp_path)
+        recipes.source_of(config).start(config, tmp_path)
 
 
 def test_an_eval_split_the_data_lacks_stops_the_start_with_a_config_error_naming_the_splits(files, tmp_path):
@@ -175,7 +174,7 @@ def test_an_eval_split_the_data_lacks_stops_the_start_with_a_config_error_naming
     assert config.eval.split == "test"  # premise: the recipe's default is a split Search-R1 ships
     config.eval.split = "dev"
     with pytest.raises(cli.ConfigError, match=r"eval.split='dev' .*\['test', 'train'\]") as raised:
-        sources.source_of(config).start(config, tmp_path)
+        recipes.source_of(config).start(config, tmp_path)
     assert raised.value.exit_code == cli.ExitCode.CONFIG  # exit code 2, before anything is loaded
     assert not (tmp_path / "tfds").exists()
 
@@ -185,7 +184,7 @@ def greedy_run(files, tmp_path_factory):
     """A greedy runner of the tiny checkpoint in the search_r1 world (BM25 over the corpus in process)."""
     workdir = tmp_path_factory.mktemp("world")
     config = tiny_config(files, kind="bm25", corpus=str(files["corpus"]))
-    start = sources.source_of(config).start(config, workdir)
+    start = recipes.source_of(config).start(config, workdir)
     runner = build.build_runner(config, start.model_config, start.params, start.world, greedy=True)
     return start.world, runner
 
@@ -200,7 +199,7 @@ def test_the_first_rollout_reads_the_rows_chat_prompt_then_the_sampled_ids_and_o
     world, runner = greedy_run
     env, tokenizer = world.env, world.tokenizer
     config = tiny_config(files, kind="bm25", corpus=str(files["corpus"]))
-    task = sources.source_of(config).prompt_stream(config, world).next_batch()[0]
+    task = recipes.source_of(config).prompt_stream(config, world).next_batch()[0]
     (row,) = [r for r in pq.read_table(files["data"] / "train.parquet").to_pylist() if r["id"] == task["id"]]
     hf_tokenizer = AutoTokenizer.from_pretrained(files["hf"])
     prompt = hf_tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)

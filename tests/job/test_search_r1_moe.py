@@ -19,7 +19,7 @@ from flax import nnx
 from tests import search_r1_fixtures as fixtures
 from tests.helpers import torch_logits
 from trace_jax.checkpoint.hf import load_hf
-from trace_jax.job import build, sources
+from trace_jax.job import build, recipes
 from trace_jax.models import abstract_model
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def test_one_rl_step_of_the_recipe_on_a_moe_checkpoint_with_routing_replay_expor
     aux = [r["train/router_aux_loss"] for r in records if "train/router_aux_loss" in r]
     assert aux and all(a > 0 for a in aux)  # the trainer ran the sparse layers (fails on a dense forward)
 
-    start, params, source = sources.latest_policy(config, workdir)
+    start, params, source = recipes.latest_policy(config, workdir)
     assert source == "rl step 1"
     moe_leaves = [p for p, _ in jax.tree_util.tree_leaves_with_path(params) if "moe_layers" in str(p)]
     assert moe_leaves  # the policy trained is the mixture of experts
@@ -75,7 +75,7 @@ def test_one_rl_step_of_the_recipe_on_a_moe_checkpoint_with_routing_replay_expor
     assert moved > 1e-6  # premise: the export below is the trained policy, not the input checkpoint
 
     summary = json.loads((workdir / "summary.json").read_text())
-    export = pathlib.Path(summary["exports"][sources.EXPORT_DIR])
+    export = pathlib.Path(summary["exports"][recipes.EXPORT_DIR])
     assert json.loads((export / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
     ids = np.asarray([start.world.env.prompt_ids(start.world.world.questions("test")[0])])
     ours = np.asarray(nnx.merge(abstract_model(start.model_config)[0], params)(jnp.asarray(ids))[0])

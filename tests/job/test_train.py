@@ -270,12 +270,12 @@ LEARN_STEPS = 6
 
 
 def test_a_few_rl_steps_raise_em_on_the_questions_they_train_on(tmp_path):
-    from trace_jax.cli import Console
     from trace_jax.job import build
+    from trace_jax.job.cli import Console
     from trace_jax.job.commands import load_config
     from trace_jax.job.evaluate import evaluate
-    from trace_jax.job.loop import Training
-    from trace_jax.metrics import PhaseTimer
+    from trace_jax.job.metrics import PhaseTimer
+    from trace_jax.job.training import Training
 
     config, _ = load_config(["train", *LEARNS, f"--config.warm_start.cache_dir={tmp_path / 'cache'}"])
     run = Training(config, tmp_path / "run", Console(verbosity=-1), PhaseTimer())
@@ -317,7 +317,7 @@ PRESSED = [
 def test_sigterm_during_a_step_checkpoints_it_exits_143_and_the_rerun_equals_the_uninterrupted_run(cache, tmp_path):
     """Catches a SIGTERM that kills at once (no checkpoint of the step under way, exit 130) and a rerun that does
     not resume from the SIGTERM's checkpoint or does not end as the uninterrupted run."""
-    from trace_jax.cli import ExitCode
+    from trace_jax.job.cli import ExitCode
 
     reference = tmp_path / "reference"
     done = subprocess.run(

@@ -96,7 +96,7 @@ def test_a_warm_start_is_trained_once_and_reused_by_the_next_run(tmp_path):
 
     def progress(total, description):
         bars.append((total, description))
-        from trace_jax.cli import _NoBar
+        from trace_jax.job.cli import _NoBar
 
         return _NoBar()
 

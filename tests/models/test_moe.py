@@ -25,8 +25,8 @@ from trace_jax.models import (
     num_params,
     router_aux_loss,
 )
-from trace_jax.rollout.engine import Engine, EngineConfig
-from trace_jax.rollout.sampling import SamplingConfig
+from trace_jax.rollout.engine.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.sampling import SamplingConfig
 
 # Top-k 2 and 8, norm_topk_prob on and off, all-sparse and mixed dense/sparse layers, tied and untied heads.
 CASES = {

@@ -18,8 +18,8 @@ import numpy as np
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
 from trace_jax.checkpoint.state import StateCheckpointer
+from trace_jax.cluster.sharded_rollouts import ProcessShardedBackend, local_trees
 from trace_jax.job.evaluate import evaluate
-from trace_jax.job.sharded_rollouts import ProcessShardedBackend, local_trees
 from trace_jax.parallel import distributed, multihost
 from trace_jax.parallel.mesh import batch_sharding, make_mesh
 from trace_jax.rollout.backend import RolloutStats

@@ -200,7 +200,7 @@ def test_one_process_is_the_whole_world():
 
 
 def test_with_one_process_the_main_job_s_process_view_passes_everything_through():
-    from trace_jax.job.processes import Processes
+    from trace_jax.cluster.processes import Processes
     from trace_jax.parallel.mesh import make_mesh
     from trace_jax.rollout.tree import RolloutTree
 

@@ -20,8 +20,8 @@ from trace_jax.rl.logprobs import policy_logprobs
 from trace_jax.rl.losses import LossConfig, LossInputs, compute_loss, finalize_metrics
 from trace_jax.rl.trainer import RLTrainer
 from trace_jax.rollout.backend import ContinuationRequest
-from trace_jax.rollout.engine import Engine, EngineConfig
-from trace_jax.rollout.mock import ToyEnv
+from trace_jax.rollout.engine.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.mock import ToyEnv
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
 from trace_jax.rollout.tree import ROOT, RolloutTree
 

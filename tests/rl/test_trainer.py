@@ -17,7 +17,7 @@ from trace_jax.rl.batch import BatchConfig, build_batch
 from trace_jax.rl.logprobs import policy_logprobs
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLTrainer, UpdateConfig
-from trace_jax.rollout.sampling import SamplingConfig
+from trace_jax.rollout.engine.sampling import SamplingConfig
 from trace_jax.rollout.tree import RolloutTree
 
 # Smaller than qwen3-tiny to keep compiles short; the trees' token ids are all < 100.

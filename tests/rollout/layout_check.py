@@ -9,9 +9,9 @@ from flax import nnx
 
 from trace_jax.models import ModelConfig, Qwen, abstract_model
 from trace_jax.parallel import mesh as mesh_lib
-from trace_jax.rollout.engine import Engine, EngineConfig
-from trace_jax.rollout.layout import SamplingLayout
-from trace_jax.rollout.sampling import SamplingConfig
+from trace_jax.rollout.engine.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.layout import SamplingLayout
+from trace_jax.rollout.engine.sampling import SamplingConfig
 
 PROMPTS = [[5, 17, 3, 99, 42, 8, 1], [64, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [7, 7, 7, 30]]
 

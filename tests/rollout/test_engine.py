@@ -13,8 +13,8 @@ from flax import nnx
 from tests.helpers import build_hf_checkpoint
 from trace_jax.checkpoint.hf import load_hf
 from trace_jax.models import Qwen, abstract_model
-from trace_jax.rollout.engine import AppendItem, Engine, EngineConfig, StopReason
-from trace_jax.rollout.sampling import SamplingConfig
+from trace_jax.rollout.engine.engine import AppendItem, Engine, EngineConfig, StopReason
+from trace_jax.rollout.engine.sampling import SamplingConfig
 
 GREEDY = SamplingConfig.make_greedy()
 PROMPTS = [[5, 17, 3, 99, 42, 8, 1], [64, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [7, 7, 7, 30]]
@@ -210,7 +210,7 @@ def test_the_program_set_is_compiled_ahead_and_a_late_compile_is_a_warning(check
     assert state.pool.in_use == 0, "every page came back"
     # Weights of another dtype are another signature: compiled, counted and warned about.
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    with caplog.at_level(logging.WARNING, logger="trace_jax.rollout.programs"):
+    with caplog.at_level(logging.WARNING, logger="trace_jax.rollout.engine.programs"):
         engine.generate(bf16, state)
     assert [name for name, _ in engine.programs.late] == ["generate"]
     assert "generate" in caplog.text and "after warm-up" in caplog.text

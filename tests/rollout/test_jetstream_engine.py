@@ -17,9 +17,9 @@ pytest.importorskip(
 from jetstream.core.proto import jetstream_pb2
 
 from trace_jax.models import ModelConfig, Qwen, abstract_model
-from trace_jax.rollout.engine import Engine, EngineConfig
-from trace_jax.rollout.jetstream_engine import JetStreamEngine
-from trace_jax.rollout.sampling import SamplingConfig
+from trace_jax.rollout.engine.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.jetstream import JetStreamEngine
+from trace_jax.rollout.engine.sampling import SamplingConfig
 
 CONFIG = ModelConfig.preset("qwen3-tiny", vocab_size=96)
 PROMPTS = [[5, 17, 3, 9, 42, 8, 1], [64, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [7, 7, 30]]

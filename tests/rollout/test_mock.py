@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from trace_jax.rollout.engine import EngineConfig, StopReason
-from trace_jax.rollout.mock import (
+from trace_jax.rollout.engine.engine import EngineConfig, StopReason
+from trace_jax.rollout.engine.mock import (
     BAD,
     GOOD,
     OBS,

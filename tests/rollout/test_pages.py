@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 
 from trace_jax.models import ModelConfig, Qwen, abstract_model
-from trace_jax.rollout.engine import AppendItem, Engine, EngineConfig
-from trace_jax.rollout.pages import TRASH_PAGE, PagePool
-from trace_jax.rollout.sampling import SamplingConfig
+from trace_jax.rollout.engine.engine import AppendItem, Engine, EngineConfig
+from trace_jax.rollout.engine.pages import TRASH_PAGE, PagePool
+from trace_jax.rollout.engine.sampling import SamplingConfig
 
 
 def test_a_fork_shares_full_pages_and_copies_only_the_partial_one():

@@ -3,9 +3,9 @@ entry cannot be reclaimed."""
 
 import pytest
 
-from trace_jax.rollout.pages import PagePool
-from trace_jax.rollout.prefix_cache import PrefixCache
-from trace_jax.rollout.slots import Prefix
+from trace_jax.rollout.engine.pages import PagePool
+from trace_jax.rollout.engine.prefix_cache import PrefixCache
+from trace_jax.rollout.engine.slots import Prefix
 
 
 def _held(pool: PagePool, slot: int, length: int) -> Prefix:

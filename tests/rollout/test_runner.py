@@ -8,8 +8,8 @@ from flax import nnx
 
 from trace_jax.models import ModelConfig, Qwen
 from trace_jax.rollout.backend import ContinuationRequest
-from trace_jax.rollout.engine import Engine, EngineConfig
-from trace_jax.rollout.mock import (
+from trace_jax.rollout.engine.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.mock import (
     GOOD,
     MOCK_ENTROPY,
     MOCK_LOGPROB,
@@ -22,8 +22,8 @@ from trace_jax.rollout.mock import (
     mock_hidden,
     toy_policy,
 )
+from trace_jax.rollout.engine.sampling import SamplingConfig
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
-from trace_jax.rollout.sampling import SamplingConfig
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trace_jax.rollout.sampling import SamplingConfig, sample, token_sample_logprobs, truncated_logits
+from trace_jax.rollout.engine.sampling import SamplingConfig, sample, token_sample_logprobs, truncated_logits
 
 
 def _logits(batch=4, vocab=16, seed=0):

@@ -41,10 +41,10 @@ from flax import nnx
 from trace_jax.checkpoint.hf import save_hf
 from trace_jax.models import KVCache, ModelConfig, abstract_model, create_model, num_params
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
-from trace_jax.rollout.engine import Engine, EngineConfig
-from trace_jax.rollout.mock import ToyEnv
+from trace_jax.rollout.engine.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.mock import ToyEnv
+from trace_jax.rollout.engine.sampling import SamplingConfig
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
-from trace_jax.rollout.sampling import SamplingConfig
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 

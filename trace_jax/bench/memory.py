@@ -19,9 +19,9 @@ import tempfile
 import time
 from typing import Any
 
-from trace_jax import cli, heap
 from trace_jax.bench.report import emit
-from trace_jax.metrics import PhaseTimer
+from trace_jax.job import cli, heap
+from trace_jax.job.metrics import PhaseTimer
 
 MIB = 1024 * 1024
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # The first phase measures what importing the job and starting JAX cost, so they are imported here.
     import jax
 
-    from trace_jax.job import commands, loop, validate
+    from trace_jax.job import commands, training, validate
 
     cli.quiet_third_party(0)
     config, _ = commands.load_config(train_argv)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     memory.end("imports + jax runtime")
     console = cli.Console(verbosity=-1)
     with tempfile.TemporaryDirectory() as workdir:
-        run = loop.Training(config, pathlib.Path(workdir), console, PhaseTimer())
+        run = training.Training(config, pathlib.Path(workdir), console, PhaseTimer())
         memory.end("warm start + setup")
         run.evaluate("evaluation")
         memory.end("evaluation before RL")

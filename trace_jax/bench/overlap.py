@@ -156,9 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Imported here: JAX must start after XLA_FLAGS names the two devices.
     import jax
 
-    from trace_jax import cli
-    from trace_jax.job import commands, loop, validate
-    from trace_jax.metrics import PhaseTimer
+    from trace_jax.job import cli, commands, training, validate
+    from trace_jax.job.metrics import PhaseTimer
 
     cli.quiet_third_party(0)
     total = 2 * steps * rounds
@@ -175,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     validate.check_sampling_process(config, jax.default_backend(), len(os.sched_getaffinity(0)))
     blocks: dict[int, list[list[dict[str, float]]]] = {0: [], 1: []}
     with tempfile.TemporaryDirectory() as workdir:
-        run = loop.Training(config, pathlib.Path(workdir), cli.Console(verbosity=-1), PhaseTimer())
+        run = training.Training(config, pathlib.Path(workdir), cli.Console(verbosity=-1), PhaseTimer())
         try:
             run.warm_up_predictor()
             compiles = CompileCount()

@@ -3,7 +3,7 @@
 ``python -m trace_jax.bench.retrieval [--docs 2000] [--clients 8] [--requests-per-client 200]
 [--large-queries 10000] [--out bench_results/retrieval.json]`` prints JSON (also written to ``--out``).
 
-The server is a real ``python -m trace_jax.envs.retriever serve`` subprocess (default limits) over the
+The server is a real ``python -m trace_jax.envs.retrieval.retriever serve`` subprocess (default limits) over the
 first ``--docs`` passages of a synthetic world; the clients are :class:`HttpRetriever` threads in this
 process, each request one question of the world, top-3.
 
@@ -36,7 +36,7 @@ import numpy as np
 
 from trace_jax.bench.report import emit
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
-from trace_jax.envs.retriever import HttpRetriever
+from trace_jax.envs.retrieval.retriever import HttpRetriever
 
 TOPK = 3
 SMALL_P99_TARGET_MS = 100.0
@@ -62,7 +62,16 @@ def _latency_stats(latencies_s: list[float]) -> dict[str, float]:
 
 
 def _start_server(corpus_path: pathlib.Path, server_args: list[str]) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "trace_jax.envs.retriever", "serve", "--corpus", str(corpus_path), "--port", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "trace_jax.envs.retrieval.retriever",
+        "serve",
+        "--corpus",
+        str(corpus_path),
+        "--port",
+        "0",
+    ]
     command += server_args
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = server.stdout.readline()

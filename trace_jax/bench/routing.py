@@ -35,7 +35,7 @@ from trace_jax.models import MoeConfig, abstract_model, create_model
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batch import BatchConfig, TrainBatch, build_batch
 from trace_jax.rl.logprobs import policy_logprobs
-from trace_jax.rollout.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.engine import Engine, EngineConfig
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 

@@ -31,9 +31,9 @@ from trace_jax.envs.react import ReActEnv
 from trace_jax.job.sft import SFTConfig, make_env, run_sft
 from trace_jax.models import num_params
 from trace_jax.rollout.backend import ContinuationRequest
-from trace_jax.rollout.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.sampling import SamplingConfig
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
-from trace_jax.rollout.sampling import SamplingConfig
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 

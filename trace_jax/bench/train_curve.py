@@ -58,8 +58,8 @@ from absl import logging as absl_logging
 
 from trace_jax.config_utils import load_config_file
 from trace_jax.job import build, schema
+from trace_jax.job.metrics import format_mean_std, format_table, mean_std_curve, plot_mean_std, read_jsonl
 from trace_jax.job.train import train
-from trace_jax.metrics import format_mean_std, format_table, mean_std_curve, plot_mean_std, read_jsonl
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 BEFORE_FILE = "eval_before.json"

@@ -22,8 +22,8 @@ Everything is a pure function of :class:`WorldConfig` (seeded ``numpy`` generato
 so the same seed gives a byte-identical world. Questions are Search-R1-style rows (``question``,
 ``golden_answers``, ``data_source``) with extra fields ``id``, ``hops``, ``chain`` and ``gold_turns``.
 
-Write a world's corpus as jsonl (``{"id", "title", "text"}`` rows, e.g. for ``python -m trace_jax.envs.retriever
-serve --corpus``)::
+Write a world's corpus as jsonl (``{"id", "title", "text"}`` rows, e.g. for
+``python -m trace_jax.envs.retrieval.retriever serve --corpus``)::
 
     python -m trace_jax.data.synthetic corpus --out world.jsonl                                  # the defaults
     python -m trace_jax.data.synthetic corpus --world '{"scale": 10}' --out world.jsonl          # WorldConfig fields

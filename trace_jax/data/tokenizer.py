@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from trace_jax.data.synthetic import SyntheticWorld
 from trace_jax.envs.react import OBSERVATION_CLOSE, OBSERVATION_OPEN, TAGS, TEMPLATES, format_passages
-from trace_jax.envs.retriever import Passage
+from trace_jax.envs.retrieval.retriever import Passage
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"

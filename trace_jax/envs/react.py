@@ -34,7 +34,7 @@ import numpy as np
 
 from trace_jax.envs import rewards
 from trace_jax.envs.base import TurnResult
-from trace_jax.envs.retriever import Passage, RetrievalError, Retriever
+from trace_jax.envs.retrieval.retriever import Passage, RetrievalError, Retriever
 from trace_jax.envs.stops import TextStops, first_stop_end, stop_id_sequences
 
 TAGS = ("<think>", "</think>", "<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>")

@@ -17,18 +17,18 @@ import ml_collections
 from flax import nnx
 
 from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
+from trace_jax.cluster.processes import Processes
 from trace_jax.config_utils import from_config
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.data.tokenizer import load_tokenizer, train_world_tokenizer
 from trace_jax.envs.react import ReActConfig, ReActEnv
-from trace_jax.envs.retriever import RetrieverConfig, build_retriever
+from trace_jax.envs.retrieval.retriever import RetrieverConfig, build_retriever
 from trace_jax.job import rundir
-from trace_jax.job.processes import Processes
 from trace_jax.job.sft import SFTConfig, SFTResult, run_sft
 from trace_jax.job.warm_start import CacheEntry, WarmStartCache, WarmStartConfig, key_material
 from trace_jax.models import ModelConfig
-from trace_jax.rollout.engine import Engine, EngineConfig
-from trace_jax.rollout.layout import SamplingLayout
+from trace_jax.rollout.engine.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.layout import SamplingLayout
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
 
 CONFIG_FILE = rundir.CONFIG_FILE
@@ -66,7 +66,7 @@ def build_engine(
     config: ml_collections.ConfigDict, model_config: ModelConfig, params: nnx.State | None = None, *, mesh=None
 ) -> Engine:
     """The one decode engine of a run (rollouts and evaluation share it, and its KV pool). With a ``mesh`` it
-    decodes in the sampling layout (``trace_jax.rollout.layout``); ``params`` become its weights."""
+    decodes in the sampling layout (``trace_jax.rollout.engine.layout``); ``params`` become its weights."""
     layout = None if mesh is None else SamplingLayout(mesh)
     engine = Engine.for_model(model_config, from_config(EngineConfig, config.engine), layout)
     if params is not None:

@@ -1,6 +1,6 @@
 """The commands: ``python -m trace_jax.train``, ``python -m trace_jax.evaluate`` and ``python -m trace_jax.hf``.
 
-Each ``*_main(argv)`` parses its command line, runs the job and returns the exit code (``trace_jax.cli.ExitCode``);
+Each ``*_main(argv)`` parses its command line, runs the job and returns the exit code (``trace_jax.job.cli.ExitCode``);
 the modules ``trace_jax.train``, ``trace_jax.evaluate`` and ``trace_jax.hf`` only call them. The parts that import
 JAX are imported inside the commands, so ``--help`` and a mistyped flag answer at once.
 """
@@ -18,8 +18,8 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from trace_jax import cli
 from trace_jax.config_utils import load_config_file, unknown_overrides
+from trace_jax.job import cli
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "default.py"
 DEFAULT_WORKDIR = "./runs/default"
@@ -193,14 +193,14 @@ def _hf(args: Any) -> None:
 
 def _port(args: Any) -> None:
     from trace_jax.checkpoint import hf  # JAX and orbax: after the flags are known good
-    from trace_jax.job import sources  # the run's recipe knows where its tokenizer files are
+    from trace_jax.job import recipes  # the run's recipe knows where its tokenizer files are
 
     if args.command == "import":
         config, params = hf.load_hf(args.hf_dir)
         hf.save_orbax(config, params, args.out)
         print(f"import: {args.hf_dir} -> {args.out}")
     elif args.workdir:
-        policy = sources.export_run(args.workdir, args.out, args.max_shard_bytes)
+        policy = recipes.export_run(args.workdir, args.out, args.max_shard_bytes)
         print(f"export: {policy} -> {args.out}")
     else:
         config, params = hf.load_orbax(args.ckpt)

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from trace_jax import paths
-from trace_jax.cli import ConfigError, Console, MissingFileError
 from trace_jax.envs import rewards
 from trace_jax.envs.base import AgentEnv
-from trace_jax.job import build, sources
-from trace_jax.metrics import format_table
+from trace_jax.job import build, recipes
+from trace_jax.job.cli import ConfigError, Console, MissingFileError
+from trace_jax.job.metrics import format_table
 from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
@@ -118,10 +118,10 @@ def evaluate_run(workdir: str, split: str, samples: int, limit: int, console: Co
     if not (run / build.CONFIG_FILE).is_file():
         raise MissingFileError(f"{run} has no {build.CONFIG_FILE}: pass the --workdir of a trace_jax.train run")
     config = build.load_run_config(run)
-    splits = sources.source_of(config).splits
+    splits = recipes.source_of(config).splits
     if split not in splits:
         raise ConfigError(f"--split={split!r} is not allowed: one of {', '.join(splits)}")
-    start, params, policy = sources.latest_policy(config, run)
+    start, params, policy = recipes.latest_policy(config, run)
     runner = build.build_runner(config, start.model_config, params, start.world, greedy=samples == 1)
     tasks = start.world.world.questions(split)
     tasks = tasks[:limit] if limit else tasks

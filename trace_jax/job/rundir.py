@@ -16,7 +16,7 @@ from typing import Any
 import ml_collections
 
 from trace_jax import paths
-from trace_jax.cli import ConfigError, WorkdirError
+from trace_jax.job.cli import ConfigError, WorkdirError
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"

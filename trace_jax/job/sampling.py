@@ -1,6 +1,6 @@
 """The sampling side of a run: the engine and its runners, the scheduler with its predictor, the prompt stream.
 
-``Training`` (``trace_jax.job.loop``) trains; a ``SamplingSide`` grows the trees it trains on. Everything the
+``Training`` (``trace_jax.job.training``) trains; a ``SamplingSide`` grows the trees it trains on. Everything the
 sampling side does goes through the few calls below (weights in; a step's trees, the predictor's warm-up, an
 evaluation and checkpoint state out), so it can live in the trainer's process (this class, the default) or in a
 process of its own (``trace_jax.job.sampling_process``, ``mesh.rollout_cpus``) without the loop telling the
@@ -16,10 +16,10 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
+from trace_jax.cluster.pipeline import Sampled
+from trace_jax.cluster.processes import Processes
 from trace_jax.job import build
 from trace_jax.job.evaluate import evaluate
-from trace_jax.job.pipeline import Sampled
-from trace_jax.job.processes import Processes
 from trace_jax.models import ModelConfig
 from trace_jax.rollout.tree import RolloutTree
 

@@ -30,9 +30,9 @@ from typing import Any
 import jax
 import ml_collections
 
-from trace_jax.job import build, sources
-from trace_jax.job.pipeline import Sampled
-from trace_jax.job.processes import Processes
+from trace_jax.cluster.pipeline import Sampled
+from trace_jax.cluster.processes import Processes
+from trace_jax.job import build, recipes
 from trace_jax.job.sampling import SamplingSide
 from trace_jax.models import ModelConfig
 from trace_jax.parallel.mesh import make_mesh
@@ -165,7 +165,7 @@ def serve(
     pin_threads(cores)  # before JAX's backend starts its threads: they inherit it
     try:
         world = build.build_world(config, pathlib.Path(world_dir))
-        prompts = sources.source_of(config).prompt_stream(config, world)
+        prompts = recipes.source_of(config).prompt_stream(config, world)
         mesh = make_mesh(data=1, fsdp=-1, tensor=1, devices=jax.devices())
         side = SamplingSide(config, world, model_config, prompts, mesh, Processes())
     except BaseException:

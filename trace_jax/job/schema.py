@@ -27,7 +27,7 @@ from trace_jax.allocation.scheduler import SchedulerConfig
 from trace_jax.config_utils import from_config, to_config
 from trace_jax.data.synthetic import WorldConfig
 from trace_jax.envs.react import ReActConfig
-from trace_jax.envs.retriever import RetrieverConfig
+from trace_jax.envs.retrieval.retriever import RetrieverConfig
 from trace_jax.job.sft import SFTConfig
 from trace_jax.job.warm_start import WarmStartConfig
 from trace_jax.optim import OptimizerConfig
@@ -35,7 +35,7 @@ from trace_jax.parallel.distributed import DistributedConfig
 from trace_jax.rl.batch import BatchConfig
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import UpdateConfig
-from trace_jax.rollout.engine import EngineConfig
+from trace_jax.rollout.engine.engine import EngineConfig
 from trace_jax.rollout.runner import RunnerConfig
 
 
@@ -79,7 +79,7 @@ class RLConfig:
       step samples its trees with the policy it then updates, strictly one after the other). k >= 1: while the
       trainer updates at step t, a background thread samples step t + 1's trees with the weights the engine
       has (the policy of step t - 1: one version old; one engine samples one step at a time, so the lag never
-      exceeds 1); the PPO ratio corrects the lag with the sampler's log-probs (``trace_jax.job.pipeline``).
+      exceeds 1); the PPO ratio corrects the lag with the sampler's log-probs (``trace_jax.cluster.pipeline``).
       A step that ends at a checkpoint or an evaluation, and the last step, do not sample ahead (the next
       step samples with the newest policy), so checkpoints never hold work in flight and a resume is exact.
       One process only.

@@ -31,10 +31,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax.checkpoint.state import StateCheckpointer
-from trace_jax.cli import TERMINATION
 from trace_jax.data.synthetic import SyntheticWorld
 from trace_jax.envs.react import ReActConfig, ReActEnv, render_trajectory
-from trace_jax.envs.retriever import BM25Retriever, Retriever
+from trace_jax.envs.retrieval.retriever import BM25Retriever, Retriever
+from trace_jax.job.cli import TERMINATION
 from trace_jax.models import ModelConfig, create_model
 from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import batch_sharding, create_sharded, make_mesh

@@ -36,12 +36,11 @@ import ml_collections
 import numpy as np
 from etils import epath
 
-from trace_jax import heap, paths
-from trace_jax.cli import TERMINATION, Console, Interrupted, Preempted
+from trace_jax import paths
 from trace_jax.config_utils import from_config
-from trace_jax.job import build, rundir, validate
-from trace_jax.job.loop import Training, eval_metrics, evaluates_after
-from trace_jax.metrics import (
+from trace_jax.job import build, heap, rundir, validate
+from trace_jax.job.cli import TERMINATION, Console, Interrupted, Preempted
+from trace_jax.job.metrics import (
     JSONL_NAME,
     TENSORBOARD_DIR,
     MetricWriter,
@@ -50,6 +49,7 @@ from trace_jax.metrics import (
     plot_metrics,
     read_jsonl,
 )
+from trace_jax.job.training import Training, eval_metrics, evaluates_after
 from trace_jax.parallel import distributed
 
 PLOTS = {
@@ -104,8 +104,8 @@ def train(
     """Runs, resumes or extends the run in ``workdir``; returns its summary (also ``workdir/summary.json``).
 
     A finished run (its ``summary.json`` has ``config.rl.steps`` steps) is left untouched and its summary
-    returned. Raises :class:`trace_jax.cli.UserError` subclasses for an unusable workdir or config, and
-    :class:`trace_jax.cli.Interrupted` on Ctrl-C / SIGTERM (saying which checkpoint a rerun resumes from).
+    returned. Raises :class:`trace_jax.job.cli.UserError` subclasses for an unusable workdir or config, and
+    :class:`trace_jax.job.cli.Interrupted` on Ctrl-C / SIGTERM (saying which checkpoint a rerun resumes from).
     """
 
     console = console if console is not None else Console()
@@ -204,7 +204,7 @@ def _train(
                 writer.write(run.step, metrics)  # before the checkpoint: a resume never loses a step's record
                 distributed.run_on_main(logs.push)
                 run.save(force=last)
-                heap.release()  # the step's freed temporaries, back to the OS (see trace_jax.heap)
+                heap.release()  # the step's freed temporaries, back to the OS (see trace_jax.job.heap)
                 bar.set_postfix(
                     reward=f"{metrics['rollout/mean_reward']:.2f}", eff=f"{metrics['alloc/effective_ratio']:.2f}"
                 )

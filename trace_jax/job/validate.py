@@ -24,10 +24,10 @@ import ml_collections
 
 from trace_jax.allocation.policies import POLICIES
 from trace_jax.allocation.predictor import PREDICTORS
-from trace_jax.cli import ConfigError
 from trace_jax.config_utils import from_config
 from trace_jax.data.synthetic import KINDS, SyntheticWorld, WorldConfig, split_kinds
 from trace_jax.envs.react import TAGS
+from trace_jax.job.cli import ConfigError
 from trace_jax.job.schema import SECTIONS, prompts_drawn_per_step, retired_problems
 from trace_jax.models import PRESETS
 from trace_jax.parallel.mesh import MESH_AXES

@@ -54,8 +54,8 @@ CODE = (
     "data/tokenizer.py",
     "envs/react.py",
     "envs/stops.py",
-    "envs/retriever.py",
-    "envs/bm25.py",
+    "envs/retrieval/retriever.py",
+    "envs/retrieval/bm25.py",
     "models",
     "optim.py",
 )

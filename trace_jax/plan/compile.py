@@ -29,8 +29,8 @@ from trace_jax.parallel import mesh as mesh_lib
 from trace_jax.rl.batch import TrainBatch
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLTrainer, TrainState
-from trace_jax.rollout.engine import Engine, EngineConfig
-from trace_jax.rollout.layout import SamplingLayout
+from trace_jax.rollout.engine.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.layout import SamplingLayout
 
 GIB = 1 << 30
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trace_jax.rollout.sampling import SamplingConfig, token_sample_logprobs
+from trace_jax.rollout.engine.sampling import SamplingConfig, token_sample_logprobs
 
 DEFAULT_CHUNK = 128
 

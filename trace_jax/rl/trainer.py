@@ -1,7 +1,7 @@
 """The RL update: PPO epochs × mini-batches over one rollout batch, each mini-batch one mesh-sharded
 optimizer step whose gradient accumulates over fixed-shape micro-batches.
 
-Usage (the wiring ``trace_jax.job.loop`` does)::
+Usage (the wiring ``trace_jax.job.training`` does)::
 
     graphdef, params = nnx.split(model, nnx.Param)         # model built with parallel.mesh.create_sharded
     trainer = RLTrainer(graphdef, make_optimizer(schema.optimizer_config(cfg)), from_config(LossConfig, cfg.loss),
@@ -64,7 +64,7 @@ from trace_jax.rl.losses import (
     loss_denominator,
 )
 from trace_jax.rl.sequences import PathTokens, sequence_terms
-from trace_jax.rollout.sampling import SamplingConfig
+from trace_jax.rollout.engine.sampling import SamplingConfig
 
 # Where the behaviour ("old") log-probs of PPO's ratio come from (see ``UpdateConfig``).
 BEHAVIOUR_LOGPROBS = ("sampler", "recompute", "untruncated")

@@ -3,16 +3,13 @@
     from trace_jax.rollout import Engine, EngineConfig, RolloutRunner, RunnerConfig
     runner = RolloutRunner(Engine(model_config, EngineConfig(), params), env, RunnerConfig())
 
-The engine follows JetStream's engine interface plus a fork (one prefix into k slots) and per-slot extends;
-``runner`` turns continuation requests into turns, observations and ``RolloutTree`` nodes; ``figures`` computes
-the public figures of a batch of trees (effective ratio, signal-token share).
-``jetstream_engine`` (imported by no module here: it imports JetStream) serves the engine to JetStream's
-orchestrator and server.
+``engine`` (a package) is the decode engine: JetStream's engine interface plus a fork (one prefix into k slots)
+and per-slot extends; ``runner`` turns continuation requests into turns, observations and ``RolloutTree`` nodes;
+``figures`` computes the public figures of a batch of trees (effective ratio, signal-token share).
 """
 
 from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend, RolloutStats
-from trace_jax.rollout.engine import Engine
-from trace_jax.rollout.engine_config import EngineConfig
+from trace_jax.rollout.engine import Engine, EngineConfig
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
 from trace_jax.rollout.tree import ROOT, Node, RolloutTree
 

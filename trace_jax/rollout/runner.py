@@ -41,8 +41,8 @@ import numpy as np
 from trace_jax.envs.base import AgentEnv
 from trace_jax.envs.stops import TextStops
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
-from trace_jax.rollout.engine import AppendItem, EngineConfig, GenerateOutput, StopReason
-from trace_jax.rollout.prefix_cache import PrefixCache
+from trace_jax.rollout.engine.engine import AppendItem, EngineConfig, GenerateOutput, StopReason
+from trace_jax.rollout.engine.prefix_cache import PrefixCache
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 _TRUNCATED = (StopReason.TURN_LIMIT, StopReason.CONTEXT_FULL)
@@ -85,7 +85,7 @@ class RunnerConfig:
     overlap_env: judge finished turns while the device decodes the others (see the module docstring).
     warmup: compile the engine's whole program set before the first rollout (``Engine.warmup``).
     reuse_prefixes: hold every appended history's KV pages under its tree node, so a later continuation from
-      that node computes only its last id (``trace_jax.rollout.prefix_cache``; the pool reclaims holds). Holds
+      that node computes only its last id (``trace_jax.rollout.engine.prefix_cache``; the pool reclaims holds). Holds
       live until the engine's weights change or ``drop_held`` is called, whichever comes first.
     """
 

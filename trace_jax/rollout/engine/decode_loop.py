@@ -8,7 +8,7 @@ can refill freed slots at once). Attention reads each slot's first ``window`` po
 table; ``window`` is static (one program per length bucket).
 
 Everything the host needs comes back in one float32 array (ints as bit patterns), read by
-``trace_jax.rollout.slots.GenerateOutput.unpack``: ``[B, 4N + 3 + D]`` = tokens, log-probs, sampling
+``trace_jax.rollout.engine.slots.GenerateOutput.unpack``: ``[B, 4N + 3 + D]`` = tokens, log-probs, sampling
 log-probs, entropies (N columns each), tokens sampled, stop reason, steps run, final hidden state; with
 ``EngineConfig.routing_replay``, then each sampled token's experts (N x sparse layers x top-k columns).
 """
@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trace_jax.rollout import pages
-from trace_jax.rollout.engine_config import EngineConfig
-from trace_jax.rollout.sampling import SamplingConfig, sample
-from trace_jax.rollout.slots import DecodeState, StopReason
+from trace_jax.rollout.engine import pages
+from trace_jax.rollout.engine.config import EngineConfig
+from trace_jax.rollout.engine.sampling import SamplingConfig, sample
+from trace_jax.rollout.engine.slots import DecodeState, StopReason
 
 _GREEDY = SamplingConfig.make_greedy()
 

@@ -25,7 +25,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from trace_jax.envs.retrieval_base import DeadlineReader, Passage, RetrievalError, passage_from_doc
+from trace_jax.envs.retrieval.base import DeadlineReader, Passage, RetrievalError, passage_from_doc
 
 log = logging.getLogger(__name__)
 

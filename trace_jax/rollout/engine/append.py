@@ -31,9 +31,9 @@ import numpy as np
 from flax import nnx
 
 from trace_jax.buckets import bucket
-from trace_jax.rollout import pages
-from trace_jax.rollout.engine_config import EngineConfig
-from trace_jax.rollout.slots import AppendItem, DecodeState, Prefix, SlotState, StopReason
+from trace_jax.rollout.engine import pages
+from trace_jax.rollout.engine.config import EngineConfig
+from trace_jax.rollout.engine.slots import AppendItem, DecodeState, Prefix, SlotState, StopReason
 
 # slot, num_new, reset, seed, greedy, limit, bank, start length, copy from, copy to, chunk offset, last chunk
 APPEND_FIELDS = 12

@@ -1,6 +1,6 @@
 """A hand-computable mock engine and a toy environment, for testing the runner without a model.
 
-``MockEngine`` has the host API of ``trace_jax.rollout.engine.Engine`` (append / insert / extend / fork /
+``MockEngine`` has the host API of ``trace_jax.rollout.engine.engine.Engine`` (append / insert / extend / fork /
 generate / generate_async / free_resource, the same stop rules and ``GenerateOutput``) but its "model" is a plain
 Python ``policy(history, turn, seed) -> token``, every token's log-probabilities are fixed constants and the
 "hidden state" after a history is ``[len(history), sum(history)]``. A test can therefore predict every
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from trace_jax.envs.base import TurnResult
-from trace_jax.rollout.engine import AppendItem, AppendResult, EngineConfig, GenerateOutput, Prefix, StopReason
+from trace_jax.rollout.engine.engine import AppendItem, AppendResult, EngineConfig, GenerateOutput, Prefix, StopReason
 
 Policy = Callable[[np.ndarray, list[int], int], int]
 

@@ -33,7 +33,7 @@ from trace_jax.parallel.mesh import logical_sharding
 # Logical axes the sampling layout replicates although training splits them.
 REPLICATED_FOR_SAMPLING = frozenset({"embed"})
 
-# Logical axes of the engine's device state (see ``trace_jax.rollout.engine.DecodeState``).
+# Logical axes of the engine's device state (see ``trace_jax.rollout.engine.engine.DecodeState``).
 STATE_AXES: dict[str, tuple[str | None, ...]] = {
     "k_pages": ("layers", "kv_heads", "batch", "cache_length", "head_dim"),
     "v_pages": ("layers", "kv_heads", "batch", "cache_length", "head_dim"),

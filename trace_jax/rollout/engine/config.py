@@ -8,7 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from trace_jax.buckets import bucket
-from trace_jax.rollout.sampling import SamplingConfig
+from trace_jax.rollout.engine.sampling import SamplingConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +25,7 @@ class EngineConfig:
     row_buckets: rows of a fork call (``()``: ``max_slots // 4`` and ``max_slots``).
     append_chunk: ids per append row (``0`` or >= ``max_len``: ``max_len``, one row per item). An appended
       item is cut into chunks of this many ids, one row each, so an append's cost follows its ids, not its
-      longest item (``trace_jax.rollout.append``).
+      longest item (``trace_jax.rollout.engine.append``).
     append_row_buckets: rows of an append call (``()``: powers of two from ``max_slots // 4`` up to the most
       chunks a call can hold, ``max_slots * ceil(max_len / append_chunk)``).
     append_windows: cache positions an append's attention reads, padded up to one of these from the call's

@@ -1,7 +1,7 @@
 """The ``fork`` program: k new sequences from kept prefixes, sharing their KV pages (nothing recomputed).
 
 ``pack_fork`` does the host half: each child's page table points at the prefix's full pages (reference
-counts) and gets a fresh page for the partly filled last one (``trace_jax.rollout.pages.PagePool.fork``);
+counts) and gets a fresh page for the partly filled last one (``trace_jax.rollout.engine.pages.PagePool.fork``);
 ``fork_program`` copies those last pages on device and starts each child's turn from the prefix's banked
 next-token logits and hidden state, with its own PRNG seed.
 
@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.buckets import bucket
-from trace_jax.rollout import pages
-from trace_jax.rollout.append import seed_keys
-from trace_jax.rollout.engine_config import EngineConfig
-from trace_jax.rollout.slots import DecodeState, Prefix, SlotState, StopReason
+from trace_jax.rollout.engine import pages
+from trace_jax.rollout.engine.append import seed_keys
+from trace_jax.rollout.engine.config import EngineConfig
+from trace_jax.rollout.engine.slots import DecodeState, Prefix, SlotState, StopReason
 
 FIELDS = 8
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from trace_jax.envs.retrieval_base import Passage, doc_json, load_corpus, passages_from_rows
+from trace_jax.envs.retrieval.base import Passage, doc_json, load_corpus, passages_from_rows
 
 
 def _bm25s():

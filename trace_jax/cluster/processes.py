@@ -27,7 +27,7 @@ import jax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from trace_jax.job.sharded_rollouts import ProcessShardedBackend
+from trace_jax.cluster.sharded_rollouts import ProcessShardedBackend
 from trace_jax.parallel import multihost
 from trace_jax.rollout.tree import RolloutTree
 

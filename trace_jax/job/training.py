@@ -15,12 +15,12 @@ import ml_collections
 import numpy as np
 
 from trace_jax.checkpoint.state import StateCheckpointer
-from trace_jax.cli import Console
+from trace_jax.cluster.pipeline import RolloutPipeline
+from trace_jax.cluster.placement import Placement
+from trace_jax.cluster.processes import Processes
 from trace_jax.config_utils import from_config
-from trace_jax.job import rundir, schema, sources
-from trace_jax.job.pipeline import RolloutPipeline
-from trace_jax.job.placement import Placement
-from trace_jax.job.processes import Processes
+from trace_jax.job import recipes, rundir, schema
+from trace_jax.job.cli import Console
 from trace_jax.job.sampling import SamplingSide
 from trace_jax.job.sampling_process import SamplingProcess
 from trace_jax.models import abstract_model
@@ -31,7 +31,7 @@ from trace_jax.rl.batch import BatchConfig, build_batch
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLTrainer, UpdateConfig
 from trace_jax.rollout import figures
-from trace_jax.rollout.engine import EngineConfig
+from trace_jax.rollout.engine.engine import EngineConfig
 from trace_jax.rollout.tree import RolloutTree
 
 
@@ -65,7 +65,7 @@ class Training:
         self.mesh = self.placement.train_mesh
         self.processes = Processes()  # one or several JAX processes: who samples what, who writes
         # config.recipe.kind: the synthetic world + SFT warm start, or a HF checkpoint + Search-R1 data.
-        self.source = sources.source_of(config)
+        self.source = recipes.source_of(config)
         with timer.phase("warm_start"):
             self.start = self.source.start(config, workdir, self.mesh, progress=console.progress, notify=console.info)
         console.info(self.start.message)
@@ -107,7 +107,7 @@ class Training:
             self.checkpointer = StateCheckpointer(
                 workdir / rundir.CHECKPOINTS, save_every=config.rl.checkpoint_every, keep=config.rl.keep_checkpoints
             )
-            # Where nothing may be in flight: a checkpoint, an evaluation, the last step (trace_jax.job.pipeline).
+            # Where nothing may be in flight: a checkpoint, an evaluation, the last step (trace_jax.cluster.pipeline).
             boundary = lambda step: self.checkpointer.should_save(step) or evaluates_after(config, step)
             self.pipeline = RolloutPipeline(self.sampler.sample, config.rl.get("max_staleness", 0), boundary)
         self.resumes = 0
@@ -177,7 +177,7 @@ class Training:
     # ------------------------------------------------------------------------------------------- step
     def rl_step(self) -> dict[str, float]:
         """One RL update; returns its metrics (rollout, allocation, loss, timings). With ``rl.max_staleness >= 1``
-        the next step's trees are sampled while this one trains (``trace_jax.job.pipeline``)."""
+        the next step's trees are sampled while this one trains (``trace_jax.cluster.pipeline``)."""
 
         start = time.perf_counter()
         step = self.step + 1

@@ -8,10 +8,10 @@ Shaped like JetStream's ``Engine`` (``init_decode_state``, ``insert``, ``bulk_in
   continuing it (an observation: prefill-extend). All refills of a host round trip go in one call;
   ``insert`` and ``extend`` are its two special cases. An item may ``hold`` its history's pages (a
   pages-only ``Prefix``) and a later fresh sequence may ``start`` from such a hold: it shares the pages and
-  computes only the ids past it (``trace_jax.rollout.append``);
+  computes only the ids past it (``trace_jax.rollout.engine.append``);
 * ``fork(state, sources, children, seeds)`` (``bulk_insert``) starts k new sequences from live slots'
   histories: the children's page tables point at the parents' full KV pages and only the last, partly
-  filled page is copied (``trace_jax.rollout.pages``); nothing is recomputed;
+  filled page is copied (``trace_jax.rollout.engine.pages``); nothing is recomputed;
 * ``generate`` runs up to ``steps_per_call`` decode steps for every running slot in one ``lax.while_loop``;
   each slot stops on its own: a stop sequence (multi-token), EOS, its per-turn token limit or a full cache.
   ``generate_async`` dispatches it and returns a handle, so the host can judge finished turns (environment,
@@ -26,13 +26,13 @@ reads to ``length_buckets``), so the program set is small and known; ``warmup`` 
 of it ahead of time and any later compile is logged as a warning with its shapes (``ProgramSet``).
 
 Weights: ``set_params`` makes the engine's own copy, cast to ``weight_dtype`` and laid out by the sampling
-layout (``trace_jax.rollout.layout``) once per policy update; every program takes them as an argument, so new
+layout (``trace_jax.rollout.engine.layout``) once per policy update; every program takes them as an argument, so new
 weights compile nothing. One engine serves sampling and greedy evaluation (greedy is a per-slot flag).
 
-KV cache: a page pool with a page table per slot (``trace_jax.rollout.pages``); the model runs on a
+KV cache: a page pool with a page table per slot (``trace_jax.rollout.engine.pages``); the model runs on a
 ``PagedKVCache`` and reads / writes each layer through the tables (``page_size = max_len`` is the contiguous
-cache). The types the calls take and return live in ``trace_jax.rollout.slots``; the programs' device code lives in
-``append`` / ``fork`` / ``decode_loop``, the sizes in ``engine_config``; this module holds the state and calls.
+cache). The types the calls take and return live in ``trace_jax.rollout.engine.slots``; the programs' device code
+lives in ``append`` / ``fork`` / ``decode_loop``, the sizes in ``config``; this module holds the state and calls.
 
 Randomness: a sequence's draws depend only on the seed it was started with and the number of tokens it has
 sampled, never on its slot or batch mates: a fork of k slots reproduces k independent runs with those seeds.
@@ -53,14 +53,14 @@ from flax import nnx
 from trace_jax.models import ModelConfig, abstract_model
 from trace_jax.models import attention as attention_lib
 from trace_jax.parallel.mesh import make_mesh
-from trace_jax.rollout import pages
-from trace_jax.rollout.append import APPEND_FIELDS, append_program, pack_append
-from trace_jax.rollout.decode_loop import decode_program
-from trace_jax.rollout.engine_config import EngineConfig
-from trace_jax.rollout.fork import fork_program, pack_fork
-from trace_jax.rollout.layout import SamplingLayout
-from trace_jax.rollout.programs import ProgramSet
-from trace_jax.rollout.slots import (
+from trace_jax.rollout.engine import pages
+from trace_jax.rollout.engine.append import APPEND_FIELDS, append_program, pack_append
+from trace_jax.rollout.engine.config import EngineConfig
+from trace_jax.rollout.engine.decode_loop import decode_program
+from trace_jax.rollout.engine.fork import fork_program, pack_fork
+from trace_jax.rollout.engine.layout import SamplingLayout
+from trace_jax.rollout.engine.programs import ProgramSet
+from trace_jax.rollout.engine.slots import (
     AppendItem,
     AppendResult,
     DecodeState,

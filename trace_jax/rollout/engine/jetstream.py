@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
-from trace_jax.rollout.engine import AppendItem, Engine, Prefix, SlotState
+from trace_jax.rollout.engine.engine import AppendItem, Engine, Prefix, SlotState
 
 # No token has this id: the BOS of a model without one, the EOS of a tokenizer without one.
 NO_ID = -1

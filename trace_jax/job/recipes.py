@@ -29,7 +29,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from trace_jax import cli, paths
+from trace_jax import paths
 from trace_jax.checkpoint.hf import load_hf, save_hf
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.config_utils import from_config
@@ -38,8 +38,8 @@ from trace_jax.data.search_r1 import SearchR1Data, SearchR1DataConfig
 from trace_jax.data.tfds_builders import search_r1_files
 from trace_jax.data.tokenizer import load_tokenizer
 from trace_jax.envs.react import ReActConfig, ReActEnv
-from trace_jax.envs.retriever import RetrieverConfig, build_retriever
-from trace_jax.job import build, schema
+from trace_jax.envs.retrieval.retriever import RetrieverConfig, build_retriever
+from trace_jax.job import build, cli, schema
 from trace_jax.models import ModelConfig
 from trace_jax.parallel import multihost
 from trace_jax.registry import Registry
@@ -227,7 +227,7 @@ class SearchR1Source:
                     f"rl.{key} is for the synthetic recipe; a search_r1 run streams its whole data.train_split"
                 )
         # Every process reads the whole step's batch: all of them run the scheduler over every tree, and each
-        # samples the trees it owns (``trace_jax.job.sharded_rollouts``).
+        # samples the trees it owns (``trace_jax.cluster.sharded_rollouts``).
         return world.world.stream(config.data.train_split, schema.prompts_drawn_per_step(config), config.seed, 0, 1)
 
     def finish(self, config, workdir, policy):

@@ -1,18 +1,18 @@
 """Retrieval for the search tool, chosen by config: BM25 over a corpus, or HTTP to a Search-R1 server.
 
 Every retriever answers ``search(queries, topk) -> [[Passage, ...], ...]`` and raises
-:class:`RetrievalError` when it cannot answer (see ``retrieval_base``). A run picks one with a
+:class:`RetrievalError` when it cannot answer (see ``base``). A run picks one with a
 :class:`RetrieverConfig` and :func:`build_retriever`:
 
 * ``kind="bm25"``: in-process BM25 (``bm25.py``) over ``corpus`` (a jsonl file in the title/text or the
   Search-R1 format, or a directory written by ``BM25Retriever.save``), or over the rows the caller passes
   (the synthetic world's corpus) when ``corpus`` is empty.
-* ``kind="http"``: the client of a Search-R1 server at ``url`` (``retrieval_client.py``), one deadline
+* ``kind="http"``: the client of a Search-R1 server at ``url`` (``client.py``), one deadline
   per call, retries inside it, every failure counted.
 
-Serve a corpus (``retrieval_server.py`` says what the server guarantees)::
+Serve a corpus (``server.py`` says what the server guarantees)::
 
-    python -m trace_jax.envs.retriever serve --corpus corpus.jsonl --port 8000
+    python -m trace_jax.envs.retrieval.retriever serve --corpus corpus.jsonl --port 8000
     python -m trace_jax.data.synthetic corpus --world runs/x/config.json --out world.jsonl  # a run's world
 
 This module imports no JAX and runs no JAX op (``bm25s`` is imported when a BM25 index is built).
@@ -27,8 +27,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trace_jax.envs.bm25 import BM25Retriever
-from trace_jax.envs.retrieval_base import (
+from trace_jax.envs.retrieval.base import (
     Passage,
     RetrievalError,
     Retriever,
@@ -37,8 +36,9 @@ from trace_jax.envs.retrieval_base import (
     passage_from_doc,
     passages_from_rows,
 )
-from trace_jax.envs.retrieval_client import HttpRetriever
-from trace_jax.envs.retrieval_server import RetrievalServer, ServerLimits, make_server
+from trace_jax.envs.retrieval.bm25 import BM25Retriever
+from trace_jax.envs.retrieval.client import HttpRetriever
+from trace_jax.envs.retrieval.server import RetrievalServer, ServerLimits, make_server
 from trace_jax.registry import Registry
 
 __all__ = [
@@ -128,7 +128,7 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trace_jax.envs.retriever")
+    parser = argparse.ArgumentParser(prog="python -m trace_jax.envs.retrieval.retriever")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve BM25 retrieval over Search-R1's POST /retrieve")
     source = serve.add_mutually_exclusive_group(required=True)

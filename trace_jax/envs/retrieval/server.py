@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from trace_jax.envs.retrieval_base import DeadlineReader, Passage, Retriever, doc_json
+from trace_jax.envs.retrieval.base import DeadlineReader, Passage, Retriever, doc_json
 
 log = logging.getLogger(__name__)
 

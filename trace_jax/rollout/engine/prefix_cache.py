@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from trace_jax.rollout.slots import Prefix
+from trace_jax.rollout.engine.slots import Prefix
 
 
 class PrefixCache:

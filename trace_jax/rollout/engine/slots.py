@@ -1,5 +1,5 @@
 """What the engine's calls take and return: the device state, the host's view of the slots, kept prefixes,
-append items and the one packed ``generate`` output (see ``trace_jax.rollout.engine``)."""
+append items and the one packed ``generate`` output (see ``trace_jax.rollout.engine.engine``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from trace_jax.rollout import pages
+from trace_jax.rollout.engine import pages
 
 
 class StopReason(enum.IntEnum):
@@ -29,7 +29,7 @@ class DecodeState(NamedTuple):
     """Everything the decode slots carry between calls (device pytree; donated by every program).
 
     k_pages / v_pages: the KV page pool [layers, kv_heads, pages, page_size, head_dim], the bits of the cache
-      dtype's values (``trace_jax.rollout.pages``).
+      dtype's values (``trace_jax.rollout.engine.pages``).
     lengths_b: int32 [B] valid cache positions of each slot.
     logits_bv: float32 [B, V] next-token logits of each slot (from its last forward).
     hidden_bd: float32 [B, D] final hidden state at each slot's last token.

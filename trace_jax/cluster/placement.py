@@ -3,7 +3,7 @@
 Colocated (``rollout_devices = 0``, the default): the engine decodes on the training mesh (with several processes,
 each process's engine on its own devices, ``Processes.sampling_mesh``). Apart (``rollout_devices = n``): the first
 n devices of ``jax.devices()`` only sample, the rest only train. The engine keeps its own sampling-layout copy
-of the weights on its devices (``trace_jax.rollout.layout``); after each update :meth:`Placement.to_engine`
+of the weights on its devices (``trace_jax.rollout.engine.layout``); after each update :meth:`Placement.to_engine`
 sends the trainer's weights there with one device-to-device transfer (``jax.device_put`` into the sampling
 layout's shardings), and the engine's reshard program casts them on its own devices.
 """
