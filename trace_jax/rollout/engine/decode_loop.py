@@ -35,11 +35,20 @@ def as_float(x: jax.Array) -> jax.Array:
 
 
 def decode_program(
-    graphdef: nnx.GraphDef, config: EngineConfig, window: int, params, state: DecodeState, table_bp, control
+    graphdef: nnx.GraphDef,
+    config: EngineConfig,
+    window: int,
+    params,
+    state: DecodeState,
+    table_bp,
+    control,
+    *,
+    kernel: pages.DecodeKernel | None = None,
 ) -> tuple[DecodeState, jax.Array]:
     """Device half of ``generate`` (the state is donated). ``table_bp``: int32 [B, P] page tables; ``control``:
-    int32 [B + 1] = refill_after, then the host's running flags (a slot the host freed goes IDLE). Returns the
-    state and the packed float32 [B, 4N + 3 + D] output."""
+    int32 [B + 1] = refill_after, then the host's running flags (a slot the host freed goes IDLE). ``kernel``:
+    the engine's Pallas paged-attention plan for its mesh (None: the reference path). Returns the state and the
+    packed float32 [B, 4N + 3 + D] output."""
     model = nnx.merge(graphdef, params)
     cfg = config
     record = {"record_routing": True} if cfg.routing_replay else {}
@@ -51,7 +60,9 @@ def decode_program(
     state = state._replace(stop_reason_b=jnp.where(idle_b, StopReason.IDLE, reason_b))
     # Attention reads each slot's first ``window`` positions through its page table, layer by layer.
     dtype = cfg.kv_dtype(model.config.compute_dtype)
-    cache = pages.PagedKVCache(state.k_pages, state.v_pages, table_bp, state.lengths_b, jnp.arange(window), dtype)
+    cache = pages.PagedKVCache(
+        state.k_pages, state.v_pages, table_bp, state.lengths_b, jnp.arange(window), dtype, kernel
+    )
 
     def step_fn(carry):
         step, st, cache, out, num_b, ended = carry

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,7 +53,7 @@ from flax import nnx
 
 from trace_jax.models import ModelConfig, abstract_model
 from trace_jax.models import attention as attention_lib
-from trace_jax.parallel.mesh import make_mesh
+from trace_jax.parallel.mesh import make_mesh, traced_under
 from trace_jax.rollout.engine import pages
 from trace_jax.rollout.engine.append import APPEND_FIELDS, append_program, pack_append
 from trace_jax.rollout.engine.config import EngineConfig
@@ -75,6 +76,18 @@ __all__ = [
     "AppendItem", "AppendResult", "DecodeState", "Engine", "EngineConfig", "GenerateOutput", "PendingGenerate",
     "Prefix", "SlotState", "StopReason",
 ]  # fmt: skip
+
+log = logging.getLogger(__name__)
+# Page copies of one ``copy`` call (cross-shard forks), padded up to a power of two at least this.
+MIN_COPY_BUCKET = 8
+
+
+def _copy_program(state: DecodeState, pairs_c2: jax.Array) -> DecodeState:
+    """Copies pages ``pairs_c2[i, 0] -> pairs_c2[i, 1]`` in both pools (forks across shards)."""
+    source, dest = pairs_c2[:, 0], pairs_c2[:, 1]
+    return state._replace(
+        k_pages=pages.copy_pages(state.k_pages, source, dest), v_pages=pages.copy_pages(state.v_pages, source, dest)
+    )
 
 
 def _cast_floating(params: Any, dtype: str | None) -> Any:
@@ -118,6 +131,19 @@ class Engine:
         self.counters: collections.Counter[str] = collections.Counter()
         self._key_size = int(jax.random.key_data(jax.random.key(0)).shape[-1])
         self.programs = ProgramSet("engine")
+        # Decode attention for the devices the programs are compiled for (never the host's backend): the Pallas
+        # paged-attention kernel in shard_map on a TPU mesh where its constraints hold, else the reference.
+        self.platform = layout.mesh.devices.flat[0].platform
+        self.decode_kernel, self.decode_attention = pages.choose_decode_kernel(
+            model_config, self.config, layout.mesh, layout.state_shardings(self)
+        )
+        if self.platform == "tpu" and self.decode_kernel is None:
+            log.warning("engine decode attention on TPU: %s", self.decode_attention)
+        else:
+            log.info("engine decode attention: %s", self.decode_attention)
+        # Off CPU the programs are traced under the mesh (activation constraints apply, as in the planner's
+        # compiles); the CPU programs stay as they were.
+        under = (lambda fn: fn) if self.platform == "cpu" else (lambda fn: traced_under(layout.mesh, fn))
         # The decode state (its KV pool above all) is donated by every program, so XLA updates it in place;
         # without donation each call would hold two pools and copy between them.
         # With a layout, outputs keep the state's shardings, so each program's inputs never change signature.
@@ -127,10 +153,11 @@ class Engine:
         # The state is born with its shardings (each device allocates only its shards, never all on one).
         self.programs.define("init", self._build_state, **out(state_out))
         prefill = functools.partial(append_program, graphdef, self.config)
-        self.programs.define("append", prefill, donate_argnums=(1,), **out(state_out, replicated))
-        self.programs.define("fork", fork_program, donate_argnums=(0,), **out(state_out))
-        decode = functools.partial(decode_program, graphdef, self.config)
-        self.programs.define("generate", decode, donate_argnums=(1,), **out(state_out, replicated))
+        self.programs.define("append", under(prefill), donate_argnums=(1,), **out(state_out, replicated))
+        self.programs.define("fork", under(fork_program), donate_argnums=(0,), **out(state_out))
+        self.programs.define("copy", under(_copy_program), donate_argnums=(0,), **out(state_out))
+        decode = functools.partial(decode_program, graphdef, self.config, kernel=self.decode_kernel)
+        self.programs.define("generate", under(decode), donate_argnums=(1,), **out(state_out, replicated))
         self._parked: SlotState | None = None
 
     @classmethod
@@ -179,7 +206,8 @@ class Engine:
         cfg = self.config
         tables = self._stop_tables(stop_sequences, eos_ids)
         device = self.programs("init", *self._put(*tables))
-        pool = pages.PagePool(cfg.pool_pages, cfg.page, cfg.max_slots, cfg.pages_per_slot)
+        shards = 1 if self.decode_kernel is None else self.decode_kernel.shards
+        pool = pages.PagePool(cfg.pool_pages, cfg.page, cfg.max_slots, cfg.pages_per_slot, shards)
         zeros = np.zeros(cfg.max_slots, np.int32)
         bank = list(range(cfg.max_slots))[::-1]
         return SlotState(device, pool, zeros, zeros.astype(bool), zeros.astype(bool), bank, tables)
@@ -277,6 +305,7 @@ class Engine:
         an ``AppendResult`` (hidden states, kept prefixes).
         """
         table, packed, window, kept, held = pack_append(self.config, state, items)
+        self._copy_pending(state)
         self.counters["append_calls"] += 1
         self.counters["append_tokens"] += int(packed[:, -APPEND_FIELDS + 1].sum())  # ids the model runs
         self.counters["append_padded_tokens"] += packed.shape[0] * (packed.shape[1] - APPEND_FIELDS)  # rows x width
@@ -338,6 +367,7 @@ class Engine:
         no recomputation): full KV pages are shared, the last partly filled page is copied. The children start
         a new turn from the prefix's next-token logits."""
         packed = pack_fork(self.config, state, sources, children, seeds, greedy, turn_limit)
+        self._copy_pending(state)
         self.counters["fork_calls"] += 1
         self.counters["forked_sequences"] += len(children)
         state.device = self.programs("fork", state.device, *self._put(packed))
@@ -347,7 +377,43 @@ class Engine:
         """JetStream's name for the fork of one prefix into many slots."""
         return self.fork(state, [source] * len(slots), slots, seeds)
 
+    def _copy_pending(self, state: SlotState) -> None:
+        """Runs the page copies of forks across shards (shard-local pages only; none otherwise)."""
+        copies = state.pool.take_copies()
+        if not copies:
+            return
+        size = max(MIN_COPY_BUCKET, 1 << (len(copies) - 1).bit_length())
+        pairs = np.full((size, 2), pages.TRASH_PAGE, np.int32)
+        pairs[: len(copies)] = copies
+        self.counters["cross_shard_page_copies"] += len(copies)
+        state.device = self.programs("copy", state.device, *self._put(pairs))
+
     # ------------------------------------------------------------------------------------- generate
+    def abstract_generate_args(self, params: Any = None, window: int | None = None) -> tuple[tuple, int]:
+        """``(args, window)``: ``generate``'s arguments as sharded ``jax.ShapeDtypeStruct`` (weights in the
+        sampling layout and ``weight_dtype`` unless ``params``, abstract or not, is given) and its window
+        (default ``max_len``, the widest: the loop reads every cache position)."""
+        cfg = self.config
+        struct = lambda x, s=None: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s or getattr(x, "sharding", None))
+        if params is None:
+            params = abstract_model(self.model_config)[1]
+            params = jax.eval_shape(functools.partial(_cast_floating, dtype=cfg.weight_dtype), params)
+            params = jax.tree.map(struct, params, self.layout.param_shardings(params))
+        else:
+            params = jax.tree.map(struct, params)
+        state = jax.tree.map(struct, self.state_shapes(), self.layout.state_shardings(self))
+        host = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.layout.replicated)
+        args = (params, state, host((cfg.max_slots, cfg.pages_per_slot)), host((cfg.max_slots + 1,)))
+        return args, cfg.max_len if window is None else cfg.length_bucket(window, "window")
+
+    def lower_generate(self, params: Any = None, window: int | None = None) -> Any:
+        """``jax.stages.Lowered`` of the very ``generate`` program this engine runs, for abstract arguments
+        (``abstract_generate_args``); ``.compile()`` it for memory / cost analysis or its HLO. Compile for a
+        topology by building the engine on a mesh of that topology's devices: the decode kernel follows the
+        mesh's devices, never the host's backend."""
+        args, window = self.abstract_generate_args(params, window)
+        return self.programs.jitted("generate", static=(window,)).lower(*args)
+
     def generate_async(
         self, params: nnx.State | None, state: SlotState, refill_after: int | None = None
     ) -> tuple[SlotState, PendingGenerate]:

@@ -60,39 +60,67 @@ class PagePool:
       pages_per_slot: columns of the table (``max_len // page_size``).
     """
 
-    def __init__(self, num_pages: int, page_size: int, max_slots: int, pages_per_slot: int):
+    def __init__(self, num_pages: int, page_size: int, max_slots: int, pages_per_slot: int, shards: int = 1):
+        if num_pages % shards or max_slots % shards:
+            raise ValueError(f"{num_pages} pages and {max_slots} slots do not split into {shards} shards")
         self.num_pages, self.page_size, self.pages_per_slot = num_pages, page_size, pages_per_slot
+        # Shard-local pages (``shards`` > 1, the Pallas decode kernel under a mesh): slot b takes pages only
+        # from its shard's range [s * P/n, (s + 1) * P/n), whose first page is that shard's trash page.
+        self.shards, self.shard_pages, self.shard_slots = shards, num_pages // shards, max_slots // shards
         self.table = np.full((max_slots, pages_per_slot), TRASH_PAGE, np.int32)
         self.owned = np.zeros(max_slots, np.int32)  # slot b references table[b, :owned[b]]
         self.refcount = np.zeros(num_pages, np.int32)
-        self.refcount[TRASH_PAGE] = 1  # never freed
-        self._free = list(range(num_pages - 1, TRASH_PAGE, -1))
+        self.refcount[self.trash_pages] = 1  # never freed
+        self._free = self._initial_free()
         self.stats = PageStats()
         # Owners of optional holds (a prefix cache): each call gives some pages back, True if it freed any.
         self.reclaimers: list[Callable[[], bool]] = []
+        # (from, to) page copies a fork across shards needs beyond the one ``fork`` returns (the engine runs them
+        # before the call that shares the pages: ``take_copies``).
+        self.pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def trash_pages(self) -> list[int]:
+        return [s * self.shard_pages for s in range(self.shards)]
+
+    def _initial_free(self) -> list[list[int]]:
+        return [list(range((s + 1) * self.shard_pages - 1, s * self.shard_pages, -1)) for s in range(self.shards)]
+
+    def shard_of_slot(self, slot: int) -> int:
+        return int(slot) // self.shard_slots
+
+    def shard_of_page(self, page: int) -> int:
+        return int(page) // self.shard_pages
 
     @property
     def in_use(self) -> int:
-        return self.num_pages - 1 - len(self._free)
+        return self.num_pages - self.shards - sum(len(free) for free in self._free)
 
     def settle(self) -> None:
         """Once no page is in use: the free list back in its initial order, so which pages the next sequences
         get does not depend on what ran before (a resumed run hands out the pages an uninterrupted one does)."""
         if self.in_use == 0:
-            self._free = list(range(self.num_pages - 1, TRASH_PAGE, -1))
+            self._free = self._initial_free()
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The pending cross-shard page copies (cleared)."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def pages_for(self, length: int) -> int:
         return min(-(-int(length) // self.page_size), self.pages_per_slot)
 
-    def _take(self) -> int:
-        while not self._free and any(reclaim() for reclaim in self.reclaimers):
+    def _take(self, slot: int) -> int:
+        free = self._free[self.shard_of_slot(slot)]
+        while not free and any(reclaim() for reclaim in self.reclaimers):
             pass
-        if not self._free:
+        if not free:
+            where = f" (shard {self.shard_of_slot(slot)} of {self.shards})" if self.shards > 1 else ""
             raise RuntimeError(
-                f"the KV page pool is exhausted ({self.num_pages} pages of {self.page_size}); raise "
+                f"the KV page pool is exhausted{where} ({self.num_pages} pages of {self.page_size}); raise "
                 "EngineConfig.num_pages (0 = enough for every slot at max_len)"
             )
-        page = self._free.pop()
+        page = free.pop()
         self.refcount[page] = 1
         self.stats.allocated += 1
         self.stats.peak_in_use = max(self.stats.peak_in_use, self.in_use)
@@ -102,7 +130,7 @@ class PagePool:
         """Gives ``slot`` its own pages up to position ``length`` (exclusive); existing pages are kept."""
         need = self.pages_for(length)
         for column in range(self.owned[slot], need):
-            self.table[slot, column] = self._take()
+            self.table[slot, column] = self._take(slot)
         self.owned[slot] = max(self.owned[slot], need)
 
     def release(self, slot: int, length: int | None = None) -> None:
@@ -113,7 +141,7 @@ class PagePool:
         for page in self.table[slot, : self.owned[slot]]:
             self.refcount[page] -= 1
             if self.refcount[page] == 0:
-                self._free.append(int(page))
+                self._free[self.shard_of_page(page)].append(int(page))
         self.table[slot] = TRASH_PAGE
         self.owned[slot] = 0
 
@@ -130,21 +158,29 @@ class PagePool:
         for page in held:
             self.refcount[page] -= 1
             if self.refcount[page] == 0:
-                self._free.append(page)
+                self._free[self.shard_of_page(page)].append(page)
 
     def fork(self, held: list[int], child: int, length: int) -> tuple[int, int]:
         """``child`` shares the held prefix's full pages below ``length``; returns the (held page, child page)
         pair to copy for the partly filled last page, or ``(TRASH_PAGE, TRASH_PAGE)`` when there is none."""
         self.release(child)
         full = int(length) // self.page_size
-        for column in range(full):
-            self.refcount[held[column]] += 1
-            self.table[child, column] = held[column]
-        self.stats.shared_by_forks += full
+        if full and self.shard_of_page(held[0]) != self.shard_of_slot(child):
+            # Another shard's pages cannot be read by this slot's shard: copy the full ones too (pending).
+            for column in range(full):
+                page = self._take(child)
+                self.table[child, column] = page
+                self.pending_copies.append((held[column], page))
+            self.stats.fork_copies += full
+        else:
+            for column in range(full):
+                self.refcount[held[column]] += 1
+                self.table[child, column] = held[column]
+            self.stats.shared_by_forks += full
         self.owned[child] = full
         if int(length) % self.page_size == 0:
             return TRASH_PAGE, TRASH_PAGE
-        copy = self._take()
+        copy = self._take(child)
         self.table[child, full] = copy
         self.owned[child] = full + 1
         self.stats.fork_copies += 1
@@ -179,7 +215,8 @@ class PagedKVCache:
 
     It has the two methods ``trace_jax.models.attention.attend_cached`` needs (``write_layer``,
     ``read_layer``: the gather-based reference path, any backend) and ``attend_layer``, which runs the TPU
-    Pallas paged-attention kernel where it applies (one new token per slot) and the reference otherwise.
+    Pallas paged-attention kernel (``kernel``: the engine's ``DecodeKernel``, chosen for its mesh's devices
+    when it is built; static) for one new token per slot and the reference otherwise.
     """
 
     k_pages: jax.Array
@@ -188,6 +225,7 @@ class PagedKVCache:
     lengths: jax.Array
     window_w: jax.Array
     dtype: Any = dataclasses.field(metadata={"static": True}, default=jnp.bfloat16)
+    kernel: Any = dataclasses.field(metadata={"static": True}, default=None)  # a ``DecodeKernel`` or None
 
     def _replace(self, **fields: Any) -> PagedKVCache:
         """A copy with ``fields`` replaced (the interface the model's caches share)."""
@@ -235,12 +273,11 @@ class PagedKVCache:
     def attend_layer(
         self, layer: jax.Array, q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array, positions_bt, implementation
     ):
-        """``attend_cached`` for this cache: write, then the Pallas kernel on TPU for single-token decoding,
-        else the gather-based reference path."""
-
+        """``attend_cached`` for this cache: single-token decoding through the Pallas paged-attention kernel when
+        the engine chose it for its mesh (``kernel``), else write, then the gather-based reference path."""
+        if self.kernel is not None and q_bthe.shape[1] == 1:
+            return self.kernel.decode(self, layer, q_bthe, k_btke, v_btke, positions_bt)
         cache = self.write_layer(layer, positions_bt, k_btke, v_btke)
-        if q_bthe.shape[1] == 1 and _pallas_paged_attention_applies(implementation):
-            return cache._pallas_decode(layer, q_bthe, positions_bt), cache
         keys_bske, values_bske = cache.read_layer(layer)
         dtype = q_bthe.dtype
         out = attention_lib.attention(
@@ -248,31 +285,150 @@ class PagedKVCache:
         )
         return out, cache
 
-    def _pallas_decode(self, layer: jax.Array, q_bthe: jax.Array, positions_bt: jax.Array) -> jax.Array:
-        """TPU only, untested here (no TPU on the development machines): one query per slot against its pages.
-        Heads must be whole inside the call (wrap in ``shard_map`` when they are split over ``tensor``)."""
-        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention  # TPU-only kernel
+
+# ------------------------------------------------------------------------------ Pallas decode kernel
+# Page-table columns one kernel step reads (a divisor of the table's width), the largest of these that divides.
+PAGES_PER_COMPUTE_BLOCK = (8, 4, 2, 1)
+# Value dtypes the kernel reads (it loads pages into VMEM and computes in bf16 / f32).
+KERNEL_DTYPES = ("bfloat16", "float32")
+# Run the kernel in Pallas TPU interpret mode on any devices (tests on CPU): engines built while it is set
+# decode through the kernel on CPU meshes too.
+KERNEL_INTERPRET = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeKernel:
+    """``generate``'s single-token attention through jax's Pallas TPU paged-attention kernel on the engine's mesh.
+
+    Why that kernel (``jax.experimental.pallas.ops.tpu.paged_attention``) and not the ragged paged attention
+    jax also ships: ours reads pages laid out ``[kv_heads, pages, page_size, head_dim]`` per layer, the pool's
+    own layout (one layer of ``PagedKVCache.k_pages``), and decoding runs one query per slot, its case. The
+    ragged kernel wants keys and values interleaved in one ``[pages, page_size, 2 * kv_heads, head_dim]``
+    pool, a relayout of every program that touches the pool (append, fork), for mixed prefill + decode
+    batches ``generate`` does not have.
+
+    Mosaic kernels cannot be partitioned by XLA, so the call runs in ``jax.shard_map`` with every mesh axis
+    manual: slots (and the pool's pages) over ``slot_axes``, KV heads over ``head_axis``. Each shard reads
+    only its own pages: the engine's ``PagePool`` is built with ``shards`` so a slot takes pages from its
+    shard's range (a fork across shards copies its prefix's pages), and the tables are turned local here
+    (global page - shard base; another shard's page, i.e. the global trash page of an idle slot, becomes the
+    shard's own trash page 0). The new token's keys / values are written inside the same ``shard_map``.
+
+    Numerics: the kernel loads key / value pages into VMEM and casts them to bf16 before its dot products
+    (``MultiPageAsyncCopyDescriptor._maybe_dequantize`` defaults to bf16), so a float32 cache matches the
+    float32 reference only to bf16 rounding (~3e-2 at unit-scale values; tests/rollout/test_decode_kernel.py).
+
+    Cost not hidden: the kernel takes one layer's pool as an operand, so ``k_pages[layer]`` (the shard's
+    whole layer of pages) is sliced out once per layer and step.
+    """
+
+    mesh: Any
+    slot_axes: tuple[str, ...]
+    head_axis: str | None
+    pages_per_compute_block: int
+    interpret: bool = False  # Pallas TPU interpret mode (tests on CPU)
+
+    @property
+    def shards(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in self.slot_axes], dtype=np.int64))
+
+    def decode(self, cache: PagedKVCache, layer, q_bthe, k_btke, v_btke, positions_bt):
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention  # TPU kernel, lazy import
+        from jax.sharding import PartitionSpec as P
 
         b, _, h, e = q_bthe.shape
-        pages_per_slot = self.table_bp.shape[1]
-        block = max(d for d in (8, 4, 2, 1) if pages_per_slot % d == 0)
-        out_bhe = paged_attention(
-            (q_bthe[:, 0] / jnp.sqrt(jnp.float32(e))).astype(q_bthe.dtype),
-            jax.lax.bitcast_convert_type(self.k_pages[layer], self.dtype),
-            jax.lax.bitcast_convert_type(self.v_pages[layer], self.dtype),
-            positions_bt[:, 0] + 1,  # the new token sees itself and every earlier position
-            self.table_bp,
-            pages_per_compute_block=block,
+        slots = self.slot_axes or None
+        heads = self.head_axis
+        pool_spec = P(None, heads, slots, None, None)
+        block = self.pages_per_compute_block
+        dtype, page_size, scale = cache.dtype, cache.page_size, 1.0 / float(np.sqrt(e))
+
+        def local(k_pool, v_pool, table_bp, q_bhe, k_bke, v_bke, position_b, layer):
+            num_local_pages = k_pool.shape[2]
+            shard = jnp.int32(0)
+            for axis in self.slot_axes:  # major to minor, as a NamedSharding splits over an axis tuple
+                shard = shard * self.mesh.shape[axis] + jax.lax.axis_index(axis)
+            table_bp = table_bp - shard * num_local_pages
+            table_bp = jnp.where((table_bp >= 0) & (table_bp < num_local_pages), table_bp, TRASH_PAGE)
+            pages_b, offsets_b = position_index(table_bp, position_b[:, None], page_size)
+            pages_b = jnp.minimum(pages_b[:, 0], num_local_pages)  # past the table: out of bounds, dropped
+            heads_1k = jnp.arange(k_pool.shape[1])[None, :]
+            index = (layer, heads_1k, pages_b[:, None], offsets_b)
+            bits = lambda new_bke: attention_lib.as_bits(new_bke.astype(dtype))
+            k_pool = k_pool.at[index].set(bits(k_bke), mode="drop")
+            v_pool = v_pool.at[index].set(bits(v_bke), mode="drop")
+            view = lambda pool: jax.lax.bitcast_convert_type(pool[layer], dtype)
+            call = lambda: paged_attention(
+                (q_bhe * scale).astype(q_bhe.dtype),
+                view(k_pool),
+                view(v_pool),
+                position_b + 1,  # the new token sees itself and every earlier position
+                table_bp,
+                pages_per_compute_block=block,
+            )
+            if self.interpret:
+                from jax.experimental.pallas import tpu as pltpu
+
+                with pltpu.force_tpu_interpret_mode():
+                    out_bhe = call()
+            else:
+                out_bhe = call()
+            return k_pool, v_pool, out_bhe.astype(q_bhe.dtype)
+
+        run = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(pool_spec, pool_spec, P(slots), P(slots, heads), P(slots, heads), P(slots, heads), P(slots), P()),
+            out_specs=(pool_spec, pool_spec, P(slots, heads)),
+            check_vma=False,
         )
-        return out_bhe.reshape(b, 1, h, e).astype(q_bthe.dtype)
+        k_pool, v_pool, out_bhe = run(
+            cache.k_pages, cache.v_pages, cache.table_bp, q_bthe[:, 0], k_btke[:, 0], v_btke[:, 0],
+            positions_bt[:, 0].astype(jnp.int32), jnp.asarray(layer, jnp.int32),
+        )  # fmt: skip
+        return out_bhe.reshape(b, 1, h, e), cache._replace(k_pages=k_pool, v_pages=v_pool)
 
 
-def _pallas_paged_attention_applies(implementation: str) -> bool:
-    """On TPU, unless a specific non-TPU implementation was asked for, and only if the kernel imports."""
-    if jax.default_backend() != "tpu" or implementation not in ("auto", "splash"):
-        return False
-    try:
-        from jax.experimental.pallas.ops.tpu import paged_attention  # noqa: F401 (a probe: does the TPU kernel import)
-    except ImportError:
-        return False
-    return True
+def choose_decode_kernel(
+    model_config: Any, engine_config: Any, mesh: Any, state_shardings: Any, interpret: bool = False
+) -> tuple[DecodeKernel | None, str]:
+    """The engine's decode attention for the devices of ``mesh``: ``(DecodeKernel, "pallas_paged")`` where the
+    Pallas paged-attention kernel applies, else ``(None, "reference: <why>")`` (the gather-based path).
+
+    Decided from the platform of the mesh's devices (a TPU program from a CPU host gets the kernel, a CPU
+    program never does), the model's ``attention`` setting and the kernel's constraints. Raises ``ValueError``
+    naming the constraint where the kernel is asked for explicitly (``ModelConfig.attention="splash"``) and a
+    constraint fails; "auto" falls back to the reference path instead (the engine logs it once and exposes it
+    as ``Engine.decode_attention``)."""
+    platform = mesh.devices.flat[0].platform
+    interpret = interpret or KERNEL_INTERPRET
+    if platform != "tpu" and not interpret:
+        return None, f"reference: the engine's devices are {platform}, the paged-attention kernel is TPU-only"
+    if model_config.attention not in ("auto", "splash"):
+        return None, f"reference: ModelConfig.attention={model_config.attention!r}"
+    head_dim = model_config.head_dim
+    kv_dtype = jnp.dtype(engine_config.kv_dtype(model_config.compute_dtype)).name
+    pages_per_slot = engine_config.pages_per_slot
+    block = max(d for d in PAGES_PER_COMPUTE_BLOCK if pages_per_slot % d == 0)
+    pool_spec = tuple(state_shardings.k_pages.spec) + (None,) * 5
+    slot_spec = (*state_shardings.lengths_b.spec, None)
+    as_axes = lambda entry: () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    problems = []
+    if head_dim % 128:
+        problems.append(f"head_dim={head_dim} is not a multiple of 128 (the kernel's (8, 128) block rule)")
+    if kv_dtype not in KERNEL_DTYPES:
+        problems.append(f"cache dtype {kv_dtype} is not one of {KERNEL_DTYPES}")
+    if engine_config.page % 8:
+        problems.append(f"page_size={engine_config.page} is not a multiple of 8 (the kernel's sublane tile)")
+    if as_axes(pool_spec[2]) != as_axes(slot_spec[0]):
+        problems.append(
+            f"the pool's pages are split over {as_axes(pool_spec[2])} but the slots over {as_axes(slot_spec[0])} "
+            f"(EngineConfig.num_pages={engine_config.pool_pages} must split like max_slots={engine_config.max_slots})"
+        )
+    if problems:
+        if model_config.attention == "splash":
+            raise ValueError("the Pallas paged-attention kernel cannot decode this engine: " + "; ".join(problems))
+        return None, "reference: " + "; ".join(problems)
+    head_axes = as_axes(pool_spec[1])
+    kernel = DecodeKernel(mesh, as_axes(slot_spec[0]), head_axes[0] if head_axes else None, block, interpret)
+    return kernel, "pallas_paged"
