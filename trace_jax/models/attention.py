@@ -10,7 +10,7 @@ Visibility contract (one form covers all cases): key ``s`` is visible to query `
 * cached decoding: keys are the cache positions, ``query_index_bt`` the position each new token is written
   at (``KVCache.write_layer`` has already stored it), no ``kv_end``.
 
-Implementations (``ATTENTION``, chosen by ``ModelConfig.attention``; "auto" picks per backend at trace time):
+Implementations (``ATTENTION``, chosen by ``ModelConfig.attention``; "auto" picks per compile target, see below):
 
 * ``reference``: plain XLA, scores ``[B, K, G, Tq, S]`` accumulated in float32 (``preferred_element_type``),
   softmax in float32. Long inputs are split into query blocks of ``REFERENCE_BLOCK`` rows, each rematerialised
@@ -20,12 +20,17 @@ Implementations (``ATTENTION``, chosen by ``ModelConfig.attention``; "auto" pick
   of masking them. The default on CPU (and TPU fallback).
 * ``xla`` / ``cudnn``: ``jax.nn.dot_product_attention`` (cuDNN flash attention on GPU, fp32 accumulation
   inside the kernel). "auto" on GPU (``gpu_auto``) takes cuDNN for bf16/fp16 inputs, XLA for float32.
-* ``splash``: the Pallas TPU splash-attention kernel, for the plain causal case only (the tree and cache
-  masks are data-dependent, which splash's static masks cannot express; those fall back to ``reference``).
-  "auto" picks it on TPU only outside a sharding mesh (a ``shard_map`` wrapper for sharded rows and heads is
-  not written yet; under a mesh "auto" is ``reference``).
-  It is imported lazily and guarded; without a TPU here it was checked only in Pallas interpret mode on CPU
-  (``SPLASH_INTERPRET``), not on TPU hardware (speed and the sharded case are untested).
+* ``splash``: the TPU Pallas kernels for training rows, in ``shard_map`` over every mesh axis when traced
+  under a mesh (rows over data/fsdp/expert, heads over tensor when the KV heads split evenly): splash
+  attention for plain causal rows, ``trace_jax.models.tree_attention`` (a flash kernel that computes the
+  tree mask ``s <= t < kv_end[s]`` per tile) for packed and tree-packed rows. Scores stay in VMEM, never
+  [T, S] in HBM. Cached decoding and rows that are not whole 128-row tiles go to ``reference``; the engine's
+  decode has its own kernel (``trace_jax.rollout.engine.pages.DecodeKernel``).
+* ``auto``: the platform of the devices the program is compiled for picks (``target_platform``: the abstract
+  mesh's device platform when traced under a mesh, as the trainer, the planner and the engine off CPU are).
+  A TPU program compiled from a CPU host holds the kernels; a CPU program holds no Mosaic call and is the
+  ``reference`` program. (Choosing by ``jax.default_backend()`` gave a TPU program the CPU path.)
+  ``SPLASH_INTERPRET`` runs the TPU kernels in Pallas interpret mode on any backend (tests on CPU).
 
 The KV cache's per-layer read and write live behind ``KVCache.write_layer`` / ``KVCache.read_layer`` (see
 ``trace_jax.models.qwen``); ``attend_cached`` is the only caller, so a paged cache with the same two methods
@@ -52,7 +57,7 @@ REFERENCE_BLOCK = 128
 # longer rows (pod-scale 4,096-token rows: 32 blocks) keep the one-block ``lax.map`` (compile time and the
 # planner's memory estimates stay those of one block).
 IN_ORDER_MAX_BLOCKS = 8
-# Run the splash kernel in Pallas interpret mode (any backend; for tests on CPU).
+# Run the TPU training kernels (splash, tree flash) in Pallas interpret mode (any backend; for tests on CPU).
 SPLASH_INTERPRET = False
 
 # fn(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs | None, in_order) -> out_bthe (q's dtype).
@@ -175,16 +180,45 @@ def gpu_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_ord
     return ATTENTION[name](q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, in_order)
 
 
-@ATTENTION.register("splash")
-def splash_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_order=False):
-    """TPU Pallas splash attention for the plain causal case; anything else goes to ``reference``.
+def _mesh_specs(q_bthe, k_bske, mesh):
+    """PartitionSpecs of q / k (and v), kv_end and the output for a kernel run in ``shard_map`` over every axis of
+    ``mesh``: rows over the batch axes, heads over ``tensor`` when the KV heads split evenly (else whole)."""
+    from jax.sharding import PartitionSpec as P
 
-    Checked here only in Pallas interpret mode (no TPU). Inputs must be unsharded over heads within the call
-    (wrap in ``shard_map`` for tensor-parallel heads); the GQA groups share one kernel per kv head (MQA form).
-    """
-    if not in_order or kv_end_bs is not None:
-        return reference_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, in_order)
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash  # TPU-only kernel
+    from trace_jax.parallel.mesh import logical_to_spec
+
+    q_spec = logical_to_spec(("batch", "length", "heads", None), mesh, q_bthe.shape)
+    kv_spec = logical_to_spec(("batch", "length", "kv_heads", None), mesh, k_bske.shape)
+    if kv_spec[2] is None:  # a query shard must hold the KV heads its query heads use
+        q_spec = P(q_spec[0], None, None, None)
+    return q_spec, kv_spec, P(q_spec[0], None)
+
+
+def _under_mesh(kernel: Callable[..., jax.Array], q_bthe, k_bske, v_bske, kv_end_bs):
+    """``kernel(q, k, v, kv_end)`` on each shard when traced under a mesh (Mosaic kernels cannot be partitioned by
+    XLA; every axis manual, ``check_vma=False``: jax 0.10.2 refuses both a partly automatic mesh and the vma
+    check of these kernels), else called directly."""
+    from trace_jax.parallel.mesh import MESH_AXES
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return kernel(q_bthe, k_bske, v_bske, kv_end_bs)
+    q_spec, kv_spec, end_spec = _mesh_specs(q_bthe, k_bske, mesh)
+    if kv_end_bs is None:
+        run = jax.shard_map(
+            lambda q, k, v: kernel(q, k, v, None),
+            mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False,
+        )  # fmt: skip
+        return run(q_bthe, k_bske, v_bske)
+    run = jax.shard_map(
+        kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, end_spec), out_specs=q_spec, check_vma=False
+    )
+    return run(q_bthe, k_bske, v_bske, kv_end_bs)
+
+
+def _splash_causal(q_bthe, k_bske, v_bske, kv_end_bs=None):
+    """One shard's plain causal rows through splash attention (MQA form: one kernel per KV head and row)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash  # TPU kernel, lazy import
 
     b, t, h, e = q_bthe.shape
     kv = k_bske.shape[2]
@@ -197,27 +231,51 @@ def splash_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_
     return out_bkgte.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e).astype(q_bthe.dtype)
 
 
-def _splash_available() -> bool:
-    try:
-        from jax.experimental.pallas.ops.tpu import splash_attention  # noqa: F401 (a probe: does the TPU kernel import)
-    except ImportError:
-        return False
-    return True
+def _tree_kernel(q_bthe, k_bske, v_bske, kv_end_bs):
+    from trace_jax.models.tree_attention import tree_flash_attention
+
+    return tree_flash_attention(q_bthe, k_bske, v_bske, kv_end_bs, interpret=SPLASH_INTERPRET)
+
+
+@ATTENTION.register("splash")
+def splash_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_order=False):
+    """TPU Pallas kernels for training rows (``in_order``), in ``shard_map`` under a mesh: splash attention for
+    plain causal rows, ``trace_jax.models.tree_attention`` (a flash kernel computing the tree mask per tile)
+    for rows with ``kv_end`` (packed and tree-packed rows). Cached decoding (not in order) and rows that are not
+    whole 128-row tiles go to ``reference``. Never writes [T, S] scores to HBM where a kernel runs."""
+    from trace_jax.models.tree_attention import fits
+
+    if not in_order or not fits(q_bthe.shape[1], k_bske.shape[1]):
+        return reference_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, in_order)
+    kernel = _splash_causal if kv_end_bs is None else _tree_kernel
+    return _under_mesh(kernel, q_bthe, k_bske, v_bske, kv_end_bs)
+
+
+def target_platform() -> str:
+    """The platform of the devices the program being traced is compiled for: the abstract mesh's when traced
+    under a mesh (``traced_under``, ``jax.set_mesh``; the trainer, the engine off CPU and the planner all are),
+    else jax's default backend, where a jit with no mesh compiles. A TPU mesh on a CPU host says "tpu"."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
+@ATTENTION.register("auto")
+def auto_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_order=False):
+    """The implementation of the platform the program is compiled for (``target_platform``): the TPU kernels
+    (``splash``) on TPU, ``gpu_auto`` on GPU, ``reference`` on CPU (the CPU program is the reference program,
+    bit for bit). Not ``jax.lax.platform_dependent``: its cond changed how XLA:CPU fuses the bf16 backward
+    (other gradient bits), while the CPU program must stay what it was."""
+    platform = target_platform()
+    name = {"tpu": "splash", "gpu": "gpu_auto", "cuda": "gpu_auto", "rocm": "gpu_auto"}.get(platform, "reference")
+    return ATTENTION[name](q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, in_order)
 
 
 def resolve(implementation: str) -> str:
-    """The registered implementation "auto" means on the current backend (others are returned as is)."""
-    if implementation != "auto":
-        ATTENTION[implementation]  # unknown names: a clear error now
-        return implementation
-    backend = jax.default_backend()
-    if backend == "gpu":
-        return "gpu_auto"
-    # Splash is a custom kernel the SPMD partitioner cannot split: under a sharding mesh it would need a
-    # shard_map wrapper (not written yet), so "auto" takes it only for unsharded traces.
-    if backend == "tpu" and _splash_available() and jax.sharding.get_abstract_mesh().empty:
-        return "splash"
-    return "reference"
+    """The registered implementation name (an unknown name is a clear error now); "auto" stays "auto": it is
+    resolved per compile target by ``auto_attention``."""
+    ATTENTION[implementation]
+    return implementation
 
 
 def attention(

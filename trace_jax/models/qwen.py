@@ -477,6 +477,14 @@ def _layer_by_branch(layer_state: Any, position: jax.Array) -> Any:
     return jax.lax.switch(position, branches, layer_state)
 
 
+def _layer_for_decoding(layer_state: Any, position: jax.Array) -> Any:
+    """Layer ``position`` of the stacked weights in a decoding scan: by ``_layer_by_branch`` in a program
+    compiled for CPU only (``lax.platform_dependent``: the platform of the compile target, not the tracing
+    host), a dynamic slice elsewhere."""
+    take = lambda p: jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, p, keepdims=False), layer_state)
+    return jax.lax.platform_dependent(position, cpu=lambda p: _layer_by_branch(layer_state, p), default=take)
+
+
 def scan_layers(
     config: ModelConfig,
     layers: nnx.Module,
@@ -490,13 +498,13 @@ def scan_layers(
     *extra_carry)`` returns the new ``(x_btd, cache, *extra_carry)``; ``layer_index`` (int32, one per stacked
     layer) is each layer's position in the whole decoder (its KV cache row). Remat per ``config.remat``."""
     graphdef, layer_state = nnx.split(layers)
-    # Decoding on XLA:CPU: each layer's weights are taken by a branch of static slices (``_layer_by_branch``).
-    by_branch = cache is not None and jax.default_backend() == "cpu"
+    # Decoding: each layer's weights are taken by ``_layer_for_decoding`` (a branch of static slices on CPU).
+    by_branch = cache is not None
 
     def one_layer(carry, xs):
         state, index = xs
         if by_branch:
-            state = _layer_by_branch(layer_state, state)
+            state = _layer_for_decoding(layer_state, state)
         x_btd, cache, *rest = body(nnx.merge(graphdef, state), *carry[:2], index, *carry[2:])
         return (constrain(x_btd, _ACTIVATION_AXES), cache, *rest), None
 
