@@ -40,6 +40,7 @@ plugs in without touching the layer scan.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +60,9 @@ REFERENCE_BLOCK = 128
 IN_ORDER_MAX_BLOCKS = 8
 # Run the TPU training kernels (splash, tree flash) in Pallas interpret mode (any backend; for tests on CPU).
 SPLASH_INTERPRET = False
+
+log = logging.getLogger(__name__)
+_FALLBACKS_LOGGED: set[int] = set()  # row lengths the TPU kernels refused (logged once each)
 
 # fn(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs | None, in_order) -> out_bthe (q's dtype).
 AttentionFn = Callable[..., jax.Array]
@@ -243,9 +247,13 @@ def splash_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_
     plain causal rows, ``trace_jax.models.tree_attention`` (a flash kernel computing the tree mask per tile)
     for rows with ``kv_end`` (packed and tree-packed rows). Cached decoding (not in order) and rows that are not
     whole 128-row tiles go to ``reference``. Never writes [T, S] scores to HBM where a kernel runs."""
-    from trace_jax.models.tree_attention import fits
+    from trace_jax.models.tree_attention import BLOCK, fits
 
     if not in_order or not fits(q_bthe.shape[1], k_bske.shape[1]):
+        if in_order and q_bthe.shape[1] not in _FALLBACKS_LOGGED:  # training rows that miss the kernel: say so
+            _FALLBACKS_LOGGED.add(q_bthe.shape[1])
+            log.warning("TPU attention: rows of %d tokens are not whole %d-row tiles; reference attention (scores "
+                        "in HBM) instead of the kernels", q_bthe.shape[1], BLOCK)  # fmt: skip
         return reference_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, in_order)
     kernel = _splash_causal if kv_end_bs is None else _tree_kernel
     return _under_mesh(kernel, q_bthe, k_bske, v_bske, kv_end_bs)

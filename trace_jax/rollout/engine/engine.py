@@ -484,18 +484,28 @@ class Engine:
             for window in cfg.lengths
             if window >= min(cfg.steps_per_call, cfg.max_len)
         ]
+        if state.pool.shards > 1:  # forks across slot shards copy pages: every bucket of the copy program
+            size = MIN_COPY_BUCKET
+            while size < 2 * cfg.max_slots * cfg.pages_per_slot:
+                calls.append(("copy", (np.zeros((size, 2), np.int32),), ()))
+                size *= 2
         struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         for name, host, static in calls:
-            model = () if name == "fork" else (weights,)
+            model = () if name in ("fork", "copy") else (weights,)
             args = (*model, state.device, *self._put(*host))
             self.programs.compile(name, *jax.tree.map(struct, args), static=static)
             out = self.programs(name, *args, static=static)
-            state.device = out if name == "fork" else out[0]
+            state.device = out if name in ("fork", "copy") else out[0]
         jax.block_until_ready(state.device)
         self.programs.mark_warm()
         return self.programs.total - before
 
     # --------------------------------------------------------------------------------------- report
     def describe(self) -> dict[str, Any]:
-        """Compiled programs per entry point and work counters, for benchmarks and logs."""
-        return {"compilations": dict(self.compilations), "counters": dict(self.counters)}
+        """Compiled programs per entry point, work counters and the decode attention (``"pallas_paged"`` or
+        ``"reference: <why>"``), for benchmarks, logs and the planner."""
+        return {
+            "compilations": dict(self.compilations),
+            "counters": dict(self.counters),
+            "decode_attention": self.decode_attention,
+        }

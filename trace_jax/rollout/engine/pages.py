@@ -362,7 +362,9 @@ class DecodeKernel:
                 (q_bhe * scale).astype(q_bhe.dtype),
                 view(k_pool),
                 view(v_pool),
-                position_b + 1,  # the new token sees itself and every earlier position
+                # The new token sees itself and every earlier position; a slot past its table (a full one
+                # that is not running) reads no column beyond it.
+                jnp.minimum(position_b + 1, table_bp.shape[1] * page_size),
                 table_bp,
                 pages_per_compute_block=block,
             )
