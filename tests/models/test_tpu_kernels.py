@@ -49,16 +49,21 @@ def _qkv(rng, b, t, h, kv, e):
 
 @pytest.mark.parametrize("mask", ["tree", "segments"])
 def test_the_tree_kernel_matches_the_reference_forward_and_backward(mask):
-    """Interpret mode, float32, GQA (2 query heads per KV head), 2 x 256 rows: outputs and the three gradients
-    match the reference to 1e-5 (measured ~3e-6: the same float32 math in another order).
+    """Interpret mode, float32, GQA (2 query heads per KV head), 2 x 384 rows (3 x 3 tiles, some of them masked
+    whole and skipped): outputs and the three gradients match the reference to 1e-5 (measured ~3e-6: the same
+    float32 math in another order).
 
     Mutants caught: the tile mask off by one (``k < q`` or ``q <= kv_end``), ``kv_end`` ignored (plain causal),
-    a key tile skipped that holds visible keys, dk / dv not summed over the query heads of a KV head."""
+    a tile skipped that holds visible keys (causal or ``kv_end`` test), dk / dv not summed over the query heads
+    of a KV head."""
     rng = np.random.default_rng(0)
-    q, k, v = _qkv(rng, 2, 256, 4, 2, 128)
-    ends = _tree_ends(rng, 2, 256) if mask == "tree" else _segment_ends(2, 256)
-    assert (np.asarray(ends) < 256).any(), "premise: the mask hides keys that causality alone would show"
-    index = jnp.broadcast_to(jnp.arange(256), (2, 256))
+    t = 384
+    q, k, v = _qkv(rng, 2, t, 4, 2, 128)
+    ends = _tree_ends(rng, 2, t) if mask == "tree" else _segment_ends(2, t)
+    assert (np.asarray(ends) < t).any(), "premise: the mask hides keys that causality alone would show"
+    tile_ends = np.asarray(ends).reshape(2, 3, 128).max(-1)
+    assert (tile_ends[:, 0] <= 256).any(), "premise: tile (query 2, key 0) is masked whole somewhere (skipped)"
+    index = jnp.broadcast_to(jnp.arange(t), (2, t))
     reference = lambda q, k, v: attention_lib.reference_attention(q, k, v, index, ends, True)
     kernel = lambda q, k, v: tree_flash_attention(q, k, v, ends, interpret=True)
     np.testing.assert_allclose(kernel(q, k, v), reference(q, k, v), atol=1e-5)

@@ -6,9 +6,10 @@ token sees exactly its ancestors: key ``s`` is visible to query ``t`` iff ``s <=
 so splash attention's static masks cannot hold it and its segment ids cannot either (a token must see its
 ancestors, which lie in other "segments" than its siblings'). This kernel is a flash attention whose mask is
 computed per (query block, key block) tile from the block's ``kv_end`` slice and two iotas: scores live in
-VMEM one ``[block_q, block_k]`` tile at a time and never reach HBM, forward or backward. Key blocks past a
-query block's last row are skipped (causal), so the work is about half the dense S x S; tiles that the tree
-masks entirely are still computed (no block-sparse skip of subtrees: a cost of up to the causal half).
+VMEM one ``[block_q, block_k]`` tile at a time and never reach HBM, forward or backward. A tile is computed
+only if it holds a visible pair (``_live``: causal, and the key tile's largest ``kv_end``, scalar-prefetched,
+passes the query tile's first row), so a row of many trees costs about its trees' own tiles; a partly hidden
+tile is computed whole, and a skipped tile's keys / values are still fetched unless causality skips it.
 
 What goes to HBM per call: the output and its log-sum-exp ``[B, H, T, 128]`` float32 (128 lanes of the same
 value, the TPU-friendly layout splash uses too), saved for the backward pass; the backward writes dq and,
@@ -42,7 +43,18 @@ def _dot(a, b, contract_a, contract_b):
     return jax.lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _forward_kernel(end_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, block_q, block_k):
+def _live(tile_end_ref, i, j, block_q, block_k):
+    """Whether tile (query block i, key block j) holds a visible pair: a key at or before the tile's last query
+    (causal) and a key whose ``kv_end`` passes the tile's first query. Exact, since ``kv_end[s] > s``."""
+    from jax.experimental import pallas as pl
+
+    b = pl.program_id(0)
+    return (j * block_k <= i * block_q + block_q - 1) & (tile_end_ref[b, j] > i * block_q)
+
+
+def _forward_kernel(
+    tile_end_ref, end_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, block_q, block_k
+):
     from jax.experimental import pallas as pl
 
     i, j = pl.program_id(2), pl.program_id(3)
@@ -53,7 +65,7 @@ def _forward_kernel(end_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, ac
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    @pl.when(j * block_k <= i * block_q + block_q - 1)
+    @pl.when(_live(tile_end_ref, i, j, block_q, block_k))
     def _tile():
         visible = _tile_mask(end_ref[...], i, j, block_q, block_k)
         s = jnp.where(visible, _dot(q_ref[...], k_ref[...], 1, 1), MASK_VALUE)
@@ -72,7 +84,7 @@ def _forward_kernel(end_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, ac
         lse_ref[...] = jnp.broadcast_to(m_sc[...][:, :1] + jnp.log(total), lse_ref.shape)
 
 
-def _dq_kernel(end_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, dq_sc, *, block_q, block_k):
+def _dq_kernel(tile_end_ref, end_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, dq_sc, *, block_q, block_k):
     from jax.experimental import pallas as pl
 
     i, j = pl.program_id(2), pl.program_id(3)
@@ -81,7 +93,7 @@ def _dq_kernel(end_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, dq_
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-    @pl.when(j * block_k <= i * block_q + block_q - 1)
+    @pl.when(_live(tile_end_ref, i, j, block_q, block_k))
     def _tile():
         visible = _tile_mask(end_ref[...], i, j, block_q, block_k)
         s = _dot(q_ref[...], k_ref[...], 1, 1)
@@ -96,7 +108,9 @@ def _dq_kernel(end_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, dq_
         dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
 
 
-def _dkv_kernel(end_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dk_ref, dv_ref, dk_sc, dv_sc, **blocks):
+def _dkv_kernel(
+    tile_end_ref, end_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dk_ref, dv_ref, dk_sc, dv_sc, **blocks
+):
     block_q, block_k = blocks["block_q"], blocks["block_k"]
     from jax.experimental import pallas as pl
 
@@ -107,7 +121,7 @@ def _dkv_kernel(end_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dk_ref, dv
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-    @pl.when(j * block_k <= i * block_q + block_q - 1)
+    @pl.when(_live(tile_end_ref, i, j, block_q, block_k))
     def _tile():
         visible = _tile_mask(end_ref[...], i, j, block_q, block_k)
         q, do = q_ref[...], do_ref[...]
@@ -124,6 +138,12 @@ def _dkv_kernel(end_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dk_ref, dv
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
+def _tile_ends(end_b1s):
+    """int32 [B, S / BLOCK]: the largest ``kv_end`` of each key tile (scalar-prefetched: which tiles to skip)."""
+    b, _, s = end_b1s.shape
+    return end_b1s.reshape(b, s // BLOCK, BLOCK).max(axis=-1)
+
+
 def _specs(b, h, kv, t, s, e):
     """BlockSpecs of the forward / dq grids (b, h, query block i, key block j): key tiles past a query block's
     last row are clamped to its last visible one (skipped by the kernel; no new copy is fetched)."""
@@ -132,10 +152,10 @@ def _specs(b, h, kv, t, s, e):
     g = h // kv
     last = lambda i: (i * BLOCK + BLOCK - 1) // BLOCK
     clamp = lambda i, j: jnp.minimum(j, last(i))
-    q = pl.BlockSpec((None, None, BLOCK, e), lambda b_, h_, i, j: (b_, h_, i, 0))
-    kv_spec = pl.BlockSpec((None, None, BLOCK, e), lambda b_, h_, i, j: (b_, h_ // g, clamp(i, j), 0))
-    end = pl.BlockSpec((None, 1, BLOCK), lambda b_, h_, i, j: (b_, 0, clamp(i, j)))
-    row = pl.BlockSpec((None, None, BLOCK, LANES), lambda b_, h_, i, j: (b_, h_, i, 0))
+    q = pl.BlockSpec((None, None, BLOCK, e), lambda b_, h_, i, j, _: (b_, h_, i, 0))
+    kv_spec = pl.BlockSpec((None, None, BLOCK, e), lambda b_, h_, i, j, _: (b_, h_ // g, clamp(i, j), 0))
+    end = pl.BlockSpec((None, 1, BLOCK), lambda b_, h_, i, j, _: (b_, 0, clamp(i, j)))
+    row = pl.BlockSpec((None, None, BLOCK, LANES), lambda b_, h_, i, j, _: (b_, h_, i, 0))
     return q, kv_spec, end, row
 
 
@@ -146,7 +166,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret):
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=0, grid=grid, in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch
+            num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch
         ),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
@@ -165,7 +185,7 @@ def _forward(q, k, v, end_b1s, interpret):
     kernel = functools.partial(_forward_kernel, block_q=BLOCK, block_k=BLOCK)
     grid = (b, h, t // BLOCK, s // BLOCK)
     call = _call(kernel, grid, [end_spec, q_spec, kv_spec, kv_spec], [q_spec, row_spec], out_shape, scratch, interpret)
-    return call(end_b1s, q, k, v)
+    return call(_tile_ends(end_b1s), end_b1s, q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -191,22 +211,22 @@ def _tree_flash_bwd(interpret, residuals, do):
     dq = _call(
         dq_kernel, (b, h, t // BLOCK, s // BLOCK), [end_spec, q_spec, kv_spec, kv_spec, q_spec, q_spec, row_spec],
         q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype), [pltpu.VMEM((BLOCK, e), jnp.float32)], interpret,
-    )(end_b1s, q, k, v, o, do, lse)  # fmt: skip
+    )(_tile_ends(end_b1s), end_b1s, q, k, v, o, do, lse)  # fmt: skip
     # The dk / dv grid runs over (key block j, query block i): query tiles before a key block's first row are
     # clamped to its first visible one (skipped by the kernel).
     first = lambda j: (j * BLOCK) // BLOCK
     clamp = lambda j, i: jnp.maximum(i, first(j))
-    q_t = pl.BlockSpec((None, None, BLOCK, e), lambda b_, h_, j, i: (b_, h_, clamp(j, i), 0))
-    row_t = pl.BlockSpec((None, None, BLOCK, LANES), lambda b_, h_, j, i: (b_, h_, clamp(j, i), 0))
-    kv_t = pl.BlockSpec((None, None, BLOCK, e), lambda b_, h_, j, i: (b_, h_ // g, j, 0))
-    end_t = pl.BlockSpec((None, 1, BLOCK), lambda b_, h_, j, i: (b_, 0, j))
-    out_t = pl.BlockSpec((None, None, BLOCK, e), lambda b_, h_, j, i: (b_, h_, j, 0))
+    q_t = pl.BlockSpec((None, None, BLOCK, e), lambda b_, h_, j, i, _: (b_, h_, clamp(j, i), 0))
+    row_t = pl.BlockSpec((None, None, BLOCK, LANES), lambda b_, h_, j, i, _: (b_, h_, clamp(j, i), 0))
+    kv_t = pl.BlockSpec((None, None, BLOCK, e), lambda b_, h_, j, i, _: (b_, h_ // g, j, 0))
+    end_t = pl.BlockSpec((None, 1, BLOCK), lambda b_, h_, j, i, _: (b_, 0, j))
+    out_t = pl.BlockSpec((None, None, BLOCK, e), lambda b_, h_, j, i, _: (b_, h_, j, 0))
     per_head = jax.ShapeDtypeStruct((b, h, s, e), jnp.float32)
     dkv_kernel = functools.partial(_dkv_kernel, block_q=BLOCK, block_k=BLOCK)
     dk_h, dv_h = _call(
         dkv_kernel, (b, h, s // BLOCK, t // BLOCK), [end_t, q_t, kv_t, kv_t, q_t, q_t, row_t], [out_t, out_t],
         (per_head, per_head), [pltpu.VMEM((BLOCK, e), jnp.float32)] * 2, interpret,
-    )(end_b1s, q, k, v, o, do, lse)  # fmt: skip
+    )(_tile_ends(end_b1s), end_b1s, q, k, v, o, do, lse)  # fmt: skip
     group = lambda x: x.reshape(b, kv, g, s, e).sum(axis=2).astype(k.dtype)
     return dq, group(dk_h), group(dv_h), None
 
