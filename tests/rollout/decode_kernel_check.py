@@ -19,7 +19,7 @@ from trace_jax.rollout.engine.sampling import SamplingConfig
 CONFIG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=128)  # fmt: skip
 CACHE_DTYPE = "bfloat16"  # the kernel computes on bf16 pages (see pages.DecodeKernel): the same values both ways
-PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 9, 4, 2], [64, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19], [7, 7, 7, 30]]
+PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 9, 4], [64, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19], [7, 7, 7, 30]]
 
 
 def run(engine: Engine, params) -> tuple[list, np.ndarray]:
@@ -42,8 +42,9 @@ def main() -> None:
     params = nnx.split(Qwen(CONFIG, rngs=nnx.Rngs(3)), nnx.Param)[1]
     params["embed"][...] = params["embed"][...] * 0.05  # unit-variance tied embeddings give peaky argmaxes
     engine_config = EngineConfig(
-        max_slots=8, max_len=32, steps_per_call=5, max_turn_tokens=10, page_size=8, length_buckets=(32,),
-        row_buckets=(8,), sampling=SamplingConfig.make_greedy(), weight_dtype=None, cache_dtype=CACHE_DTYPE,
+        max_slots=8, max_len=24, steps_per_call=4, max_turn_tokens=8, page_size=8, length_buckets=(24,),
+        row_buckets=(8,), append_row_buckets=(8,), append_windows=(24,), sampling=SamplingConfig.make_greedy(),
+        weight_dtype=None, cache_dtype=CACHE_DTYPE,
     )  # fmt: skip
     graphdef = abstract_model(CONFIG)[0]
     mesh = mesh_lib.make_mesh(data=2, fsdp=1, tensor=2)
@@ -60,6 +61,7 @@ def main() -> None:
                 "decode_attention": kernel_engine.decode_attention,
                 "reference_attention": reference.decode_attention,
                 "shards": state.pool.shards,
+                "shard_pages": state.pool.shard_pages,
                 "tables": state.pool.table.tolist(),
                 "cross_shard_copies": kernel_engine.counters["cross_shard_page_copies"],
                 "tokens": tokens,

@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_the_kernel_engine_on_a_data_tensor_mesh_decodes_like_the_reference_engine():
-    """Same greedy tokens and log-probs within 1e-4 (bf16 cache both ways) over forks across slot shards.
+    """Same greedy tokens and log-probs within 1e-4 (bf16 cache both ways; measured 3.6e-5) over forks across
+    slot shards (~90 s: interpret mode on 4 fake devices).
 
     Mutants caught: tables not made shard-local (another shard's pages read), a fork across shards that shares
     instead of copying, the new token's keys written outside the shard, heads split over ``tensor`` in a
@@ -32,9 +33,9 @@ def test_the_kernel_engine_on_a_data_tensor_mesh_decodes_like_the_reference_engi
     assert result["decode_attention"] == "pallas_paged" and result["shard_map_in_hlo"]
     assert result["reference_attention"].startswith("reference")
     assert result["shards"] == 2 and result["cross_shard_copies"] > 0
-    tables = result["tables"]
-    assert all(page < 20 for row in tables[:4] for page in row) and all(
-        page == 0 or page >= 20 for row in tables[4:] for page in row
+    tables, per_shard = result["tables"], result["shard_pages"]
+    assert all(page < per_shard for row in tables[:4] for page in row) and all(
+        page == 0 or page >= per_shard for row in tables[4:] for page in row
     ), "slots 4..7 hold pages of shard 1 only"
     assert sum(len(t) for t in result["tokens"]) >= 40
     assert result["tokens"] == result["ref_tokens"]
