@@ -23,8 +23,7 @@ import pathlib
 import ml_collections
 
 from trace_jax.config_utils import load_config_file
-from trace_jax.data.synthetic import WorldConfig
-from trace_jax.job.schema import section
+from trace_jax.configs import WorldConfig, section
 
 # ModelConfig overrides of the policy (the tokenizer sets vocab_size); none: the default tiny policy (see above).
 POLICY_OVERRIDES = ()

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("trace_jax.data",),
     ("trace_jax.checkpoint", "trace_jax.rollout"),
     ("trace_jax.allocation", "trace_jax.rl"),
+    ("trace_jax.configs",),  # the run's typed config and what config files build it from
     ("trace_jax.cluster",),  # where sampling runs beside training (the RL cluster)
     ("trace_jax.job.cli", "trace_jax.job.metrics", "trace_jax.job.heap"),  # the job's console, metrics and heap
     ("trace_jax.job",),

@@ -37,16 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
+from trace_jax.allocation.scheduler import TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
-from trace_jax.config_utils import from_config
-from trace_jax.job import schema
-from trace_jax.job.sft import SFTConfig
+from trace_jax.job import schema, validate
 from trace_jax.models import create_model
 from trace_jax.optim import make_optimizer
 from trace_jax.rl.advantages import compute_advantages
-from trace_jax.rl.batch import BatchConfig, build_batch
-from trace_jax.rl.losses import LossConfig
+from trace_jax.rl.batch import build_batch
 from trace_jax.rl.trainer import RLTrainer, UpdateConfig
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "default.py"
@@ -56,7 +53,7 @@ def default_config() -> Any:
     spec = importlib.util.spec_from_file_location("default_config", DEFAULT_CONFIG)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config()
+    return validate.validate(module.get_config())  # the default run's RunConfig
 
 
 def default_trees(config: Any, args: argparse.Namespace) -> list:
@@ -71,7 +68,7 @@ def default_trees(config: Any, args: argparse.Namespace) -> list:
         vocab_size=config.tokenizer.vocab_size,
     )
     sim = Simulator(world, seed=args.seed)
-    scheduler = TreeScheduler(sim, from_config(SchedulerConfig, config.allocation))
+    scheduler = TreeScheduler(sim, config.allocation)
     prompts = args.prompts or config.rl.prompts_per_step
     for _ in range(args.warmup):
         scheduler.run(sim.sample_batch(prompts))
@@ -102,8 +99,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     trees = default_trees(config, args)
     advantages = compute_advantages(config.rl.advantage, trees)
-    loss = from_config(LossConfig, config.loss)
-    model_config = from_config(SFTConfig, config.sft).model_config(config.tokenizer.vocab_size)
+    loss = config.loss
+    model_config = config.sft.model_config(config.tokenizer.vocab_size)
     if args.tiny_model:
         model_config = dataclasses.replace(
             model_config, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16
@@ -116,8 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batches, states = {}, {}
     for name, layout in (("per_path", "paths"), ("packed", "tree")):
         fixed = {"fixed_length": False} if layout == "paths" else {}
-        batch_config = from_config(
-            BatchConfig,
+        batch_config = dataclasses.replace(
             config.batch,
             layout=layout,
             pack_length=args.pack_length,
