@@ -10,7 +10,8 @@ per-path one): ``first_loss_relative_difference``.
 Trees. The default run's allocation (``configs/default.py``: TRACE policy, its rollout budget, prompts per
 step, advantage estimator) over the ground-truth simulator with turn, observation and prompt lengths within
 the default run's limits (``--prompt-tokens`` etc.; the real run needs an SFT warm start, minutes on CPU),
-chosen so that path tokens / unique tokens is ~1.75, as measured on the default run (1.73x, SCALE.md);
+chosen so that path tokens / unique tokens is ~1.75, as on the default run's trees (docs/benchmarks.md,
+"Tree-packed training");
 more sharing (longer prompts, deeper branching) favours packing further.
 The first ``--warmup`` batches teach the predictor and the cost model, as in a run. Model, batch buckets,
 loss and optimizer are the default config's; one optimizer step (``ppo_epochs = mini_batches = 1``) is timed
