@@ -1,7 +1,7 @@
 """The default recipe: a tiny Qwen3-architecture agent on the synthetic multi-hop world, TRACE allocation.
 
-Sized to finish on 2 CPU cores in about 15 minutes, warm start included (the warm start trains a fixed
-1,000 steps and is cached, so later runs of the same world/tokenizer/SFT settings skip it). Every field can be
+Sized to finish on 2 CPU cores in a few minutes, warm start included (README, quick start; the warm start trains
+a fixed 1,000 steps and is cached, so later runs of the same world/tokenizer/SFT settings skip it). Every field can be
 overridden on the command line (``--config.rl.steps=40``); each section is one part's config dataclass
 (``trace_jax.configs.SECTIONS``), whose docstring explains the fields: ``python -m trace_jax.train
 --show-config`` prints them all. A value that differs from its dataclass's default says why in a comment.

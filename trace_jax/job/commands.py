@@ -27,9 +27,9 @@ USAGE = f"""usage: python -m trace_jax.train [--config=FILE[:ARG]] [--workdir=DI
 
 Trains the TRACE agent end to end: warm start (cached), evaluation, RL, evaluation.
 
-The default config on a 2-core CPU: 5-9 minutes (the warm start, about 2 of them, is cached for later runs) and
-a peak resident memory of about 1.5 GB. Each phase's first step compiles its programs: its progress bar says
-"compiling" and shows a rate and ETA once that step is done.
+The default config runs in a few minutes on a 2-core CPU (the README's quick start gives the time and memory
+measured there); its warm start is cached for later runs. Each phase's first step compiles its programs: its
+progress bar says "compiling" and shows a rate and ETA once that step is done.
 
 What the summary prints:
   effective ratio    share of a step's prompts whose rollout tree holds both a success and a failure, so its
