@@ -1,34 +1,42 @@
 """The default recipe: a tiny Qwen3-architecture agent on the synthetic multi-hop world, TRACE allocation.
 
-Sized to finish on 2 CPU cores in about 15 minutes, warm start included (the warm start trains a fixed
-1,000 steps and is cached, so later runs of the same world/tokenizer/SFT settings skip it). Every field can be
+Sized to finish on 2 CPU cores in a few minutes, warm start included (README, quick start; the warm start trains
+a fixed 1,000 steps and is cached, so later runs of the same world/tokenizer/SFT settings skip it). Every field can be
 overridden on the command line (``--config.rl.steps=40``); each section is one part's config dataclass
-(``trace_jax.job.schema.SECTIONS``), whose docstring explains the fields: ``python -m trace_jax.train
+(``trace_jax.configs.SECTIONS``), whose docstring explains the fields: ``python -m trace_jax.train
 --show-config`` prints them all. A value that differs from its dataclass's default says why in a comment.
 """
 
 import ml_collections
 
-from trace_jax.allocation.scheduler import SchedulerConfig
-from trace_jax.data.synthetic import WorldConfig
-from trace_jax.envs.react import ReActConfig
-from trace_jax.envs.retrieval.retriever import RetrieverConfig
-from trace_jax.job.schema import EvalConfig, MeshConfig, RLConfig, TokenizerConfig, section
-from trace_jax.job.sft import SFTConfig
-from trace_jax.job.warm_start import WarmStartConfig
-from trace_jax.optim import OptimizerConfig
-from trace_jax.parallel.distributed import DistributedConfig
-from trace_jax.rl.batch import BatchConfig
-from trace_jax.rl.losses import LossConfig
-from trace_jax.rl.trainer import UpdateConfig
-from trace_jax.rollout.engine.engine import EngineConfig
-from trace_jax.rollout.runner import RunnerConfig
+from trace_jax.configs import (
+    BatchConfig,
+    DistributedConfig,
+    EngineConfig,
+    EvalConfig,
+    LossConfig,
+    MeshConfig,
+    OptimizerConfig,
+    ReActConfig,
+    RecipeConfig,
+    RetrieverConfig,
+    RLConfig,
+    RunnerConfig,
+    SchedulerConfig,
+    SFTConfig,
+    TokenizerConfig,
+    UpdateConfig,
+    WarmStartConfig,
+    WorldConfig,
+    section,
+)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     del arg
     config = ml_collections.ConfigDict()
     config.seed = 0
+    config.recipe = section(RecipeConfig(kind="synthetic"))  # the synthetic world, a warm start by SFT
     config.world = section(WorldConfig())
     config.tokenizer = section(TokenizerConfig(vocab_size=1024))
     config.react = section(ReActConfig.preset("synthetic"))  # the synthetic world's prompt and turn sizes

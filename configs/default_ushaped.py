@@ -16,8 +16,7 @@ import pathlib
 import ml_collections
 
 from trace_jax.config_utils import load_config_file
-from trace_jax.data.synthetic import WorldConfig
-from trace_jax.job.schema import section
+from trace_jax.configs import WorldConfig, section
 
 WORLD = WorldConfig(
     questions_per_hop=250,

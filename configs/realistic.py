@@ -12,8 +12,9 @@ are up to 6 turns.
 
 The policy is the default tiny Qwen3 (2 layers, width 64, ~0.14M parameters with the 1024-token BPE) with 1,200
 SFT steps. ``configs/realistic_large.py`` is the same run with a 3.4M-parameter policy (4 layers, width 256,
-2,000 SFT steps: 863 s on the quiet 2-core machine). ``POLICY_OVERRIDES`` changes the policy here. What
-this preset gives after the warm start is measured by ``python -m trace_jax.bench.difficulty`` (README, "Evidence").
+2,000 SFT steps; its warm-start time is in docs/evidence.md, "A 3.4M-parameter policy"). ``POLICY_OVERRIDES``
+changes the policy here. What this preset gives after the warm start is measured by ``python -m
+trace_jax.bench.difficulty`` (docs/evidence.md, "The realistic-difficulty pool").
 
 The policy argument is as for ``configs/ablation.py`` (default ``trace``).
 """
@@ -23,8 +24,7 @@ import pathlib
 import ml_collections
 
 from trace_jax.config_utils import load_config_file
-from trace_jax.data.synthetic import WorldConfig
-from trace_jax.job.schema import section
+from trace_jax.configs import WorldConfig, section
 
 # ModelConfig overrides of the policy (the tokenizer sets vocab_size); none: the default tiny policy (see above).
 POLICY_OVERRIDES = ()

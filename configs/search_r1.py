@@ -21,13 +21,20 @@ import pathlib
 
 import ml_collections
 
-from trace_jax.config_utils import load_config_file, to_config
-from trace_jax.data.search_r1 import SearchR1DataConfig
-from trace_jax.envs.react import ReActConfig
-from trace_jax.envs.retrieval.retriever import RetrieverConfig
-from trace_jax.job.schema import section
-from trace_jax.rl.batch import BatchConfig
-from trace_jax.rollout.engine.engine import EngineConfig
+from trace_jax.config_utils import load_config_file
+from trace_jax.configs import (
+    BatchConfig,
+    EngineConfig,
+    EvalConfig,
+    MeshConfig,
+    ModelSourceConfig,
+    ReActConfig,
+    RecipeConfig,
+    RetrieverConfig,
+    SearchR1DataConfig,
+    section,
+    trim,
+)
 
 # name: (compute dtype, tensor-parallel ways, decode slots, context, per-turn tokens, prompts/step, rollouts/prompt,
 #        learning rate). Contexts follow Search-R1 (4 turns of <= 500 tokens, 3 passages of <= 512 tokens each
@@ -59,12 +66,11 @@ def get_config(variant: str = "qwen3-8b") -> ml_collections.ConfigDict:
         raise ValueError(f"unknown search_r1 variant {variant!r}; choose one of {sorted(VARIANTS)}")
     dtype, tensor, slots, max_len, turn_tokens, prompts, rollouts, lr = VARIANTS[variant]
     tiny = variant == "tiny"
-    config = _default_config()  # its world / tokenizer / sft / warm_start sections are not read by this recipe
-    config.recipe = ml_collections.ConfigDict({"kind": "search_r1", "variant": variant})
-    config.model = ml_collections.ConfigDict(
-        {"hf_dir": "", "tokenizer_dir": "", "dtype": dtype, "param_dtype": "float32"}
-    )
-    config.data = to_config(SearchR1DataConfig())
+    config = _default_config()  # the sampling and training sections; trim() drops what this recipe does not read
+    config.recipe = section(RecipeConfig(kind="search_r1", variant=variant))
+    # model.hf_dir (and data.dir) are given on the command line: where the checkpoint lives on each host.
+    config.model = section(ModelSourceConfig(dtype=dtype, param_dtype="float32"))
+    config.data = section(SearchR1DataConfig())
     config.retriever = section(RetrieverConfig(kind="http", url="http://127.0.0.1:8000", timeout_s=30.0))
     config.react = section(
         ReActConfig(
@@ -103,8 +109,6 @@ def get_config(variant: str = "qwen3-8b") -> ml_collections.ConfigDict:
     config.rl.prompts_per_step = prompts
     config.rl.checkpoint_every = 1 if tiny else 50
     # Search-R1 ships train / test; the run checks at start that data.dir has this split.
-    config.eval = ml_collections.ConfigDict({"split": "test", "num_questions": 6 if tiny else 1000, "every": 0})
-    config.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": tensor})
-    if variant in EXPERT_WAYS:
-        config.mesh.expert = EXPERT_WAYS[variant]
-    return config
+    config.eval = section(EvalConfig(split="test", num_questions=6 if tiny else 1000, every=0))
+    config.mesh = section(MeshConfig(data=1, fsdp=-1, tensor=tensor, expert=EXPERT_WAYS.get(variant, 1)))
+    return trim(config)  # no world, tokenizer, SFT or warm start: a Hugging Face checkpoint on Search-R1 data

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("trace_jax.data",),
     ("trace_jax.checkpoint", "trace_jax.rollout"),
     ("trace_jax.allocation", "trace_jax.rl"),
+    ("trace_jax.configs",),  # the run's typed config and what config files build it from
     ("trace_jax.cluster",),  # where sampling runs beside training (the RL cluster)
     ("trace_jax.job.cli", "trace_jax.job.metrics", "trace_jax.job.heap"),  # the job's console, metrics and heap
     ("trace_jax.job",),
@@ -184,3 +185,26 @@ def test_the_package_root_holds_only_shared_low_level_modules_and_the_commands()
     assert len(root) <= 8
     for command in commands:  # a command only calls trace_jax.job.commands
         assert len((PACKAGE / f"{command}.py").read_text().splitlines()) <= 10
+
+
+def job_imports(source: str) -> list[str]:
+    """The ``trace_jax.job`` modules a source imports (at any depth of the file)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        found += [name for name in names if name == "trace_jax.job" or name.startswith("trace_jax.job.")]
+    return found
+
+
+def test_config_files_build_their_sections_below_the_job():
+    """Config files import ``trace_jax.configs`` (and parts below it), never the job wing: the mutant is a config
+    file that builds a section with ``trace_jax.job.schema.section`` or imports ``RLConfig`` from the job."""
+    assert job_imports("from trace_jax.job.schema import section\nimport trace_jax.job\n") == [
+        "trace_jax.job.schema",
+        "trace_jax.job",
+    ]  # premise: the check sees both forms
+    files = sorted((PACKAGE.parent / "configs").glob("*.py"))
+    assert len(files) >= 6
+    assert {path.name: job_imports(path.read_text()) for path in files} == {path.name: [] for path in files}

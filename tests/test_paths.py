@@ -59,15 +59,15 @@ def test_a_bucket_run_directory_keeps_its_url_through_the_main_job_s_writers(tmp
     """What ``trace_jax.train`` does with ``--workdir=gs://...``: run checks, config, logs mirrored from a local
     folder, an orbax checkpoint, the summary, the finished-run check, and a resume on a fresh host."""
     import jax.numpy as jnp
-    import ml_collections
 
     from trace_jax.checkpoint.state import StateCheckpointer
+    from trace_jax.configs import RLConfig, RunConfig
     from trace_jax.job import build, rundir
     from trace_jax.job.metrics import MetricWriter, read_jsonl
     from trace_jax.job.train import _write_json
 
     monkeypatch.chdir(tmp_path)
-    config = ml_collections.ConfigDict({"rl": {"steps": 1}, "seed": 0})
+    config = RunConfig(rl=RLConfig(steps=1), seed=0)
     with fake_gcs(tmp_path / "gcs") as bucket_root:
         workdir = paths.as_path("gs://bucket/run")
         rundir.check_usable(workdir)

@@ -231,3 +231,25 @@ def test_the_code_keeps_the_layer_order_the_readme_states():
 @pytest.mark.parametrize("title", ["Quick start: the two commands", "The terms the summary uses", "The package"])
 def test_the_guide_sections_exist(title):
     assert section(readme(), title).strip()
+
+
+# ------------------------------------------------------------------------------------------ counts
+NUMBER_WORDS = {6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}
+
+
+def test_the_policy_and_arm_counts_the_readme_states_are_the_codes():
+    """Fails when a policy or an ablation arm is added (or dropped) and the README's count is not."""
+    import importlib.util
+
+    from trace_jax.allocation.policies import POLICIES
+
+    spec = importlib.util.spec_from_file_location("ablation_config", ROOT / "configs" / "ablation.py")
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    text = readme()
+    assert len(POLICIES) >= 6 and len(ablation.ARMS) >= 10  # premise: both tables were read
+    assert f"{NUMBER_WORDS[len(POLICIES)]} allocation policies" in text
+    training = [p for p in POLICIES if p != "oracle"]
+    assert f"the {NUMBER_WORDS[len(training)]} that train" in text
+    assert all(f"`{policy}`" in section(text, "Configs, ablations and overrides") for policy in training)
+    assert f"the {len(ablation.ARMS)} arms of its `ARMS` table" in text

@@ -1,9 +1,10 @@
 """ConfigDict sections <-> the frozen dataclasses each part of the framework is configured with.
 
 A part's defaults live in its dataclass (``WorldConfig``, ``EngineConfig``, ``LossConfig``...);
-``configs/*.py`` start from ``to_config(PartConfig())`` and change only what the recipe needs, and the main
-job turns each section back with ``from_config(PartConfig, config.section)``. Nested dataclasses
-(``EngineConfig.sampling``) become nested sections; tuples become lists and back.
+``configs/*.py`` start from ``to_config(PartConfig())`` (through ``trace_jax.configs.section``) and change only
+what the recipe needs, and the main job turns the whole config back once, into a typed ``RunConfig``
+(``trace_jax.configs``), with ``from_config`` per section. Nested dataclasses (``EngineConfig.sampling``) become
+nested sections; tuples become lists and back.
 """
 
 from __future__ import annotations

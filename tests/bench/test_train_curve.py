@@ -230,13 +230,11 @@ def test_config_file_selects_the_world():
 
 def test_stage_ablation_arms_run_trace_with_one_stage_swapped():
     from trace_jax.allocation.policies import StagedPolicy, make_policy
-    from trace_jax.allocation.scheduler import SchedulerConfig
-    from trace_jax.config_utils import from_config
 
     args = train_curve.parse_args(["--quick", "--config-file", str(train_curve.CONFIG_DIR / "realistic.py")])
     built = {}
     for arm in ("active1_uniform2", "uniform1_active2", "trace"):
-        scheduler = from_config(SchedulerConfig, train_curve.run_config(arm, 0, args).allocation)
+        scheduler = train_curve.run_config(arm, 0, args).allocation
         policy = make_policy(scheduler.policy, **scheduler.policy_kwargs)
         assert isinstance(policy, StagedPolicy)
         built[arm] = (policy.stage1, policy.stage2)
@@ -248,14 +246,11 @@ def test_stage_ablation_arms_run_trace_with_one_stage_swapped():
 
 
 def test_prompt_selection_arms_draw_three_candidates_per_trained_prompt():
-    from trace_jax.allocation.scheduler import SchedulerConfig
-    from trace_jax.config_utils import from_config
-
     args = train_curve.parse_args(["--quick", "--config-file", str(train_curve.CONFIG_DIR / "realistic.py")])
     drawn = {}
     for arm in ("trace_select3", "root_only_select3", "active1_uniform2_select3", "trace"):
         config = train_curve.run_config(arm, 0, args)
-        scheduler = from_config(SchedulerConfig, config.allocation)
+        scheduler = config.allocation
         drawn[arm] = (scheduler.policy, schema.prompts_drawn_per_step(config) / config.rl.prompts_per_step)
     assert drawn == {
         "trace_select3": ("trace", 3.0),
@@ -283,13 +278,11 @@ def test_a_predictor_warm_up_is_charged_on_both_cost_axes():
 
 def test_the_dispersion_arm_gives_the_scheduler_a_predictor_with_a_dispersion_head():
     from trace_jax.allocation.predictor import make_predictor
-    from trace_jax.allocation.scheduler import SchedulerConfig
-    from trace_jax.config_utils import from_config
 
     args = train_curve.parse_args(["--quick", "--config-file", str(train_curve.CONFIG_DIR / "realistic.py")])
     predictors = {}
     for arm in ("trace_select3_warm_dispersion", "trace_select3_warm"):
-        allocation = from_config(SchedulerConfig, train_curve.run_config(arm, 0, args).allocation)
+        allocation = train_curve.run_config(arm, 0, args).allocation
         assert (allocation.candidates_per_prompt, allocation.predictor_warmup_prompts) == (3.0, 96)
         predictors[arm] = make_predictor(allocation.predictor, **allocation.predictor_kwargs)
     assert predictors["trace_select3_warm_dispersion"].dispersion

@@ -56,15 +56,15 @@ def test_an_rl_split_with_kinds_feeds_only_those_kinds_and_validates():
     import pathlib
     import types
 
-    from trace_jax.config_utils import from_config, load_config_file
-    from trace_jax.data.synthetic import KINDS, SyntheticWorld, WorldConfig
+    from trace_jax.config_utils import load_config_file
+    from trace_jax.data.synthetic import KINDS, SyntheticWorld
     from trace_jax.job import recipes, validate
 
     root = pathlib.Path(__file__).resolve().parents[2]
     config = load_config_file(f"{root / 'configs' / 'realistic.py'}:uniform")
     config.rl.split, config.eval.split = "train:chain", "test:chain"
-    validate.validate(config)
-    world = SyntheticWorld(from_config(WorldConfig, config.world))
+    config = validate.validate(config)
+    world = SyntheticWorld(config.world)
     assert {row["kind"] for row in world.questions("train")} == set(KINDS)  # premise: every kind is there
     stream = recipes.source_of(config).prompt_stream(config, types.SimpleNamespace(world=world))
     drawn = [row for _ in range(12) for row in stream.next_batch()]

@@ -18,6 +18,7 @@ from trace_jax.job.cli import Console
 from trace_jax.job.commands import DEFAULT_CONFIG
 from trace_jax.job.metrics import PhaseTimer
 from trace_jax.job.training import Training
+from trace_jax.job.validate import validate
 
 
 class CompileLog(logging.Handler):
@@ -56,7 +57,7 @@ def main(workdir: str, steps: int, overrides: list[str]) -> None:
     logging.getLogger("jax").addHandler(handler)
     logging.getLogger("jax").setLevel(logging.DEBUG)
     config.warm_start.cache_dir = str(pathlib.Path(workdir) / "warm_start_cache")
-    run = Training(config, pathlib.Path(workdir), Console(verbosity=0), PhaseTimer())
+    run = Training(validate(config), pathlib.Path(workdir), Console(verbosity=0), PhaseTimer())
     engine = run.sampler.runner.engine
     per_step, engine_counts = [], []
     for _ in range(steps):

@@ -3,7 +3,8 @@
     python -m tests.job.record_tiny_run
 
 Re-record only when a change to the code is meant to change what the main job computes, and then re-measure the
-default run's figures in the README (``python -m trace_jax.train``) and quote the new digest beside them.
+default run's figures (``python -m trace_jax.train``) in docs/benchmarks.md ("The default run's figures") and the
+README, and quote the new digest there.
 """
 
 import json

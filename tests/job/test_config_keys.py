@@ -1,6 +1,8 @@
 """One key per fact: retired keys are refused with the key that replaces them, derived values are derived, saved
-runs with retired keys still resume and evaluate, and the warm-start keys of the shipped configs stay put."""
+runs with retired keys still resume and evaluate, and the warm-start keys of the shipped configs stay put. The run's
+config is typed once (``RunConfig``), and each recipe shows and takes only the keys it reads."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 from trace_jax.config_utils import from_config, load_config_file
+from trace_jax.configs import RunConfig
 from trace_jax.job import build, rundir, schema, validate, warm_start
 from trace_jax.job.cli import ExitCode, WorkdirError
 from trace_jax.job.commands import train_main
@@ -21,6 +24,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def config_file(name):
     return load_config_file(str(ROOT / "configs" / name))
+
+
+def typed(name):
+    """The shipped config ``name`` as the job reads it: a ``RunConfig``."""
+    return validate.validate(config_file(name))
 
 
 def one_line_error(capsys, *args):
@@ -48,7 +56,7 @@ OLD_DEFAULT = {
 
 def old_run_config(config, **values):
     """``config`` as the ``config.json`` a run with the retired keys wrote (``values`` override OLD_DEFAULT)."""
-    saved = rundir.config_dict(config)
+    saved = rundir.config_dict(validate.validate(config))
     del saved["rl"]["warmup_steps"]
     for key, value in {**OLD_DEFAULT, **values}.items():
         section, _, field = key.partition(".")
@@ -120,21 +128,21 @@ def test_sections_leave_out_the_keys_the_job_sets():
 def test_the_schedule_spans_the_run_in_optimizer_steps():
     default = config_file("default.py")
     assert schema.steps_per_rl_step(default) == UpdateConfig().steps_per_batch == 4
-    assert schema.derived(default) == {"optim.total_steps": 120, "optim.warmup_steps": 2}
+    assert schema.derived(validate.validate(default)) == {"optim.total_steps": 120, "optim.warmup_steps": 2}
     search_r1 = config_file("search_r1.py:qwen3-8b")
-    assert schema.derived(search_r1) == {"optim.total_steps": 4000, "optim.warmup_steps": 40}
+    assert schema.derived(validate.validate(search_r1)) == {"optim.total_steps": 4000, "optim.warmup_steps": 40}
     search_r1.ppo.mini_batches = 3
-    assert schema.derived(search_r1) == {"optim.total_steps": 6000, "optim.warmup_steps": 60}
+    assert schema.derived(validate.validate(search_r1)) == {"optim.total_steps": 6000, "optim.warmup_steps": 60}
     default.rl.steps = 0  # evaluation only: the optimizer still builds
-    assert schema.optimizer_config(default).total_steps == 1
-    shown = schema.describe(config_file("default.py"))
+    assert schema.optimizer_config(validate.validate(default)).total_steps == 1
+    shown = schema.describe(typed("default.py"))
     assert "optim.total_steps = 120  # optimizer steps of the whole run: rl.steps × ppo.ppo_epochs" in shown
 
 
 def test_the_default_runs_learning_rates_are_the_ones_it_always_had():
     # configs/default.py held warmup_steps=2 and total_steps=30 under a constant schedule, which ignores the
     # total: the derived 120 gives the very same learning rate at every step.
-    new = schema.optimizer_config(config_file("default.py"))
+    new = schema.optimizer_config(typed("default.py"))
     old = dict(new.__dict__, total_steps=30, warmup_steps=2)
     steps = np.arange(200)
     np.testing.assert_array_equal(
@@ -147,15 +155,16 @@ def test_the_default_runs_learning_rates_are_the_ones_it_always_had():
 def test_a_run_saved_with_retired_keys_resumes_under_the_new_keys(tmp_path):
     config = config_file("default.py")
     (tmp_path / rundir.CONFIG_FILE).write_text(json.dumps(old_run_config(config), indent=2, sort_keys=True))
-    rundir.check_same_run(tmp_path, config)  # the same run: no error
+    rundir.check_same_run(tmp_path, validate.validate(config))  # the same run: no error
     loaded = build.load_run_config(tmp_path)  # what trace_jax.evaluate and trace_jax.hf export read
-    assert schema.retired_problems(loaded) == [] and validate.problems(loaded) == []
+    assert isinstance(loaded, RunConfig) and loaded == validate.validate(config)
+    assert schema.retired_problems(loaded.to_dict()) == [] and validate.problems(loaded.to_dict()) == []
     assert loaded.rl.warmup_steps == 0.5 and schema.derived(loaded)["optim.warmup_steps"] == 2
-    assert rundir.changed_keys(rundir.config_dict(loaded), config) == []
+    assert rundir.changed_keys(rundir.config_dict(loaded), validate.validate(config)) == []
     changed = config_file("default.py")
     changed.rl.warmup_steps = 1.0
     with pytest.raises(WorkdirError, match=r"rl.warmup_steps: 0.5 -> 1.0"):
-        rundir.check_same_run(tmp_path, changed)
+        rundir.check_same_run(tmp_path, validate.validate(changed))
 
 
 def test_what_a_retired_key_did_is_carried_into_its_replacement():
@@ -189,4 +198,74 @@ WARM_START_KEYS = {
 def test_the_shipped_configs_keep_their_warm_start_keys(monkeypatch, name):
     monkeypatch.setattr(jax, "__version__", "0.10.2")
     monkeypatch.setattr(warm_start, "code_digest", lambda: "code")
-    assert fingerprint(config_file(name)) == WARM_START_KEYS[name]
+    assert fingerprint(typed(name)) == WARM_START_KEYS[name]
+
+
+# ----------------------------------------------------------------------------------------- typed, per recipe
+def test_the_command_line_gives_a_frozen_typed_config_with_the_overrides_applied():
+    """Fails if load_config hands the job a ConfigDict (or a mutable config), or drops an override."""
+    from trace_jax.job.commands import load_config
+
+    config, _ = load_config(["train", "--config.rl.steps=7", "--config.engine.sampling.temperature=0.5"])
+    assert isinstance(config, RunConfig) and config.rl.steps == 7 and config.engine.sampling.temperature == 0.5
+    default = typed("default.py")
+    assert dataclasses.replace(config, rl=dataclasses.replace(config.rl, steps=30), engine=default.engine) == default
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.rl.steps = 8  # type: ignore[misc]
+
+
+def shown_keys(text):
+    """``{key: doc}`` of every ``key = value  # doc`` line of --show-config's output (derived values left out)."""
+    body = text.split("\n[derived]")[0]
+    shown = {}
+    for line in body.splitlines():
+        if " = " in line and not line.startswith("["):
+            key, _, rest = line.partition(" = ")
+            shown[key] = rest.partition("  # ")[2]
+    return shown
+
+
+def test_show_config_documents_every_key_a_recipe_reads_and_none_it_ignores(capsys):
+    """The mutants: a recipe that lists the synthetic world's keys (world.*, tokenizer.*, sft.*, warm_start.*, or
+    rl.pool_size) for a Hugging Face checkpoint, or a key shown with no doc line (``# see ClassName``, the
+    fallback of an undocumented field)."""
+    from trace_jax.job.commands import train_main
+
+    assert schema.field_docs(UpdateConfig)["ppo_epochs"] != "see UpdateConfig"  # premise: docs are parsed
+    undocumented = dataclasses.make_dataclass("Bare", [("size", int, 1)])
+    assert schema.field_docs(undocumented) == {"size": "see Bare"}  # premise: a missing doc is visible
+    synthetic = ("world.", "tokenizer.", "sft.", "warm_start.", "rl.pool_size", "rl.split", "mesh.rollout_cpus")
+    default = shown_keys(schema.describe(typed("default.py")))
+    assert all(any(key.startswith(prefix) for key in default) for prefix in synthetic)  # premise: they exist
+
+    assert train_main(["trace_jax.train", "--config=configs/search_r1.py:qwen3-8b", "--show-config"]) == 0
+    shown = shown_keys(capsys.readouterr().out)
+    assert shown["model.hf_dir"].startswith("a Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE Hugging Face directory")
+    assert {"model.tokenizer_dir", "data.dir", "recipe.kind", "eval.split", "mesh.tensor"} <= set(shown)
+    assert [key for key in shown if key.startswith(synthetic)] == []
+    for name in (default, shown):
+        undocumented = [key for key, doc in name.items() if not doc or doc.startswith("see ")]
+        assert undocumented == [], undocumented
+
+
+@pytest.mark.parametrize(
+    "config, key, reader",
+    [
+        ("configs/search_r1.py:tiny", "world.scale=2", "synthetic"),
+        ("configs/search_r1.py:tiny", "sft.max_steps=5", "synthetic"),
+        ("configs/search_r1.py:tiny", "rl.pool_size=8", "synthetic"),
+        ("configs/default.py", "model.hf_dir=/data/Qwen3-8B", "search_r1"),
+        ("configs/default.py", "data.dir=/data/search_r1", "search_r1"),
+    ],
+)
+def test_an_override_the_recipe_does_not_read_is_refused_naming_the_recipe_that_does(
+    capsys, tmp_path, config, key, reader
+):
+    """Fails if an override of a key the run's recipe ignores is accepted (it would change nothing), or if the
+    error does not say which recipe reads it."""
+    line = one_line_error(capsys, f"--config={config}", f"--config.{key}", f"--workdir={tmp_path / 'run'}")
+    name = key.partition("=")[0]
+    kind = "synthetic" if reader == "search_r1" else "search_r1"
+    assert f"config key '{name}' is not read by this run's recipe (recipe.kind='{kind}')" in line
+    assert f"it is read by the {reader} recipe" in line
+    assert not (tmp_path / "run").exists()

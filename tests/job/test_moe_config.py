@@ -30,6 +30,6 @@ def test_the_qwen3_30b_a3b_recipe_loads_with_experts_split_and_routing_replayed(
     assert validate.problems(config) == []
     assert config.recipe.kind == "search_r1" and config.engine.routing_replay
     assert config.mesh.expert == 8 and PRESETS["qwen3-30b-a3b"].num_experts % config.mesh.expert == 0
-    validate.check_mesh(config, 32)  # fsdp -1 takes the remaining 4 ways
+    validate.check_mesh(validate.validate(config), 32)  # fsdp -1 takes the remaining 4 ways
     dense = load_config_file(str(ROOT / "configs" / "search_r1.py:qwen3-8b"))
-    assert not dense.engine.routing_replay and "expert" not in dense.mesh
+    assert not dense.engine.routing_replay and dense.mesh.expert == 1

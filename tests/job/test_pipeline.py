@@ -2,15 +2,16 @@
 (``trace_jax.cluster.placement``, ``parallel.mesh.split_devices``), the split of a CPU host's cores between a sampling
 process and the trainer (``trace_jax.job.sampling_process``) and the checks that refuse impossible splits."""
 
+import pathlib
 import threading
 import time
 
 import jax
-import ml_collections
 import pytest
 
 from trace_jax.cluster.pipeline import RolloutPipeline, Sampled
 from trace_jax.cluster.placement import Placement
+from trace_jax.configs import MeshConfig, RLConfig, RunConfig
 from trace_jax.job.cli import ConfigError
 from trace_jax.job.sampling_process import split_cpus
 from trace_jax.job.validate import check_mesh, check_sampling_process
@@ -154,10 +155,9 @@ def test_colocated_placement_is_the_training_mesh_and_leaves_weights_alone():
     assert placement.to_engine(weights, layout=None) is weights
 
 
-def _config(rollout_devices, staleness=0, rollout_cpus=0, recipe="synthetic", **axes):
-    mesh = {"data": 1, "fsdp": -1, "tensor": 1, "expert": 1, "rollout_devices": rollout_devices, **axes}
-    mesh["rollout_cpus"] = rollout_cpus
-    return ml_collections.ConfigDict({"mesh": mesh, "rl": {"max_staleness": staleness}, "recipe": {"kind": recipe}})
+def _config(rollout_devices, staleness=0, rollout_cpus=0, **axes):
+    mesh = MeshConfig(**{"rollout_devices": rollout_devices, "rollout_cpus": rollout_cpus, **axes})
+    return RunConfig(mesh=mesh, rl=RLConfig(max_staleness=staleness))
 
 
 @pytest.mark.parametrize(
@@ -199,7 +199,6 @@ def test_the_sampling_process_gets_the_last_cores_and_the_trainer_the_rest():
     [
         (_config(0, rollout_cpus=1), "tpu", 8, "is for CPU hosts, and this backend is tpu"),
         (_config(1, rollout_cpus=1), "cpu", 2, "and mesh.rollout_devices exclude each other"),
-        (_config(0, rollout_cpus=1, recipe="search_r1"), "cpu", 2, "needs the synthetic recipe"),
         (_config(0, rollout_cpus=2), "cpu", 2, "leaves no core to train: this process may use 2; allowed 1 to 1"),
     ],
 )
@@ -209,6 +208,20 @@ def test_a_sampling_process_that_cannot_run_here_is_a_config_error(config, platf
     with pytest.raises(ConfigError) as error:
         check_sampling_process(config, platform, cores)
     assert fragment in str(error.value)
+
+
+def test_a_sampling_process_is_the_synthetic_recipes_alone():
+    """Fails if a search_r1 config (whose world the child could not rebuild) may set mesh.rollout_cpus."""
+    from trace_jax.config_utils import load_config_file
+    from trace_jax.job.validate import problems
+
+    config = load_config_file(f"{pathlib.Path(__file__).resolve().parents[2]}/configs/search_r1.py:tiny")
+    assert problems(config) == []  # premise: the recipe is fine without it
+    config.mesh.rollout_cpus = 1
+    assert problems(config) == [
+        "config.mesh.rollout_cpus=1 is read only by the synthetic recipe; this run's recipe.kind='search_r1' does "
+        "not read it: leave it out"
+    ]
 
 
 def test_a_sampling_process_that_can_run_here_passes():

@@ -40,7 +40,7 @@ from trace_jax.envs.react import (
 )
 from trace_jax.envs.retrieval.retriever import BM25Retriever, HttpRetriever, make_server
 from trace_jax.envs.stops import stop_id_sequences
-from trace_jax.job import build, cli, recipes
+from trace_jax.job import build, cli, recipes, validate
 from trace_jax.job.commands import hf_main
 from trace_jax.job.evaluate import evaluate
 from trace_jax.models import abstract_model
@@ -165,16 +165,18 @@ def test_a_stop_table_over_the_engine_maximum_fails_at_start_with_the_flag_to_ra
     count = len(stop_id_sequences(tokenizer, STOP_TAGS, config.react.max_stop_len))
     assert 2 < count <= config.engine.max_stop_sequences  # premise: several spellings, and they fit
     config.engine.max_stop_sequences = count - 1
+    run = validate.validate(config)
     with pytest.raises(ValueError, match=f"--config.engine.max_stop_sequences={count} or more"):
-        recipes.source_of(config).start(config, tmp_path)
+        recipes.source_of(run).start(run, tmp_path)
 
 
 def test_an_eval_split_the_data_lacks_stops_the_start_with_a_config_error_naming_the_splits(files, tmp_path):
     config = tiny_config(files, kind="bm25", corpus=str(files["corpus"]))
     assert config.eval.split == "test"  # premise: the recipe's default is a split Search-R1 ships
     config.eval.split = "dev"
+    run = validate.validate(config)
     with pytest.raises(cli.ConfigError, match=r"eval.split='dev' .*\['test', 'train'\]") as raised:
-        recipes.source_of(config).start(config, tmp_path)
+        recipes.source_of(run).start(run, tmp_path)
     assert raised.value.exit_code == cli.ExitCode.CONFIG  # exit code 2, before anything is loaded
     assert not (tmp_path / "tfds").exists()
 
@@ -183,7 +185,7 @@ def test_an_eval_split_the_data_lacks_stops_the_start_with_a_config_error_naming
 def greedy_run(files, tmp_path_factory):
     """A greedy runner of the tiny checkpoint in the search_r1 world (BM25 over the corpus in process)."""
     workdir = tmp_path_factory.mktemp("world")
-    config = tiny_config(files, kind="bm25", corpus=str(files["corpus"]))
+    config = validate.validate(tiny_config(files, kind="bm25", corpus=str(files["corpus"])))
     start = recipes.source_of(config).start(config, workdir)
     runner = build.build_runner(config, start.model_config, start.params, start.world, greedy=True)
     return start.world, runner
@@ -198,7 +200,7 @@ def test_the_first_rollout_reads_the_rows_chat_prompt_then_the_sampled_ids_and_o
 
     world, runner = greedy_run
     env, tokenizer = world.env, world.tokenizer
-    config = tiny_config(files, kind="bm25", corpus=str(files["corpus"]))
+    config = validate.validate(tiny_config(files, kind="bm25", corpus=str(files["corpus"])))
     task = recipes.source_of(config).prompt_stream(config, world).next_batch()[0]
     (row,) = [r for r in pq.read_table(files["data"] / "train.parquet").to_pylist() if r["id"] == task["id"]]
     hf_tokenizer = AutoTokenizer.from_pretrained(files["hf"])
@@ -245,7 +247,8 @@ def test_the_engine_turn_ends_at_a_stop_tag_its_id_table_misses_and_the_next_tur
     assert not any(tuple(ids[n - len(s) : n]) == s for s in table for n in range(len(s), len(ids) + 1))  # premise
     model_config, params = load_hf(fixtures.write_checkpoint(tmp_path / "hf", tokenizer, turn))
     spaced = build.build_runner(
-        tiny_config(files, kind="bm25", corpus=str(files["corpus"])), model_config, params, world, greedy=True,
+        validate.validate(tiny_config(files, kind="bm25", corpus=str(files["corpus"]))), model_config, params, world,
+        greedy=True,
         engine=runner.engine,
     )  # fmt: skip
     task = world.world.questions("test")[0]

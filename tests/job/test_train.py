@@ -209,14 +209,18 @@ RECORD = pathlib.Path(__file__).parent / "records" / "tiny_run.json"
 def test_the_tiny_run_prints_its_recorded_summary(finished_run):
     """The tiny run's summary equals the one recorded for this machine's CPU, so a change to the code that
     changes what the main job computes fails here (an edit that computes the same numbers does not: the warm
-    start's cache key, a hash of its code, is left out). The README quotes the default run's figures beside this
-    record's digest: whoever re-records it re-measures the default run (``tests/job/record_tiny_run.py``).
-    XLA compiles for the host CPU, so another CPU may round differently: the record names its CPU."""
+    start's cache key, a hash of its code, is left out). docs/benchmarks.md states the default run's figures, which
+    the README quotes, beside this record's digest: whoever re-records it re-measures the default run
+    (``tests/job/record_tiny_run.py``). XLA compiles for the host CPU, so another CPU may round differently: the
+    record names its CPU."""
     workdir, _ = finished_run
     record = json.loads(RECORD.read_text())
     assert record["flags"] == TINY, "the record was made with other flags: re-record it"
+    figures = (ROOT / "docs" / "benchmarks.md").read_text().partition("## The default run's figures")[2]
+    assert summary_digest(record["summary"]) in figures, "the default run's figures cite another record"
     readme = (ROOT / "README.md").read_text()
-    assert summary_digest(record["summary"]) in readme, "the README's default-run figures cite another record"
+    for figure in ("0.487", "0.547", "0.869", "101,212"):  # the README quotes the figures this record backs
+        assert figure in figures and figure in readme, figure
     if record["cpu"] != cpu_fingerprint():
         pytest.skip(f"the record is of CPU {record['cpu']}; this one is {cpu_fingerprint()}")
     summary = json.loads((workdir / "summary.json").read_text())

@@ -6,10 +6,14 @@ import jax
 import numpy as np
 
 from trace_jax.config_utils import load_config_file
-from trace_jax.job import build, warm_start
-from trace_jax.job.warm_start import fingerprint
+from trace_jax.job import build, validate, warm_start
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def fingerprint(config):
+    """The warm-start key of a config file's ConfigDict (typed first, as the job does)."""
+    return warm_start.fingerprint(validate.validate(config))
 
 
 def tiny_config(cache_dir):
@@ -100,7 +104,7 @@ def test_a_warm_start_is_trained_once_and_reused_by_the_next_run(tmp_path):
 
         return _NoBar()
 
-    first = build.build_warm_start(config, progress=progress)
+    first = build.build_warm_start(validate.validate(config), progress=progress)
     assert first.trained and first.sft.steps == 3 and first.sft.reproducible
     assert bars == [(3, "warm start (SFT)")]
     assert first.entry.directory.parent == tmp_path and first.entry.info()["steps"] == 3
@@ -108,7 +112,7 @@ def test_a_warm_start_is_trained_once_and_reused_by_the_next_run(tmp_path):
 
     ablation = tiny_config(tmp_path)
     ablation.allocation.policy = "uniform"  # another run of the same recipe: the same starting model
-    again = build.build_warm_start(ablation, progress=progress)
+    again = build.build_warm_start(validate.validate(ablation), progress=progress)
     assert not again.trained and again.entry == first.entry and len(bars) == 1
     for a, b in zip(jax.tree.leaves(first.sft.params), jax.tree.leaves(again.sft.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,7 +1,7 @@
 """The shared success predictor ``Ṽψ(H)`` of TRACE: P(success | prefix) for roots and prefixes of every prompt.
 
 It drives allocation only (it never enters the policy loss) and is trained online on the backup targets
-``V̂`` of the trees sampled so far, weighted by the leaves under each anchor (``shared/TRACE.md``).
+``V̂`` of the trees sampled so far, weighted by the leaves under each anchor (``docs/method.md``).
 
 Variants, by config string (:data:`PREDICTORS`):
 

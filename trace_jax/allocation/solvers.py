@@ -1,4 +1,4 @@
-"""The two allocation solvers of TRACE (``shared/TRACE.md``), vectorised numpy on the host.
+"""The two allocation solvers of TRACE (``docs/method.md``), vectorised numpy on the host.
 
 Stage 1 (roots): split ``budget`` rollouts over a batch's prompts to maximise the expected number of mixed
 groups, ``sum_i V_root(i, m_i)`` with ``V_root(v, m) = 1 - v^m - (1 - v)^m`` (and ``V_root(v, 0) = 0``).

@@ -360,7 +360,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-overhead", action="store_true")
     parser.add_argument("--no-predictors", action="store_true", help="skip the predictor calibration table")
     parser.add_argument(
-        "--calibrated", default=None, help="a trace_jax.bench.difficulty JSON: fit the simulator to it (see README)"
+        "--calibrated",
+        default=None,
+        help="a trace_jax.bench.difficulty JSON: fit the simulator to it (docs/evidence.md, 'The fitted simulator')",
     )
     parser.add_argument(
         "--real-curve", default=None, help="a trace_jax.bench.train_curve JSON: real effective ratios per policy"

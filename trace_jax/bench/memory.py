@@ -70,12 +70,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # The first phase measures what importing the job and starting JAX cost, so they are imported here.
     import jax
 
-    from trace_jax.job import commands, training, validate
+    from trace_jax.job import commands, training
 
     cli.quiet_third_party(0)
-    config, _ = commands.load_config(train_argv)
+    config, _ = commands.load_config(train_argv)  # the run's RunConfig, checked
     jax.numpy.zeros(1).block_until_ready()
-    validate.validate(config)
     memory.end("imports + jax runtime")
     console = cli.Console(verbosity=-1)
     with tempfile.TemporaryDirectory() as workdir:

@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"--config.rl.checkpoint_every={steps}",  # block ends are pipeline boundaries; nothing is saved
         "--config.eval.every=0",
     ]
-    config, _ = commands.load_config(["overlap", *bench, *overrides])
-    validate.validate(config)
+    config, _ = commands.load_config(["overlap", *bench, *overrides])  # the run's RunConfig, checked
     validate.check_mesh(config, jax.device_count())
     validate.check_sampling_process(config, jax.default_backend(), len(os.sched_getaffinity(0)))
     blocks: dict[int, list[list[dict[str, float]]]] = {0: [], 1: []}

@@ -41,19 +41,19 @@ import jax
 import numpy as np
 
 from trace_jax.bench.decode import throughput_rows
-from trace_jax.config_utils import from_config, load_config_file
+from trace_jax.config_utils import load_config_file
 from trace_jax.data.prompts import PromptStream
-from trace_jax.job import build
+from trace_jax.job import build, validate
 from trace_jax.job.commands import DEFAULT_CONFIG
-from trace_jax.job.sft import SFTConfig, run_sft
+from trace_jax.job.sft import run_sft
 from trace_jax.rollout.backend import ContinuationRequest
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 
 def _setup(workdir: pathlib.Path):
-    config = load_config_file(str(DEFAULT_CONFIG))
+    config = validate.validate(load_config_file(str(DEFAULT_CONFIG)))  # the default run's RunConfig
     world = build.build_world(config, workdir)
-    sft = run_sft(from_config(SFTConfig, config.sft), world.world, world.tokenizer, workdir, env=world.env)
+    sft = run_sft(config.sft, world.world, world.tokenizer, workdir, env=world.env)
     engine = build.build_engine(config, sft.model_config, sft.params)
     return config, world, engine
 

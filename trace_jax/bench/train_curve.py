@@ -57,7 +57,7 @@ import numpy as np
 from absl import logging as absl_logging
 
 from trace_jax.config_utils import load_config_file
-from trace_jax.job import build, schema
+from trace_jax.job import build, schema, validate
 from trace_jax.job.metrics import format_mean_std, format_table, mean_std_curve, plot_mean_std, read_jsonl
 from trace_jax.job.train import train
 
@@ -503,7 +503,8 @@ def plot(
 
 # ------------------------------------------------------------------------------------------- running
 def run_config(policy: str, seed: int, args: argparse.Namespace):
-    """``<config-file>:<policy>`` with the experiment's budget; the world and SFT settings stay the file's."""
+    """``<config-file>:<policy>`` with the experiment's budget, as the run's ``RunConfig``; the world and SFT
+    settings stay the file's."""
 
     config = load_config_file(f"{args.config_file}:{policy}")
     config.seed = seed
@@ -515,12 +516,12 @@ def run_config(policy: str, seed: int, args: argparse.Namespace):
     config.rl.prompts_per_step = args.prompts
     if args.pool_size:
         config.rl.pool_size = args.pool_size
-    config.rl.steps = schema.steps_for_epochs(config, args.epochs) if args.epochs else args.steps
+    config.rl.steps = schema.steps_for_epochs(validate.validate(config), args.epochs) if args.epochs else args.steps
     config.rl.checkpoint_every = config.rl.steps  # checkpoints are for resuming, not for this comparison
     config.rl.keep_checkpoints = 1
     config.eval.num_questions = args.eval_questions
     config.eval.every = args.eval_every
-    return config
+    return validate.validate(config)
 
 
 def warm_start(args: argparse.Namespace, workdir: pathlib.Path) -> pathlib.Path:

@@ -10,7 +10,8 @@ per-path one): ``first_loss_relative_difference``.
 Trees. The default run's allocation (``configs/default.py``: TRACE policy, its rollout budget, prompts per
 step, advantage estimator) over the ground-truth simulator with turn, observation and prompt lengths within
 the default run's limits (``--prompt-tokens`` etc.; the real run needs an SFT warm start, minutes on CPU),
-chosen so that path tokens / unique tokens is ~1.75, as measured on the default run (1.73x, SCALE.md);
+chosen so that path tokens / unique tokens is ~1.75, as on the default run's trees (docs/benchmarks.md,
+"Tree-packed training");
 more sharing (longer prompts, deeper branching) favours packing further.
 The first ``--warmup`` batches teach the predictor and the cost model, as in a run. Model, batch buckets,
 loss and optimizer are the default config's; one optimizer step (``ppo_epochs = mini_batches = 1``) is timed
@@ -37,16 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
+from trace_jax.allocation.scheduler import TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
-from trace_jax.config_utils import from_config
-from trace_jax.job import schema
-from trace_jax.job.sft import SFTConfig
+from trace_jax.job import schema, validate
 from trace_jax.models import create_model
 from trace_jax.optim import make_optimizer
 from trace_jax.rl.advantages import compute_advantages
-from trace_jax.rl.batch import BatchConfig, build_batch
-from trace_jax.rl.losses import LossConfig
+from trace_jax.rl.batch import build_batch
 from trace_jax.rl.trainer import RLTrainer, UpdateConfig
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "default.py"
@@ -56,7 +54,7 @@ def default_config() -> Any:
     spec = importlib.util.spec_from_file_location("default_config", DEFAULT_CONFIG)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config()
+    return validate.validate(module.get_config())  # the default run's RunConfig
 
 
 def default_trees(config: Any, args: argparse.Namespace) -> list:
@@ -71,7 +69,7 @@ def default_trees(config: Any, args: argparse.Namespace) -> list:
         vocab_size=config.tokenizer.vocab_size,
     )
     sim = Simulator(world, seed=args.seed)
-    scheduler = TreeScheduler(sim, from_config(SchedulerConfig, config.allocation))
+    scheduler = TreeScheduler(sim, config.allocation)
     prompts = args.prompts or config.rl.prompts_per_step
     for _ in range(args.warmup):
         scheduler.run(sim.sample_batch(prompts))
@@ -102,8 +100,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     trees = default_trees(config, args)
     advantages = compute_advantages(config.rl.advantage, trees)
-    loss = from_config(LossConfig, config.loss)
-    model_config = from_config(SFTConfig, config.sft).model_config(config.tokenizer.vocab_size)
+    loss = config.loss
+    model_config = config.sft.model_config(config.tokenizer.vocab_size)
     if args.tiny_model:
         model_config = dataclasses.replace(
             model_config, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16
@@ -116,8 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batches, states = {}, {}
     for name, layout in (("per_path", "paths"), ("packed", "tree")):
         fixed = {"fixed_length": False} if layout == "paths" else {}
-        batch_config = from_config(
-            BatchConfig,
+        batch_config = dataclasses.replace(
             config.batch,
             layout=layout,
             pack_length=args.pack_length,

@@ -92,12 +92,14 @@ def split_kinds(split: str) -> tuple[str, tuple[str, ...]]:
 class WorldConfig:
     """Everything that defines a world. The defaults give ~280 entities and ~1.2k questions.
 
+    seed: seeds every random draw of the world: its entities' names, facts, distractors and questions.
     scale: entity counts are ``ENTITY_COUNTS[type] * scale``.
     distractor_probs: probability that an entity gets 0, 1, 2, ... distractor passages (any length >= 1).
     distractor_style: how a distractor reads (:data:`DISTRACTOR_STYLES`): ``rumour`` ("X is a rumour: E met
       D") or ``lookalike`` ("Rumour about E: its <relation> is D", the relation phrase of a real fact with a
       wrong object, so it competes with E's passage for a query and misleads a reader).
-    max_hops: train / test questions have 1..max_hops hops; ``ood`` has ``ood_hops`` hops.
+    max_hops, ood_hops: train / test questions have 1..max_hops hops; ``ood`` has ``ood_hops`` hops.
+    ood_questions: at most this many ``ood`` (out-of-distribution, ``ood_hops``-hop) questions.
     questions_per_hop: at most this many questions per hop count (1-hop takes every fact up to this).
     hop_weights: when set (length ``max_hops``), chain questions are ``questions_per_hop * max_hops`` in all,
       hop count h getting the share ``hop_weights[h-1] / sum(hop_weights)`` (at most; duplicates are dropped).

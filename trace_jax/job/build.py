@@ -8,28 +8,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import pathlib
 import shutil
 from collections.abc import Callable
 from typing import Any
 
-import ml_collections
 from flax import nnx
 
-from trace_jax.allocation.scheduler import SchedulerConfig, TreeScheduler
+from trace_jax.allocation.scheduler import TreeScheduler
 from trace_jax.cluster.processes import Processes
-from trace_jax.config_utils import from_config
-from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
+from trace_jax.configs import RunConfig
+from trace_jax.data.synthetic import SyntheticWorld
 from trace_jax.data.tokenizer import load_tokenizer, train_world_tokenizer
-from trace_jax.envs.react import ReActConfig, ReActEnv
-from trace_jax.envs.retrieval.retriever import RetrieverConfig, build_retriever
-from trace_jax.job import rundir
-from trace_jax.job.sft import SFTConfig, SFTResult, run_sft
-from trace_jax.job.warm_start import CacheEntry, WarmStartCache, WarmStartConfig, key_material
+from trace_jax.envs.react import ReActEnv
+from trace_jax.envs.retrieval.retriever import build_retriever
+from trace_jax.job import rundir, validate
+from trace_jax.job.sft import SFTResult, run_sft
+from trace_jax.job.warm_start import CacheEntry, WarmStartCache, key_material
 from trace_jax.models import ModelConfig
-from trace_jax.rollout.engine.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.engine import Engine
 from trace_jax.rollout.engine.layout import SamplingLayout
-from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
+from trace_jax.rollout.runner import RolloutRunner
 
 CONFIG_FILE = rundir.CONFIG_FILE
 CHECKPOINTS = rundir.CHECKPOINTS
@@ -44,9 +44,9 @@ class World:
     env: ReActEnv
 
 
-def build_world(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> World:
+def build_world(config: RunConfig, workdir: pathlib.Path) -> World:
     """The synthetic world, its tokenizer (trained once, then reused from ``workdir/tokenizer``) and env."""
-    world = SyntheticWorld(from_config(WorldConfig, config.world))
+    world = SyntheticWorld(config.world)
     tokenizer_dir = workdir / "tokenizer"
     if not (tokenizer_dir / "tokenizer.json").is_file():
         # Trained aside, then renamed: a kill mid-save never leaves a torn tokenizer to be loaded later.
@@ -57,25 +57,23 @@ def build_world(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Wor
         partial.rename(tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
     # BM25 over the world's corpus unless the config's ``retriever`` section names a corpus file or a server.
-    retriever = build_retriever(from_config(RetrieverConfig, config.get("retriever")), rows=world.corpus)
-    env = ReActEnv(tokenizer, retriever, from_config(ReActConfig, config.react))
+    retriever = build_retriever(config.retriever, rows=world.corpus)
+    env = ReActEnv(tokenizer, retriever, config.react)
     return World(world, tokenizer, env)
 
 
-def build_engine(
-    config: ml_collections.ConfigDict, model_config: ModelConfig, params: nnx.State | None = None, *, mesh=None
-) -> Engine:
+def build_engine(config: RunConfig, model_config: ModelConfig, params: nnx.State | None = None, *, mesh=None) -> Engine:
     """The one decode engine of a run (rollouts and evaluation share it, and its KV pool). With a ``mesh`` it
     decodes in the sampling layout (``trace_jax.rollout.engine.layout``); ``params`` become its weights."""
     layout = None if mesh is None else SamplingLayout(mesh)
-    engine = Engine.for_model(model_config, from_config(EngineConfig, config.engine), layout)
+    engine = Engine.for_model(model_config, config.engine, layout)
     if params is not None:
         engine.set_params(params)
     return engine
 
 
 def build_runner(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     model_config: ModelConfig,
     params: nnx.State | None,
     world: World,
@@ -91,11 +89,11 @@ def build_runner(
     overrides: dict[str, Any] = {"eos_ids": () if eos_id is None else (eos_id,), "greedy": greedy}
     if seed is not None:
         overrides["seed"] = seed
-    return RolloutRunner(engine, params, world.env, from_config(RunnerConfig, config.runner, **overrides))
+    return RolloutRunner(engine, params, world.env, dataclasses.replace(config.runner, **overrides))
 
 
-def build_scheduler(config: ml_collections.ConfigDict, backend: Any) -> TreeScheduler:
-    return TreeScheduler(backend, from_config(SchedulerConfig, config.allocation))
+def build_scheduler(config: RunConfig, backend: Any) -> TreeScheduler:
+    return TreeScheduler(backend, config.allocation)
 
 
 @dataclasses.dataclass
@@ -120,7 +118,7 @@ class WarmStart:
 
 
 def build_warm_start(
-    config: ml_collections.ConfigDict, progress: Callable[[int, str], Any] | None = None, notify: Any = None
+    config: RunConfig, progress: Callable[[int, str], Any] | None = None, notify: Any = None
 ) -> WarmStart:
     """The world and SFT policy of ``config``, from the shared cache (trained into it on a miss).
 
@@ -132,13 +130,13 @@ def build_warm_start(
     barrier; all of them take part in the SFT (one program over every device), whose orbax checkpoint they
     write together.
     """
-    entry = WarmStartCache(from_config(WarmStartConfig, config.warm_start).cache_dir).entry(config)
+    entry = WarmStartCache(config.warm_start.cache_dir).entry(config)
     processes = Processes()
     with entry.building(notify) if processes.is_main else contextlib.nullcontext():
         world = build_world(config, entry.directory) if processes.is_main else None
         processes.barrier("warm start: tokenizer written")
         world = world or build_world(config, entry.directory)  # finds process 0's tokenizer
-        sft_config = from_config(SFTConfig, config.sft)
+        sft_config = config.sft
         info = entry.info()
         bar = None if info is not None or progress is None else progress(sft_config.max_steps, "warm start (SFT)")
         try:
@@ -152,13 +150,16 @@ def build_warm_start(
     return start
 
 
-def save_run_config(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> None:
+def save_run_config(config: RunConfig, workdir: pathlib.Path) -> None:
+    """Writes the run's config keys (``RunConfig.to_dict``) to ``workdir/config.json``."""
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / CONFIG_FILE).write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+    (workdir / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
 
 
-def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
+def load_run_config(workdir: pathlib.Path) -> RunConfig:
+    """A saved run's typed config: its ``config.json``, retired keys upgraded (``rundir.read_saved_config``),
+    checked and typed as a command line's is (``validate.validate``)."""
     path = workdir / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{workdir} has no {CONFIG_FILE}: it is not a trace_jax run directory")
-    return ml_collections.ConfigDict(rundir.read_saved_config(path))
+    return validate.validate(rundir.read_saved_config(path))

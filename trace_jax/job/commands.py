@@ -14,7 +14,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
@@ -28,9 +27,9 @@ USAGE = f"""usage: python -m trace_jax.train [--config=FILE[:ARG]] [--workdir=DI
 
 Trains the TRACE agent end to end: warm start (cached), evaluation, RL, evaluation.
 
-The default config on a 2-core CPU: 5-9 minutes (the warm start, about 2 of them, is cached for later runs) and
-a peak resident memory of about 1.5 GB. Each phase's first step compiles its programs: its progress bar says
-"compiling" and shows a rate and ETA once that step is done.
+The default config runs in a few minutes on a 2-core CPU (the README's quick start gives the time and memory
+measured there); its warm start is cached for later runs. Each phase's first step compiles its programs: its
+progress bar says "compiling" and shows a rate and ETA once that step is done.
 
 What the summary prints:
   effective ratio    share of a step's prompts whose rollout tree holds both a success and a failure, so its
@@ -84,11 +83,13 @@ def _fresh_flag_values(argv: list[str]) -> Any:
     return values
 
 
-def load_config(argv: list[str]) -> tuple[ml_collections.ConfigDict, Any]:
-    """The config of a command line (file, then ``--config.x=v`` overrides) and the parsed flags.
+def load_config(argv: list[str]) -> tuple[Any, Any]:
+    """The run's typed config (a ``RunConfig``: the config file, then its ``--config.x=v`` overrides, checked by
+    ``trace_jax.job.validate``) and the parsed flags.
 
     Raises ``MissingFileError`` for a config file that does not exist and ``ConfigError`` for a config file
-    that fails, an unknown key, a value of the wrong type or a stray argument; nothing else is touched.
+    that fails, an unknown key, a key the run's recipe does not read, a value of the wrong type or not allowed,
+    or a stray argument; nothing else is touched.
     """
     spec = flag_value(argv, "config") or str(DEFAULT_CONFIG)
     path = pathlib.Path(spec.partition(":")[0])
@@ -98,12 +99,16 @@ def load_config(argv: list[str]) -> tuple[ml_collections.ConfigDict, Any]:
         base = load_config_file(spec)
     except (ValueError, TypeError, KeyError) as e:
         raise cli.ConfigError(f"--config={spec}: {' '.join(str(e).split())}") from None
-    from trace_jax.job.schema import retired_problems  # the config dataclasses import JAX
+    from trace_jax.configs import retired_problems  # the config dataclasses import JAX
+    from trace_jax.job import validate
 
     overrides = [a for a in argv if a.startswith("--config.")]
     # Retired keys, in the file or on the command line: each error names the key that replaces it.
     keys = [a.split("=", 1)[0].removeprefix("--config.") for a in overrides]
     problems = retired_problems(base) + retired_problems(keys)
+    if problems:
+        raise cli.ConfigError("; ".join(problems))
+    problems = _unread_overrides(overrides, base)
     if problems:
         raise cli.ConfigError("; ".join(problems))
     problems = unknown_overrides(overrides, base)
@@ -119,7 +124,30 @@ def load_config(argv: list[str]) -> tuple[ml_collections.ConfigDict, Any]:
         raise cli.ConfigError(f"{' '.join(str(e).split())} (see --help)") from None
     if len(rest) > 1:
         raise cli.ConfigError(f"unexpected arguments {rest[1:]}; options look like --config.rl.steps=40 (see --help)")
-    return values.config, values
+    return validate.validate(values.config), values
+
+
+def _unread_overrides(overrides: list[str], base: Any) -> list[str]:
+    """One message per ``--config.a.b=v`` whose key the run's recipe (``recipe.kind``, the file's or the command
+    line's) does not read, naming the recipes that do."""
+    from trace_jax.configs import RECIPES, SECTIONS, readers, recipe_kind  # the config dataclasses import JAX
+
+    kind = next(
+        (a.split("=", 1)[1] for a in overrides if a.startswith("--config.recipe.kind=")), recipe_kind(base)
+    ).strip("'\"")
+    if kind not in RECIPES:
+        return []  # the check of recipe.kind says what is allowed
+    messages = []
+    for flag in overrides:
+        key = flag.split("=", 1)[0].removeprefix("--config.")
+        if RECIPES[kind].reads(key) or key.partition(".")[0] not in SECTIONS:
+            continue  # read, or not a key at all (unknown_overrides names the near ones)
+        others = [other for other in readers(key) if other != kind]
+        messages.append(
+            f"config key {key!r} is not read by this run's recipe (recipe.kind={kind!r})"
+            + (f"; it is read by the {' and '.join(others)} recipe" if others else "")
+        )
+    return messages
 
 
 # ------------------------------------------------------------------------------------------ train

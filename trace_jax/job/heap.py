@@ -2,9 +2,9 @@
 
 glibc's allocator keeps freed heap pages for reuse. A training step frees gigabytes of temporaries of many
 sizes (rollout buffers, logits, XLA compilation scratch), so without this the resident size keeps every
-step's high-water mark and grows with fragmentation: measured on the default run, 2.7 GiB resident after the
-first RL step of which 0.9 GiB was live (``python -m trace_jax.bench.memory``). Calling :func:`release` between
-phases keeps the resident size near what is live. A no-op where glibc's ``malloc_trim`` is not available.
+step's high-water mark and grows with fragmentation (the default run's phases, resident and live:
+docs/benchmarks.md, "Memory of the default run", ``python -m trace_jax.bench.memory``). Calling :func:`release`
+between phases keeps the resident size near what is live. A no-op where glibc's ``malloc_trim`` is not available.
 """
 
 from __future__ import annotations

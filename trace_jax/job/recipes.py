@@ -1,6 +1,6 @@
 """Where a run's policy, tokenizer, questions and retriever come from, chosen by ``config.recipe.kind``.
 
-* ``synthetic`` (the default when a config has no ``recipe`` section): the synthetic multi-hop world, a
+* ``synthetic`` (the default): the synthetic multi-hop world, a
   BPE trained on it, and a tiny Qwen3 warm-started by SFT on gold trajectories (``trace_jax.job.sft``).
 * ``search_r1``: a Hugging Face Qwen2/Qwen3 checkpoint (``config.model.hf_dir``) loaded by ``load_hf``
   straight onto the run's mesh, its own tokenizer and chat template, Search-R1 question files read
@@ -26,19 +26,18 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
-import ml_collections
 from flax import nnx
 
 from trace_jax import paths
 from trace_jax.checkpoint.hf import load_hf, save_hf
 from trace_jax.checkpoint.state import StateCheckpointer
-from trace_jax.config_utils import from_config
+from trace_jax.configs import RECIPES, Reads, RunConfig
 from trace_jax.data.prompts import PromptStream
-from trace_jax.data.search_r1 import SearchR1Data, SearchR1DataConfig
+from trace_jax.data.search_r1 import SearchR1Data
 from trace_jax.data.tfds_builders import search_r1_files
 from trace_jax.data.tokenizer import load_tokenizer
-from trace_jax.envs.react import ReActConfig, ReActEnv
-from trace_jax.envs.retrieval.retriever import RetrieverConfig, build_retriever
+from trace_jax.envs.react import ReActEnv
+from trace_jax.envs.retrieval.retriever import build_retriever
 from trace_jax.job import build, cli, schema
 from trace_jax.models import ModelConfig
 from trace_jax.parallel import multihost
@@ -89,10 +88,11 @@ class Start:
 
 class RecipeSource(Protocol):
     splits: tuple[str, ...]  # the splits ``world.world.questions`` knows
+    reads: Reads  # the sections and keys of the run's config it reads (``trace_jax.configs.RECIPES``)
 
     def start(
         self,
-        config: ml_collections.ConfigDict,
+        config: RunConfig,
         workdir: pathlib.Path,
         mesh: Any = None,
         progress: Callable[[int, str], Any] | None = None,
@@ -102,11 +102,11 @@ class RecipeSource(Protocol):
         ``progress`` / ``notify``: console hooks for long work (a warm start)."""
         ...
 
-    def prompt_stream(self, config: ml_collections.ConfigDict, world: build.World) -> Any:
+    def prompt_stream(self, config: RunConfig, world: build.World) -> Any:
         """Training prompt batches: ``next_batch()``, ``state_dict()``, ``load_state_dict(state)``."""
         ...
 
-    def finish(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, policy: Start) -> dict[str, str]:
+    def finish(self, config: RunConfig, workdir: pathlib.Path, policy: Start) -> dict[str, str]:
         """Work after the last step (export); returns what it wrote, by name, for the summary."""
         ...
 
@@ -117,6 +117,7 @@ SOURCES: Registry[type] = Registry("recipe kind")
 @SOURCES.register("synthetic")
 class SyntheticSource:
     splits = ("train", "test", "ood")
+    reads = RECIPES["synthetic"]
 
     def start(self, config, workdir, mesh=None, progress=None, notify=None):
         warm = build.build_warm_start(config, progress=progress, notify=notify)
@@ -138,8 +139,8 @@ class SyntheticSource:
         )
 
     def prompt_stream(self, config, world):
-        rows = world.world.questions(config.rl.get("split", "train"))
-        return PromptStream(rows, schema.prompts_drawn_per_step(config), config.seed, config.rl.get("pool_size", 0))
+        rows = world.world.questions(config.rl.split)
+        return PromptStream(rows, schema.prompts_drawn_per_step(config), config.seed, config.rl.pool_size)
 
     def finish(self, config, workdir, policy):
         return {}
@@ -156,10 +157,10 @@ def _checkpoint_token_ids(hf_dir: str) -> dict[str, Any]:
     return {key: hf_config[key] for key in TOKEN_ID_KEYS if hf_config.get(key) is not None}
 
 
-def _check_splits(config: ml_collections.ConfigDict) -> None:
+def _check_splits(config: RunConfig) -> None:
     """Fails before anything is loaded when ``data.train_split`` or ``eval.split`` is not a file in ``data.dir``
     (a ``cli.ConfigError``: one line naming the splits found)."""
-    data_dir = config.data.get("dir", "")
+    data_dir = config.data.dir
     if not data_dir or not pathlib.Path(data_dir).is_dir():
         return  # SearchR1Data says what is wrong with the directory itself
     found = sorted(search_r1_files(data_dir))
@@ -170,12 +171,12 @@ def _check_splits(config: ml_collections.ConfigDict) -> None:
             )
 
 
-def _tokenizer_dir(config: ml_collections.ConfigDict) -> str:
-    return config.model.get("tokenizer_dir") or _hf_dir(config)
+def _tokenizer_dir(config: RunConfig) -> str:
+    return config.model.tokenizer_dir or _hf_dir(config)
 
 
-def _hf_dir(config: ml_collections.ConfigDict) -> str:
-    hf_dir = config.model.get("hf_dir", "")
+def _hf_dir(config: RunConfig) -> str:
+    hf_dir = config.model.hf_dir
     if not hf_dir:
         raise ValueError("model.hf_dir is empty: pass --config.model.hf_dir=<a Qwen2/Qwen3 Hugging Face directory>")
     if not (pathlib.Path(hf_dir) / "config.json").is_file():
@@ -183,7 +184,7 @@ def _hf_dir(config: ml_collections.ConfigDict) -> str:
     return hf_dir
 
 
-def _check_stop_table(config: ml_collections.ConfigDict, env: ReActEnv, tokenizer_dir: str) -> None:
+def _check_stop_table(config: RunConfig, env: ReActEnv, tokenizer_dir: str) -> None:
     """Fails before any model is loaded when the engine's stop table cannot hold the tokenizer's stop-tag
     spellings (``envs.stops.stop_id_sequences``)."""
     count, limit = len(env.stop_sequences), config.engine.max_stop_sequences
@@ -197,16 +198,17 @@ def _check_stop_table(config: ml_collections.ConfigDict, env: ReActEnv, tokenize
 @SOURCES.register("search_r1")
 class SearchR1Source:
     splits = ("train", "dev", "test")
+    reads = RECIPES["search_r1"]
 
     def start(self, config, workdir, mesh=None, progress=None, notify=None):
         hf_dir = _hf_dir(config)
         _check_splits(config)
         tokenizer = load_tokenizer(_tokenizer_dir(config))
-        retriever = build_retriever(from_config(RetrieverConfig, config.retriever))
-        env = ReActEnv(tokenizer, retriever, from_config(ReActConfig, config.react))
+        retriever = build_retriever(config.retriever)
+        env = ReActEnv(tokenizer, retriever, config.react)
         _check_stop_table(config, env, _tokenizer_dir(config))
-        data = SearchR1Data(from_config(SearchR1DataConfig, config.data), paths.as_path(workdir) / "tfds")
-        dtypes = {k: config.model[k] for k in ("dtype", "param_dtype") if config.model.get(k)}
+        data = SearchR1Data(config.data, paths.as_path(workdir) / "tfds")
+        dtypes = {k: getattr(config.model, k) for k in ("dtype", "param_dtype") if getattr(config.model, k)}
         model_config, params = load_hf(hf_dir, mesh=mesh, **dtypes)
         if len(tokenizer) > model_config.vocab_size:
             raise ValueError(
@@ -221,13 +223,9 @@ class SearchR1Source:
         return Start(world, model_config, params, source, message, facts, hf_dir, _tokenizer_dir(config), token_ids)
 
     def prompt_stream(self, config, world):
-        for key, default in (("pool_size", 0), ("split", "train")):
-            if config.rl.get(key, default) != default:
-                raise ValueError(
-                    f"rl.{key} is for the synthetic recipe; a search_r1 run streams its whole data.train_split"
-                )
-        # Every process reads the whole step's batch: all of them run the scheduler over every tree, and each
-        # samples the trees it owns (``trace_jax.cluster.sharded_rollouts``).
+        # rl.pool_size and rl.split are the synthetic recipe's (``reads``): a search_r1 run streams its whole
+        # data.train_split. Every process reads the whole step's batch: all of them run the scheduler over every
+        # tree, and each samples the trees it owns (``trace_jax.cluster.sharded_rollouts``).
         return world.world.stream(config.data.train_split, schema.prompts_drawn_per_step(config), config.seed, 0, 1)
 
     def finish(self, config, workdir, policy):
@@ -238,15 +236,12 @@ class SearchR1Source:
         return {EXPORT_DIR: str(out)}
 
 
-def source_of(config: ml_collections.ConfigDict) -> RecipeSource:
-    """The source ``config.recipe.kind`` names ("synthetic" when the config has no ``recipe`` section)."""
-    section = config.get("recipe") or {}
-    return SOURCES[section.get("kind", "synthetic")]()
+def source_of(config: RunConfig) -> RecipeSource:
+    """The source ``config.recipe.kind`` names."""
+    return SOURCES[config.recipe.kind]()
 
 
-def latest_policy(
-    config: ml_collections.ConfigDict, workdir: pathlib.Path, mesh: Any = None
-) -> tuple[Start, nnx.State, str]:
+def latest_policy(config: RunConfig, workdir: pathlib.Path, mesh: Any = None) -> tuple[Start, nnx.State, str]:
     """The newest policy of a run: the latest RL checkpoint's params, else the starting policy's; with the
     run's start (world, model config) and a description of which policy it is."""
     start = source_of(config).start(config, paths.as_path(workdir), mesh)

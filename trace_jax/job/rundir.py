@@ -11,12 +11,13 @@ import json
 import os
 import pathlib
 import tempfile
-from typing import Any
-
-import ml_collections
+from typing import TYPE_CHECKING, Any
 
 from trace_jax import paths
 from trace_jax.job.cli import ConfigError, WorkdirError
+
+if TYPE_CHECKING:  # the config dataclasses import JAX
+    from trace_jax.configs import RunConfig
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
@@ -62,12 +63,12 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The config as the JSON ``config.json`` holds (tuples as lists)."""
-    return json.loads(config.to_json_best_effort(sort_keys=True))
+def config_dict(config: RunConfig) -> dict[str, Any]:
+    """The config as the JSON ``config.json`` holds (tuples as lists): ``RunConfig.to_dict``."""
+    return config.to_dict()
 
 
-def changed_keys(saved: dict[str, Any], config: ml_collections.ConfigDict) -> list[str]:
+def changed_keys(saved: dict[str, Any], config: RunConfig) -> list[str]:
     """``key: old -> new`` for each setting both configs have and that differs, ignoring the
     :data:`EXTENSIBLE` keys (keys only one side has come from another code version: not a change of run)."""
     old, new = _flat(saved), _flat(config_dict(config))
@@ -81,14 +82,14 @@ def changed_keys(saved: dict[str, Any], config: ml_collections.ConfigDict) -> li
 
 
 def read_saved_config(path: pathlib.Path) -> dict[str, Any]:
-    """A run's ``config.json``, retired keys mapped to the keys that replace them (``schema.upgrade``): a run
+    """A run's ``config.json``, retired keys mapped to the keys that replace them (``configs.upgrade``): a run
     saved with retired keys resumes and evaluates like any other."""
-    from trace_jax.job.schema import upgrade  # the config dataclasses import JAX
+    from trace_jax.configs import upgrade  # the config dataclasses import JAX
 
     return upgrade(json.loads(path.read_text()))
 
 
-def check_same_run(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
+def check_same_run(workdir: pathlib.Path, config: RunConfig) -> None:
     """Raises :class:`WorkdirError` when ``workdir`` holds a run whose settings differ from ``config``."""
     path = workdir / CONFIG_FILE
     if not path.is_file():
@@ -106,7 +107,7 @@ def check_same_run(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> 
         )
 
 
-def finished_summary(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> dict[str, Any] | None:
+def finished_summary(workdir: pathlib.Path, config: RunConfig) -> dict[str, Any] | None:
     """The summary of a run that already has ``config.rl.steps`` steps, else None (it must run).
 
     Raises :class:`ConfigError` when the workdir is further along than ``rl.steps`` (a run never shrinks).

@@ -13,11 +13,11 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 from jax.sharding import Mesh
 
 from trace_jax.cluster.pipeline import Sampled
 from trace_jax.cluster.processes import Processes
+from trace_jax.configs import RunConfig
 from trace_jax.job import build
 from trace_jax.job.evaluate import evaluate
 from trace_jax.models import ModelConfig
@@ -38,7 +38,7 @@ class SamplingSide:
 
     def __init__(
         self,
-        config: ml_collections.ConfigDict,
+        config: RunConfig,
         world: build.World,
         model_config: ModelConfig,
         prompts: Any,

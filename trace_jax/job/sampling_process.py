@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import ml_collections
 
 from trace_jax.cluster.pipeline import Sampled
 from trace_jax.cluster.processes import Processes
+from trace_jax.configs import RunConfig
 from trace_jax.job import build, recipes
 from trace_jax.job.sampling import SamplingSide
 from trace_jax.models import ModelConfig
@@ -73,7 +73,7 @@ class SamplingProcess:
 
     layout = None  # the engine's layout lives in the child; the weights cross as host arrays
 
-    def __init__(self, config: ml_collections.ConfigDict, model_config: ModelConfig, world_dir: str, cpus: int):
+    def __init__(self, config: RunConfig, model_config: ModelConfig, world_dir: str, cpus: int):
         sampling, training = split_cpus(cpus)
         self._restore = sorted(os.sched_getaffinity(0))
         context = multiprocessing.get_context("spawn")
@@ -157,9 +157,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _SIGKILL)
 
 
-def serve(
-    conn: Any, config: ml_collections.ConfigDict, model_config: ModelConfig, world_dir: str, cores: list[int]
-) -> None:
+def serve(conn: Any, config: RunConfig, model_config: ModelConfig, world_dir: str, cores: list[int]) -> None:
     """The child's main: pins itself, builds the sampling side, then answers calls until told to close."""
     _die_with_parent()
     pin_threads(cores)  # before JAX's backend starts its threads: they inherit it

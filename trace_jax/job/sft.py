@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax.checkpoint.state import StateCheckpointer
+from trace_jax.configs.sections import SFTConfig
 from trace_jax.data.synthetic import SyntheticWorld
 from trace_jax.envs.react import ReActConfig, ReActEnv, render_trajectory
 from trace_jax.envs.retrieval.retriever import BM25Retriever, Retriever
@@ -40,50 +41,6 @@ from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import batch_sharding, create_sharded, make_mesh
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTConfig:
-    """Settings of the warm start.
-
-    model: a ``ModelConfig`` preset name; its ``vocab_size`` is replaced by the tokenizer's.
-    model_overrides: ModelConfig fields to change (e.g. ``(("hidden_size", 128),)``).
-    react: a ``ReActConfig`` preset name for rendering when ``run_sft`` gets no env (it must match the env
-      the RL job uses; passing that env is the safe way).
-    split: the world split whose gold trajectories are trained on.
-    practice_worlds: also train on the same split of this many relabeled copies of the world (names
-      shuffled within each type, ``WorldConfig.relabel_seed``). Their facts contradict each other by name,
-      so the policy cannot answer from memory and must learn to copy from the question and the passages,
-      which is what transfers to unseen questions.
-    embed_init_std: re-draw the (tied) embedding with this std before training; None keeps the model's
-      init. With unit-variance tied embeddings a fresh model's logits have std ~sqrt(hidden), an initial
-      loss of ~50 nats, and the first hundred steps go to undoing that.
-    max_steps: the number of training steps; the learning-rate schedule is laid out over them.
-    time_budget_s: None (the default) trains exactly ``max_steps`` steps, reproducibly. A number of seconds
-      stops training early once that much wall time has passed: faster on a slow machine, but the model then
-      depends on the machine and its load (``SFTResult.reproducible`` is False when the budget stopped it).
-    """
-
-    model: str = "qwen3-tiny"
-    model_overrides: tuple[tuple[str, Any], ...] = ()
-    react: str = "synthetic"
-    split: str = "train"
-    practice_worlds: int = 1
-    batch_size: int = 8
-    learning_rate: float = 6e-3
-    warmup_steps: int = 30
-    max_steps: int = 1000
-    time_budget_s: float | None = None
-    weight_decay: float = 0.0
-    embed_init_std: float | None = 0.05
-    bucket_multiple: int = 128
-    seed: int = 0
-    log_every: int = 50
-
-    def model_config(self, vocab_size: int) -> ModelConfig:
-        overrides = dict(self.model_overrides)
-        overrides.setdefault("vocab_size", vocab_size)
-        return ModelConfig.preset(self.model, **overrides)
 
 
 @dataclasses.dataclass

@@ -32,12 +32,11 @@ import sys
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from etils import epath
 
 from trace_jax import paths
-from trace_jax.config_utils import from_config
+from trace_jax.configs import RunConfig
 from trace_jax.job import build, heap, rundir, validate
 from trace_jax.job.cli import TERMINATION, Console, Interrupted, Preempted
 from trace_jax.job.metrics import (
@@ -98,10 +97,11 @@ def _write_json(path: epath.Path, value: Any) -> None:
     tmp.replace(path)  # atomic: summary.json marks a finished run, so it is never half written
 
 
-def train(
-    config: ml_collections.ConfigDict, workdir: str | os.PathLike, console: Console | None = None
-) -> dict[str, Any]:
+def train(config: Any, workdir: str | os.PathLike, console: Console | None = None) -> dict[str, Any]:
     """Runs, resumes or extends the run in ``workdir``; returns its summary (also ``workdir/summary.json``).
+
+    ``config`` is the run's ``RunConfig`` (``trace_jax.job.commands.load_config``); a config file's ConfigDict
+    (a benchmark's, a test's) is checked and typed here first (``validate.validate``).
 
     A finished run (its ``summary.json`` has ``config.rl.steps`` steps) is left untouched and its summary
     returned. Raises :class:`trace_jax.job.cli.UserError` subclasses for an unusable workdir or config, and
@@ -110,9 +110,9 @@ def train(
 
     console = console if console is not None else Console()
     workdir = paths.as_path(workdir)  # gs://bucket/run stays a URL (pathlib.Path would make it gs:/bucket/run)
-    validate.validate(config)
+    config = validate.validate(config)
     # Before anything touches a device: with several processes, each joins the job here.
-    distributed.initialize(from_config(distributed.DistributedConfig, config.distributed))
+    distributed.initialize(config.distributed)
     rundir.check_usable(workdir)
     rundir.check_same_run(workdir, config)
     logs = paths.LocalMirror(workdir)  # logs, events and plots are written locally; a bucket gets copies
@@ -153,9 +153,7 @@ def _stop_requested(run: Training) -> bool:
     return run.processes.reduce({"stop": float(TERMINATION.requested)})["stop"] > 0
 
 
-def _train(
-    config: ml_collections.ConfigDict, workdir: epath.Path, console: Console, logs: paths.LocalMirror
-) -> dict[str, Any]:
+def _train(config: RunConfig, workdir: epath.Path, console: Console, logs: paths.LocalMirror) -> dict[str, Any]:
     validate.check_mesh(config, jax.device_count(), jax.process_count())
     validate.check_sampling_process(config, jax.default_backend(), len(os.sched_getaffinity(0)))
     console.log(f"start: {' '.join(sys.argv[1:]) or '(defaults)'}")

@@ -5,20 +5,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import time
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.cluster.pipeline import RolloutPipeline
 from trace_jax.cluster.placement import Placement
 from trace_jax.cluster.processes import Processes
-from trace_jax.config_utils import from_config
+from trace_jax.configs import RunConfig
 from trace_jax.job import recipes, rundir, schema
 from trace_jax.job.cli import Console
 from trace_jax.job.sampling import SamplingSide
@@ -27,11 +27,9 @@ from trace_jax.models import abstract_model
 from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import shard_state
 from trace_jax.rl.advantages import compute_advantages
-from trace_jax.rl.batch import BatchConfig, build_batch
-from trace_jax.rl.losses import LossConfig
-from trace_jax.rl.trainer import RLTrainer, UpdateConfig
+from trace_jax.rl.batch import build_batch
+from trace_jax.rl.trainer import RLTrainer
 from trace_jax.rollout import figures
-from trace_jax.rollout.engine.engine import EngineConfig
 from trace_jax.rollout.tree import RolloutTree
 
 
@@ -39,7 +37,7 @@ def eval_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {f"eval/em/{row['group']}" if row["group"] != "all" else "eval/em": row["em"] for row in rows}
 
 
-def evaluates_after(config: ml_collections.ConfigDict, step: int) -> bool:
+def evaluates_after(config: RunConfig, step: int) -> bool:
     """Whether the held-out evaluation runs after RL step ``step`` (every ``eval.every`` steps and the last)."""
     return step == config.rl.steps or bool(config.eval.every and step % config.eval.every == 0)
 
@@ -58,10 +56,11 @@ def staleness(trees: list[RolloutTree], version: int) -> dict[str, float]:
 class Training:
     """Everything one run holds between steps, and the step itself."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, console: Console, timer: Any):
+    def __init__(self, config: RunConfig, workdir: pathlib.Path, console: Console, timer: Any):
         self.config, self.workdir, self.console, self.timer = config, workdir, console, timer
         self.step = 0  # RL updates done: the trainer's policy version
-        self.placement = Placement.of(config.mesh)  # which devices train, and which sample (if apart)
+        # Which devices train, and which sample (if apart).
+        self.placement = Placement.of(dataclasses.asdict(config.mesh))
         self.mesh = self.placement.train_mesh
         self.processes = Processes()  # one or several JAX processes: who samples what, who writes
         # config.recipe.kind: the synthetic world + SFT warm start, or a HF checkpoint + Search-R1 data.
@@ -74,25 +73,24 @@ class Training:
             self.model_config = self.start.model_config
             params = shard_state(self.start.params, self.mesh)
             self.start.params = None  # the train state holds the policy from here on
-            loss_config = from_config(LossConfig, config.loss)
+            loss_config = config.loss
             self.trainer = RLTrainer(
                 abstract_model(self.model_config)[0],
                 make_optimizer(schema.optimizer_config(config)),  # the schedule in optimizer steps, from rl.*
                 loss_config,
                 mesh=self.mesh,
                 reference_params=params if loss_config.kl_coef else None,  # the trainer keeps its own copy
-                update=from_config(UpdateConfig, config.ppo),
-                sampling=from_config(EngineConfig, config.engine).sampling,  # the policy trained is the one sampled
+                update=config.ppo,
+                sampling=config.engine.sampling,  # the policy trained is the one sampled
                 # None: the trainer's own default chunk.
-                **({} if config.rl.get("logprob_chunk") is None else {"logprob_chunk": config.rl.logprob_chunk}),
+                **({} if config.rl.logprob_chunk is None else {"logprob_chunk": config.rl.logprob_chunk}),
             )
             self.state = self.trainer.init_state(params, jax.random.key(config.seed))
             del params
             # Rows padded to whole micro-batches of ``ppo.micro_rows``, what ``update`` runs (it drops the padding
             # rows and cuts the rest into fixed micro-batches itself), so the tree packing keeps the cut of the
             # trees that fills fewer of them (``trace_jax.rl.packing.tree_layout``).
-            self.batch_config = from_config(
-                BatchConfig,
+            self.batch_config = dataclasses.replace(
                 config.batch,
                 row_buckets=None,
                 row_multiple=self.trainer.micro_rows,
@@ -109,7 +107,7 @@ class Training:
             )
             # Where nothing may be in flight: a checkpoint, an evaluation, the last step (trace_jax.cluster.pipeline).
             boundary = lambda step: self.checkpointer.should_save(step) or evaluates_after(config, step)
-            self.pipeline = RolloutPipeline(self.sampler.sample, config.rl.get("max_staleness", 0), boundary)
+            self.pipeline = RolloutPipeline(self.sampler.sample, config.rl.max_staleness, boundary)
         self.resumes = 0
         self.slowest_save_s = 0.0  # wall-clock seconds of the slowest checkpoint so far (the SIGTERM grace)
         self.eval_before: list[dict[str, Any]] = []
@@ -273,7 +271,7 @@ class Training:
         """The sampling side: in this process (``SamplingSide``), or in one of its own on its own cores
         (``mesh.rollout_cpus``, ``SamplingProcess``)."""
         config = self.config
-        cpus = config.mesh.get("rollout_cpus", 0)
+        cpus = config.mesh.rollout_cpus
         if cpus:
             return SamplingProcess(config, self.model_config, self.start.directory, cpus)
         prompts = self.source.prompt_stream(config, self.world)

@@ -1,39 +1,38 @@
-"""Checks a main-job config before any work starts; a problem is one line naming the key and what is allowed.
+"""Turns a config file's ConfigDict into the run's typed ``RunConfig``, checking it once; a problem is one line
+naming the key and what is allowed.
 
 Each check lives in one place. :data:`RULES` hold the main job's checks, one per key whose bad values would
-only fail later (or silently do nothing): negative step counts, zero budgets, unknown registry names. The
-parts that are also built outside the main job (engine, sampling, batch, loss, ppo, allocation, world,
-ReAct, retriever) check their own dataclass in its ``__post_init__``; every section must build its dataclass
-(``schema.SECTIONS``: unknown fields, those self-checks), and no rule repeats a self-check. A section with a
-key that breaks a rule is not built (its self-checks could trip on the same value). Retired keys are refused
-first, each naming the key that replaces it (``schema.RETIRED``). The mesh is checked against
-the devices separately (:func:`check_mesh`), once the devices are known.
+only fail later (or silently do nothing): negative step counts, zero budgets, unknown registry names; they read
+the typed fields. The parts that are also built outside the main job (engine, sampling, batch, loss, ppo,
+allocation, world, ReAct, retriever) check their own dataclass in its ``__post_init__``; every section the
+recipe reads must build its dataclass (``trace_jax.configs.SECTIONS``: unknown fields, those self-checks), and
+no rule repeats a self-check. A section with a key that breaks a rule is not built (its self-checks could trip
+on the same value). Retired keys are refused first, each naming the key that replaces it (``RETIRED``), and a
+key the recipe does not read may not be set (``RECIPES``). The mesh is checked against the devices separately
+(:func:`check_mesh`), once the devices are known.
 
-    validate(config)                  # raises ConfigError("rl.steps=-1: allowed: an integer >= 0 ...")
-    check_mesh(config, jax.device_count())
+    run = validate(config)            # a RunConfig, or ConfigError("config.rl.steps=-1 is not allowed: ...")
+    check_mesh(run, jax.device_count())
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
-
-import ml_collections
 
 from trace_jax.allocation.policies import POLICIES
 from trace_jax.allocation.predictor import PREDICTORS
-from trace_jax.config_utils import from_config
-from trace_jax.data.synthetic import KINDS, SyntheticWorld, WorldConfig, split_kinds
+from trace_jax.configs import RECIPES, SECTIONS, RunConfig, build_section, recipe_kind, retired_problems
+from trace_jax.data.synthetic import KINDS, SyntheticWorld, split_kinds
 from trace_jax.envs.react import TAGS
 from trace_jax.job.cli import ConfigError
-from trace_jax.job.schema import SECTIONS, prompts_drawn_per_step, retired_problems
+from trace_jax.job.schema import prompts_drawn_per_step
 from trace_jax.models import PRESETS
 from trace_jax.parallel.mesh import MESH_AXES
 from trace_jax.rl.advantages import ESTIMATORS
-from trace_jax.rl.batch import BatchConfig, check_objective
-from trace_jax.rl.losses import LossConfig
+from trace_jax.rl.batch import check_objective
 
 
 def _is_int(value: Any) -> bool:
@@ -173,34 +172,32 @@ RULES: list[Rule] = [
 ]
 
 
-def _get(config: ml_collections.ConfigDict, dotted: str) -> tuple[bool, Any]:
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
+def _get(typed: dict[str, Any], config: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
+    """The value of ``dotted``: the typed section's field when the section built, else the raw value."""
+    name, _, field = dotted.partition(".")
+    if name in typed:
+        return True, getattr(typed[name], field)
+    try:
+        return True, config[name][field] if field else config[name]
+    except KeyError:
+        return False, None
 
 
-def _objective_problems(config: ml_collections.ConfigDict) -> list[str]:
+def _objective_problems(config: RunConfig) -> list[str]:
     """An estimator × loss × batch layout whose packed gradient is not the per-path one (rl.batch.check_objective)."""
 
     try:
-        check_objective(
-            config.rl.advantage, from_config(LossConfig, config.loss), from_config(BatchConfig, config.batch)
-        )
+        check_objective(config.rl.advantage, config.loss, config.batch)
     except ValueError as e:
         return [" ".join(str(e).split())]
     return []
 
 
-def _routing_problems(config: ml_collections.ConfigDict) -> list[str]:
+def _routing_problems(config: RunConfig) -> list[str]:
     """``engine.routing_replay`` with a dense policy preset (``sft.model``, the synthetic recipe's policy): there
     is no router to record. A checkpoint's policy (recipe.kind=search_r1) is checked by the engine it builds."""
-    on, replay = _get(config, "engine.routing_replay")
-    named, preset = _get(config, "sft.model")
-    synthetic = _get(config, "recipe.kind")[1] in (None, "synthetic")
-    if not (on and replay and named and synthetic and preset in PRESETS) or PRESETS[preset].routing_shape:
+    preset = config.sft.model
+    if config.recipe.kind != "synthetic" or not config.engine.routing_replay or PRESETS[preset].routing_shape:
         return []
     return [
         f"config.engine.routing_replay=True records a mixture of experts' routing, but sft.model={preset!r} is "
@@ -208,16 +205,16 @@ def _routing_problems(config: ml_collections.ConfigDict) -> list[str]:
     ]
 
 
-def _prompt_problems(config: ml_collections.ConfigDict) -> list[str]:
+def _prompt_problems(config: RunConfig) -> list[str]:
     """Synthetic recipe: an RL split (``rl.split``) or an evaluation split (``eval.split``) with no question (a kind
     the world has none of), a prompt pool (``rl.pool_size``) larger than the RL split, or smaller than the prompts
     one step draws. Sizes need the world built (about a second): only a run with a pool or a split of its own pays."""
-    if (config.get("recipe") or {}).get("kind", "synthetic") != "synthetic":
+    if config.recipe.kind != "synthetic":
         return []
-    pool, name, evaluated = config.rl.get("pool_size", 0), config.rl.get("split", "train"), config.eval.split
+    pool, name, evaluated = config.rl.pool_size, config.rl.split, config.eval.split
     if not pool and name == "train" and ":" not in evaluated:
         return []
-    world = SyntheticWorld(from_config(WorldConfig, config.world))
+    world = SyntheticWorld(config.world)
     sizes = {("rl.split", name): len(world.questions(name)), ("eval.split", evaluated): len(world.questions(evaluated))}
     empty = [f"config.{key}={value!r} holds no question in this world" for (key, value), n in sizes.items() if not n]
     if empty:
@@ -242,53 +239,88 @@ def _prompt_problems(config: ml_collections.ConfigDict) -> list[str]:
     return []
 
 
-def problems(config: ml_collections.ConfigDict) -> list[str]:
-    """Every problem of ``config``, one line each (empty when it is fine)."""
-    found = retired_problems(config)
-    if found:  # the sections would not build with these keys in them; the rest waits for the fix
-        return found
-    broken = set()
-    for rule in RULES:
-        present, value = _get(config, rule.key)
-        if present and not rule.ok(value):
-            found.append(rule.message(value))
-            broken.add(rule.key.partition(".")[0])
-    for name, cls in SECTIONS.items():
-        if name not in config:
-            found.append(f"config has no section {name!r} (the main job needs {', '.join(SECTIONS)})")
-        elif name not in broken:
-            try:
-                from_config(cls, config[name])
-            except (TypeError, ValueError) as e:
-                found.append(f"config.{name}: {' '.join(str(e).split())}")
-    if not found and {"loss", "batch", "rl"} <= set(config.keys()):
-        found.extend(_objective_problems(config))
-    found.extend(_routing_problems(config))
-    if not found and {"rl", "world", "allocation", "eval"} <= set(config.keys()):
-        found.extend(_prompt_problems(config))
-    mesh = [config.mesh.get(axis) for axis in MESH_AXES] if "mesh" in config else []
+def _mesh_problems(config: RunConfig) -> list[str]:
+    mesh = [getattr(config.mesh, axis) for axis in MESH_AXES]
     if mesh.count(-1) > 1:
-        found.append(f"config.mesh has {mesh.count(-1)} axes set to -1: at most one axis may be -1")
+        return [f"config.mesh has {mesh.count(-1)} axes set to -1: at most one axis may be -1"]
+    return []
+
+
+def _unread_problems(config: Mapping[str, Any], kind: str) -> list[str]:
+    """A key of a section the recipe reads that only another recipe reads, set to other than its default."""
+    found = []
+    for dotted, reader in RECIPES[kind].skipped.items():
+        name, _, field = dotted.partition(".")
+        if name in config and field in config[name]:
+            value = config[name][field]
+            if value != getattr(SECTIONS[name](), field):
+                found.append(
+                    f"config.{dotted}={value!r} is read only by the {reader} recipe; this run's recipe.kind={kind!r} "
+                    "does not read it: leave it out"
+                )
     return found
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
-    """Raises :class:`ConfigError` listing every problem of ``config`` on one line."""
+def problems(config: Mapping[str, Any]) -> list[str]:
+    """Every problem of ``config`` (a config file's ConfigDict, or a saved run's dict), one line each (empty when
+    it is fine)."""
+    found = retired_problems(config)
+    if found:  # the sections would not build with these keys in them; the rest waits for the fix
+        return found
+    kind = recipe_kind(config)
+    if kind not in RECIPES:
+        return [f"config.recipe.kind={kind!r} is not allowed: one of {', '.join(RECIPES)}"]
+    reads = RECIPES[kind]
+    found = _unread_problems(config, kind)
+    typed: dict[str, Any] = {}
+    unbuilt: dict[str, str] = {}
+    missing = []
+    for name in reads.sections:
+        if name not in config:
+            if name != "recipe":  # no recipe section: the synthetic recipe
+                missing.append(f"config has no section {name!r} (the {kind} recipe reads {', '.join(reads.sections)})")
+            continue
+        try:
+            typed[name] = build_section(name, config[name], reads)
+        except Exception as e:  # a self-check tripping on a value a rule below refuses (engine.max_len=0: a modulo)
+            unbuilt[name] = " ".join(str(e).split()) if isinstance(e, TypeError | ValueError) else repr(e)
+    broken = set()
+    for rule in RULES:
+        if not reads.reads(rule.key):
+            continue
+        present, value = _get(typed, config, rule.key)
+        if present and not rule.ok(value):
+            found.append(rule.message(value))
+            broken.add(rule.key.partition(".")[0])
+    found += missing
+    found += [f"config.{name}: {message}" for name, message in unbuilt.items() if name not in broken]
+    if found:
+        return found
+    run = RunConfig.build(config)
+    return _objective_problems(run) + _routing_problems(run) + _prompt_problems(run) + _mesh_problems(run)
+
+
+def validate(config: Any) -> RunConfig:
+    """The typed ``RunConfig`` of ``config`` (a ConfigDict or a dict; a ``RunConfig`` is returned as it is).
+    Raises :class:`ConfigError` listing every problem of ``config`` on one line."""
+    if isinstance(config, RunConfig):
+        return config
     found = problems(config)
     if found:
         raise ConfigError("; ".join(found))
+    return RunConfig.build(config)
 
 
-def check_mesh(config: ml_collections.ConfigDict, device_count: int, process_count: int = 1) -> None:
+def check_mesh(config: RunConfig, device_count: int, process_count: int = 1) -> None:
     """Raises :class:`ConfigError` unless the sampling devices (``mesh.rollout_devices``) leave at least one
     device to train, and the mesh axes fit the training devices exactly; a split placement and sampling ahead
     (``rl.max_staleness``) need one process."""
-    sampling = config.mesh.get("rollout_devices", 0)
+    sampling = config.mesh.rollout_devices
     if process_count > 1:
         apart = {
             "mesh.rollout_devices": sampling,
-            "mesh.rollout_cpus": config.mesh.get("rollout_cpus", 0),
-            "rl.max_staleness": config.rl.get("max_staleness", 0),
+            "mesh.rollout_cpus": config.mesh.rollout_cpus,
+            "rl.max_staleness": config.rl.max_staleness,
         }
         for key, value in apart.items():
             if value:
@@ -302,7 +334,7 @@ def check_mesh(config: ml_collections.ConfigDict, device_count: int, process_cou
             f"available; allowed 0 (colocated) to {device_count - 1}"
         )
     training = device_count - sampling
-    sizes = {axis: config.mesh.get(axis, 1) for axis in MESH_AXES}
+    sizes = {axis: getattr(config.mesh, axis) for axis in MESH_AXES}
     known = math.prod(s for s in sizes.values() if s != -1)
     fits = training % known == 0 if -1 in sizes.values() else known == training
     if not fits:
@@ -318,18 +350,16 @@ def check_mesh(config: ml_collections.ConfigDict, device_count: int, process_cou
         )
 
 
-def check_sampling_process(config: ml_collections.ConfigDict, platform: str, cores: int) -> None:
+def check_sampling_process(config: RunConfig, platform: str, cores: int) -> None:
     """Raises :class:`ConfigError` unless ``mesh.rollout_cpus`` (sampling in a process of its own) can run here:
-    a CPU backend (``platform``), the synthetic recipe, no ``mesh.rollout_devices``, and a core left to train
-    of the ``cores`` this process may use."""
-    cpus = config.mesh.get("rollout_cpus", 0)
+    a CPU backend (``platform``), no ``mesh.rollout_devices``, and a core left to train of the ``cores`` this
+    process may use. (Only the synthetic recipe reads ``mesh.rollout_cpus``: the child rebuilds its world.)"""
+    cpus = config.mesh.rollout_cpus
     if not cpus:
         return
-    recipe = (config.get("recipe") or {}).get("kind", "synthetic")
     found = [
         (platform != "cpu", f"is for CPU hosts, and this backend is {platform}: pass mesh.rollout_devices instead"),
-        (config.mesh.get("rollout_devices", 0), "and mesh.rollout_devices exclude each other: pass one of them"),
-        (recipe != "synthetic", f"needs the synthetic recipe (the child rebuilds its world), not {recipe!r}"),
+        (config.mesh.rollout_devices, "and mesh.rollout_devices exclude each other: pass one of them"),
         (cpus >= cores, f"leaves no core to train: this process may use {cores}; allowed 1 to {cores - 1}"),
     ]
     problems = [f"config.mesh.rollout_cpus={cpus} {why}" for failed, why in found if failed]

@@ -38,6 +38,8 @@ from typing import Any
 import jax
 
 from trace_jax import paths
+from trace_jax.configs import RunConfig
+from trace_jax.configs.sections import WarmStartConfig  # noqa: F401  (re-exported: where it used to live)
 
 # Bump when something outside CODE changes what a given config trains into (a dependency's behaviour, the
 # cache layout); changes to CODE move the key by themselves.
@@ -50,6 +52,7 @@ FORMAT_VERSION = 1
 # retrains nothing. Code left out that does change the numbers needs a FORMAT_VERSION bump.
 CODE = (
     "job/sft.py",
+    "configs/sections.py",  # SFTConfig.model_config: the policy's architecture
     "data/synthetic.py",
     "data/tokenizer.py",
     "envs/react.py",
@@ -64,25 +67,10 @@ KEY_SECTIONS = ("world", "tokenizer", "react", "retriever", "sft")
 INFO_FILE = "warm_start.json"
 
 
-@dataclasses.dataclass(frozen=True)
-class WarmStartConfig:
-    """Where warm starts are kept.
-
-    cache_dir: directory shared by all runs (``~`` expands); one subdirectory per warm-start key. Not part
-      of any key: moving the cache moves nothing else.
-    """
-
-    cache_dir: str = "~/.cache/trace_jax/warm_start"
-
-
-def key_material(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON-able values the warm start depends on (the hashed input of :func:`fingerprint`)."""
-    sections = {}
-    for name in KEY_SECTIONS:
-        if name not in config:  # an optional section (``retriever``) left at its defaults
-            continue
-        section = config[name]
-        sections[name] = section.to_dict() if hasattr(section, "to_dict") else dict(section)
+def key_material(config: RunConfig) -> dict[str, Any]:
+    """The JSON-able values the warm start depends on (the hashed input of :func:`fingerprint`): the
+    :data:`KEY_SECTIONS` of the run's config as dicts of their fields, the format and jax versions, the code."""
+    sections = {name: dataclasses.asdict(getattr(config, name)) for name in KEY_SECTIONS}
     return {"format_version": FORMAT_VERSION, "jax": jax.__version__, "code": code_digest(), **sections}
 
 
@@ -121,7 +109,7 @@ def code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def fingerprint(config: Mapping[str, Any]) -> str:
+def fingerprint(config: RunConfig) -> str:
     """A 16-hex-digit key of :func:`key_material` (sorted-key JSON, sha256)."""
     text = json.dumps(key_material(config), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -187,6 +175,6 @@ class WarmStartCache:
             )
         self.root = pathlib.Path(cache_dir).expanduser().absolute()
 
-    def entry(self, config: Mapping[str, Any]) -> CacheEntry:
+    def entry(self, config: RunConfig) -> CacheEntry:
         key = fingerprint(config)
         return CacheEntry(key, self.root / key)

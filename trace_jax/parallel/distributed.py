@@ -22,7 +22,14 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    """``mode``: "none" (one process), "auto" (TPU pods: discovered) or "explicit" (the three fields below)."""
+    """How this process joins a job of several JAX processes (``jax.distributed.initialize``).
+
+    mode: "none" (one process), "auto" (TPU pods: the coordinator and process ids are discovered) or
+      "explicit" (GPU clusters: the three fields below, passed by the launcher).
+    coordinator_address: "host:port" of process 0 (mode "explicit").
+    num_processes: how many processes the job has (mode "explicit").
+    process_id: this process's index, 0 .. num_processes - 1 (mode "explicit").
+    """
 
     mode: str = "none"
     coordinator_address: str = ""

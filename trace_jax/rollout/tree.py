@@ -6,7 +6,7 @@ the concatenation, along the root-to-``y`` path, of ``token_ids + observation_id
 *prefix* ``H`` of TRACE and the place where more continuations may be sampled (an *anchor*).
 
 The root (depth 0) holds the prompt ids in ``token_ids``; it is never trained (loss mask 0). A *leaf* is a
-finished trajectory with a terminal reward. Node values are the backups of ``shared/TRACE.md``:
+finished trajectory with a terminal reward. Node values are the backups of ``docs/method.md``:
 ``V(leaf) = r`` and ``V(y) = sum_c n_c V(c) / n_y`` = mean reward of the leaves under ``y``.
 
 Everything here is host-side numpy; ids and log-probs are stored exactly as sampled (token-in/token-out).
