@@ -47,7 +47,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from trace_jax.parallel.mesh import MESH_AXES, logical_to_spec
 from trace_jax.registry import Registry
 
 # Query rows per block of the reference path; a block's float32 scores are [B, H, REFERENCE_BLOCK, S]. 128, not
@@ -187,10 +189,6 @@ def gpu_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_ord
 def _mesh_specs(q_bthe, k_bske, mesh):
     """PartitionSpecs of q / k (and v), kv_end and the output for a kernel run in ``shard_map`` over every axis of
     ``mesh``: rows over the batch axes, heads over ``tensor`` when the KV heads split evenly (else whole)."""
-    from jax.sharding import PartitionSpec as P
-
-    from trace_jax.parallel.mesh import logical_to_spec
-
     q_spec = logical_to_spec(("batch", "length", "heads", None), mesh, q_bthe.shape)
     kv_spec = logical_to_spec(("batch", "length", "kv_heads", None), mesh, k_bske.shape)
     if kv_spec[2] is None:  # a query shard must hold the KV heads its query heads use
@@ -202,8 +200,6 @@ def _under_mesh(kernel: Callable[..., jax.Array], q_bthe, k_bske, v_bske, kv_end
     """``kernel(q, k, v, kv_end)`` on each shard when traced under a mesh (Mosaic kernels cannot be partitioned by
     XLA; every axis manual, ``check_vma=False``: jax 0.10.2 refuses both a partly automatic mesh and the vma
     check of these kernels), else called directly."""
-    from trace_jax.parallel.mesh import MESH_AXES
-
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
         return kernel(q_bthe, k_bske, v_bske, kv_end_bs)
@@ -236,7 +232,7 @@ def _splash_causal(q_bthe, k_bske, v_bske, kv_end_bs=None):
 
 
 def _tree_kernel(q_bthe, k_bske, v_bske, kv_end_bs):
-    from trace_jax.models.tree_attention import tree_flash_attention
+    from trace_jax.models.tree_attention import tree_flash_attention  # TPU kernel module, lazy import
 
     return tree_flash_attention(q_bthe, k_bske, v_bske, kv_end_bs, interpret=SPLASH_INTERPRET)
 
@@ -247,7 +243,7 @@ def splash_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_
     plain causal rows, ``trace_jax.models.tree_attention`` (a flash kernel computing the tree mask per tile)
     for rows with ``kv_end`` (packed and tree-packed rows). Cached decoding (not in order) and rows that are not
     whole 128-row tiles go to ``reference``. Never writes [T, S] scores to HBM where a kernel runs."""
-    from trace_jax.models.tree_attention import BLOCK, fits
+    from trace_jax.models.tree_attention import BLOCK, fits  # TPU kernel module, lazy import
 
     if not in_order or not fits(q_bthe.shape[1], k_bske.shape[1]):
         if in_order and q_bthe.shape[1] not in _FALLBACKS_LOGGED:  # training rows that miss the kernel: say so

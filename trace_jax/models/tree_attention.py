@@ -26,6 +26,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 BLOCK = 128  # query and key rows per tile
 LANES = 128  # the log-sum-exp is stored broadcast over one vreg's lanes
@@ -46,7 +48,6 @@ def _dot(a, b, contract_a, contract_b):
 def _live(tile_end_ref, i, j, block_q, block_k):
     """Whether tile (query block i, key block j) holds a visible pair: a key at or before the tile's last query
     (causal) and a key whose ``kv_end`` passes the tile's first query. Exact, since ``kv_end[s] > s``."""
-    from jax.experimental import pallas as pl
 
     b = pl.program_id(0)
     return (j * block_k <= i * block_q + block_q - 1) & (tile_end_ref[b, j] > i * block_q)
@@ -55,7 +56,6 @@ def _live(tile_end_ref, i, j, block_q, block_k):
 def _forward_kernel(
     tile_end_ref, end_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, block_q, block_k
 ):
-    from jax.experimental import pallas as pl
 
     i, j = pl.program_id(2), pl.program_id(3)
 
@@ -85,7 +85,6 @@ def _forward_kernel(
 
 
 def _dq_kernel(tile_end_ref, end_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, dq_sc, *, block_q, block_k):
-    from jax.experimental import pallas as pl
 
     i, j = pl.program_id(2), pl.program_id(3)
 
@@ -112,7 +111,6 @@ def _dkv_kernel(
     tile_end_ref, end_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dk_ref, dv_ref, dk_sc, dv_sc, **blocks
 ):
     block_q, block_k = blocks["block_q"], blocks["block_k"]
-    from jax.experimental import pallas as pl
 
     j, i = pl.program_id(2), pl.program_id(3)  # key block j, query block i (the reduction)
 
@@ -147,7 +145,6 @@ def _tile_ends(end_b1s):
 def _specs(b, h, kv, t, s, e):
     """BlockSpecs of the forward / dq grids (b, h, query block i, key block j): key tiles past a query block's
     last row are clamped to its last visible one (skipped by the kernel; no new copy is fetched)."""
-    from jax.experimental import pallas as pl
 
     g = h // kv
     last = lambda i: (i * BLOCK + BLOCK - 1) // BLOCK
@@ -160,8 +157,6 @@ def _specs(b, h, kv, t, s, e):
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret):
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
 
     return pl.pallas_call(
         kernel,
@@ -175,7 +170,6 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret):
 
 
 def _forward(q, k, v, end_b1s, interpret):
-    from jax.experimental.pallas import tpu as pltpu
 
     b, h, t, e = q.shape
     kv, s = k.shape[1], k.shape[2]
@@ -199,8 +193,6 @@ def _tree_flash_fwd(q, k, v, end_b1s, interpret):
 
 
 def _tree_flash_bwd(interpret, residuals, do):
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
 
     q, k, v, end_b1s, o, lse = residuals
     b, h, t, e = q.shape

@@ -369,7 +369,7 @@ class DecodeKernel:
                 pages_per_compute_block=block,
             )
             if self.interpret:
-                from jax.experimental.pallas import tpu as pltpu
+                from jax.experimental.pallas import tpu as pltpu  # interpret mode (tests on CPU) only
 
                 with pltpu.force_tpu_interpret_mode():
                     out_bhe = call()
