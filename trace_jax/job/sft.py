@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax.checkpoint.state import StateCheckpointer
+from trace_jax.cluster.processes import Processes
 from trace_jax.data.synthetic import SyntheticWorld
 from trace_jax.envs.react import ReActConfig, ReActEnv, render_trajectory
 from trace_jax.envs.retrieval.retriever import BM25Retriever, Retriever
@@ -330,11 +331,13 @@ def run_sft(
             if progress is not None:
                 progress.update(step)
         start, saved = time.monotonic() - before, step
+        processes = Processes()  # with several, every process stops after the same step (any one's SIGTERM)
+        stop_requested = lambda: processes.reduce({"stop": float(TERMINATION.requested)})["stop"] > 0
         # A SIGTERM lets the step under way finish, then saves the progress (params, optimizer, sampler of
         # batches) and stops: a rerun resumes from it and ends bit-identical to an uninterrupted warm start.
         with TERMINATION.grace(float("inf")):
             while step < config.max_steps and time.monotonic() - start < budget:
-                if TERMINATION.requested:
+                if stop_requested():
                     if step > saved:
                         _save_partial(checkpointer, step, params, opt_state, rng, fingerprint, losses, start)
                     raise KeyboardInterrupt  # -> Preempted (exit 143) in the job; the rerun resumes at ``step``
