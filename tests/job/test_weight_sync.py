@@ -35,6 +35,9 @@ class Recorder:
     def sampled_questions(self, trees):
         return []
 
+    def state_dict(self):
+        return {}
+
     def evaluate(self, tasks, chunk, progress=None):
         self.evaluated_with.append(self.weights)
         return [{"group": "all", "n": 0, "em": 0.0, "f1": 0.0}]
@@ -77,6 +80,7 @@ def _run(max_staleness, steps, monkeypatch):
     run.timer = types.SimpleNamespace(phase=lambda name: contextlib.nullcontext())
     run.console = types.SimpleNamespace(progress=lambda *a, **k: types.SimpleNamespace(close=lambda: None))
     run.engine_version = -1
+    run.saved_step, run._completed, run._primed = 0, None, None  # checkpointed at step 0 only
     run._sync_weights()
     # Checkpoints and evaluations only at the last step: with k >= 1 every other step samples ahead.
     run.pipeline = RolloutPipeline(run.sampler.sample, max_staleness, lambda step: step == steps)
