@@ -1,8 +1,10 @@
 """SIGTERM as a preemption notice (``trace_jax.job.cli.Termination``): outside a grace it stops at once, inside one
 the work goes on until the caller stops or the grace runs out; either way the exit code is 143.
 
-The main job's side (a SIGTERM during an RL step checkpoints it, exits 143, and the rerun equals the uninterrupted
-run) is ``tests/job/test_train.py``; the pod launcher's relaunch is ``tests/test_launch.py``.
+The warm start's side (a SIGTERM during SFT keeps its progress; the rerun ends bit-identical) is the last test here.
+The main job's side (a SIGTERM during an RL step checkpoints it, or the completed step before it when the step is
+abandoned, exits 143, and the rerun equals the uninterrupted run) is ``tests/job/test_train.py``; with rollouts
+sampled ahead, ``tests/job/test_overlap_job.py``; the pod launcher's relaunch is ``tests/test_launch.py``.
 """
 
 import os
