@@ -119,3 +119,53 @@ def test_export_of_an_unknown_checkpoint_dir_is_clear(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == ExitCode.MISSING_FILE and "Traceback" not in err
     assert err.startswith("error: ") and "not a trace_jax model checkpoint" in err
+
+
+def _tiny_tokenizer(path, vocab_size):
+    """A word-level tokenizer over ids 0..vocab_size-1, saved with ``save_pretrained`` (tokenizer.json and
+    tokenizer_config.json): files the round trip must carry."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="w1", eos_token="w2", pad_token="w3")
+    fast.save_pretrained(str(path))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_import_then_export_keeps_token_ids_generation_config_and_tokenizer_so_generate_stops_at_eos(tmp_path, family):
+    """Catches a round trip that drops config.json's bos/eos/pad ids, generation_config.json or the tokenizer files
+    (import -> export --ckpt wrote only weights and architecture: the exported model never stopped at EOS under
+    transformers' ``generate``, it ran to ``max_new_tokens``)."""
+    from transformers import GenerationConfig
+
+    source = tmp_path / "hf"
+    build_hf_checkpoint(source, family, tie_word_embeddings=False)
+    prompt = torch.tensor([[5, 17, 11, 9]])  # no bos (1) or pad (3): transformers masks pad ids in a prompt
+    free = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    original = AutoModelForCausalLM.from_pretrained(source)
+    greedy = original.generate(prompt, generation_config=free)[0, prompt.shape[1] :].tolist()
+    # EOS: the latest of the first 6 greedy tokens that did not come before it: generation stops there, early.
+    stop = max(i for i in range(6) if greedy[i] not in greedy[:i])
+    ids = {"bos_token_id": 1, "eos_token_id": greedy[stop], "pad_token_id": 3}
+    hf_config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**hf_config, **ids}, indent=2))
+    GenerationConfig(do_sample=False, max_new_tokens=8, **ids).save_pretrained(str(source))
+    _tiny_tokenizer(source, hf_config["vocab_size"])
+    kept = ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert all((source / name).is_file() for name in kept)  # premise: the source has them
+
+    assert hf_main(["import", "--hf-dir", str(source), "--out", str(tmp_path / "ckpt")]) == ExitCode.OK
+    assert hf_main(["export", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back")]) == ExitCode.OK
+    back = tmp_path / "back"
+    exported = json.loads((back / "config.json").read_text())
+    assert {key: exported.get(key) for key in ids} == ids
+    for name in kept:
+        assert (back / name).read_bytes() == (source / name).read_bytes(), name
+
+    want = AutoModelForCausalLM.from_pretrained(source).generate(prompt)[0, prompt.shape[1] :].tolist()
+    got = AutoModelForCausalLM.from_pretrained(back).generate(prompt)[0, prompt.shape[1] :].tolist()
+    assert want == greedy[: stop + 1] and len(want) < 8  # premise: the original stops at its EOS, before the cap
+    assert got == want

@@ -60,6 +60,8 @@ SamplingSide.sample = sample_after_a_notice
 sys.argv = ["trace_jax.train", *sys.argv[1:]]
 train_and_exit()
 """
+# The same notice, with rollouts that then finish (in whatever time the load gives them).
+SIGTERM_WHILE_SAMPLING_AHEAD_THEN_FINISH = SIGTERM_WHILE_SAMPLING_AHEAD.replace("threading.Event().wait()", "pass")
 
 
 def _env(devices, compiled):
@@ -171,33 +173,36 @@ def test_sampling_in_a_process_of_its_own_on_its_own_core_gives_the_in_process_r
         assert by_step[1]["time/overlap_s"] > 0.0  # step 2 was sampled in the child while step 1 trained
 
 
-def test_sigterm_with_rollouts_in_flight_drops_them_and_the_rerun_equals_the_uninterrupted_run(runs, shared, tmp_path):
-    """k = 1, a SIGTERM while step 2's trees are being sampled ahead (during step 1), rollouts that never finish:
-    the run stops at the first safe point, after step 1 (exit 143), without waiting for them, and writes no
-    checkpoint past step 0 (one at step 1 would hold a prompt stream, seeds and predictor already moved by step 2's
-    sampling); the rerun resumes at step 0 and ends as the uninterrupted k = 1 run: records, summary, params.
-    Fails if the notice is ignored or kills the step under way, if the stop waits for the rollouts in flight
-    (``run.close()`` waiting in ``trace_jax.job.train``'s ``finally``: the run never ends), if it checkpoints
-    them (``run.save(force=True)`` after dropping them), or if step 1's first records survive the resume."""
+def test_sigterm_with_rollouts_in_flight_checkpoints_them_and_the_rerun_equals_the_uninterrupted_run(
+    runs, shared, tmp_path
+):
+    """k = 1, a SIGTERM while step 2's trees are being sampled ahead (during step 1): step 1 finishes, the stop waits
+    for those rollouts (within the grace), checkpoints step 1 with the sampling side's state after them and keeps
+    their trees beside it (exit 143); the rerun resumes at step 1, trains step 2 on those very trees and ends as the
+    uninterrupted k = 1 run: records, summary, params. Fails if the stop drops the completed step 1 (the last
+    checkpoint, step 0, stays the resume point: a step lost), if it checkpoints step 1 without the trees (the rerun
+    samples step 2 with step 1's policy, not step 0's: another run), or if the notice kills the step under way."""
     from trace_jax.job.cli import ExitCode
 
     cache, compiled = shared
     workdir = tmp_path / "preempted"
-    # A grace far longer than any step: the step under way always finishes (nothing here depends on timing).
+    # A grace far longer than any step: the step under way and the rollouts always finish (no timing here).
     flags = [*OVERLAP, *AHEAD, "--config.rl.preemption_grace_s=1200"]
     command = main_job_command(workdir, cache, flags)
-    # Step 1 takes seconds once the runs above compiled its programs: a stop that waits for the rollouts hangs.
-    driver = [sys.executable, "-c", SIGTERM_WHILE_SAMPLING_AHEAD, *command[3:]]
+    driver = [sys.executable, "-c", SIGTERM_WHILE_SAMPLING_AHEAD_THEN_FINISH, *command[3:]]
     stopped = _run(driver, 2, compiled, ExitCode.PREEMPTED, timeout=600)
     assert "SIGTERM sent while sampling step 2 ahead" in stopped.stderr  # premise: the notice came mid-rollouts
     assert "stopped by SIGTERM after RL step 1" in stopped.stderr
-    assert [r["step"] for r in records_without_timings(workdir)] == [0, 1]  # step 2 never started
-    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0]
+    assert [r["step"] for r in records_without_timings(workdir)] == [0, 1]  # step 2 never trained
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1]
+    assert (workdir / "sampled_ahead" / "1.pkl").is_file()
     assert not (workdir / "summary.json").exists()
 
     resumed = _run(command, 2, compiled)
-    assert "resuming at RL step 0 of 2" in resumed.stderr
+    assert "resuming at RL step 1 of 2" in resumed.stderr
     reference = runs["ahead"]
+    by_step = {r["step"]: r for r in records_without_timings(reference)}
+    assert by_step[2]["rollout/staleness_max"] == 1.0  # premise: step 2 trained on trees one version old
     assert records_without_timings(workdir) == records_without_timings(reference)
     assert without_run_facts(_summary(workdir)) == without_run_facts(_summary(reference))
     assert _summary(workdir)["run"]["resumes"] == 1

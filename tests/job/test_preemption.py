@@ -1,14 +1,18 @@
 """SIGTERM as a preemption notice (``trace_jax.job.cli.Termination``): outside a grace it stops at once, inside one
 the work goes on until the caller stops or the grace runs out; either way the exit code is 143.
 
-The main job's side (a SIGTERM during an RL step checkpoints it, exits 143, and the rerun equals the uninterrupted
-run) is ``tests/job/test_train.py``; the pod launcher's relaunch is ``tests/test_launch.py``.
+The warm start's side (a SIGTERM during SFT keeps its progress; the rerun ends bit-identical) is the last test here.
+The main job's side (a SIGTERM during an RL step checkpoints it, or the completed step before it when the step is
+abandoned, exits 143, and the rerun equals the uninterrupted run) is ``tests/job/test_train.py``; with rollouts
+sampled ahead, ``tests/job/test_overlap_job.py``; the pod launcher's relaunch is ``tests/test_launch.py``.
 """
 
 import os
 import signal
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from trace_jax.job.cli import Console, ExitCode, Preempted, Termination, run_main
@@ -145,3 +149,53 @@ def test_a_sigterm_whose_interrupt_was_swallowed_still_stops_at_the_next_phase_b
         termination.stop_if_requested()  # inside a grace the step under way goes on
     with pytest.raises(KeyboardInterrupt):
         termination.stop_if_requested()
+
+
+class SigtermAfterStep:
+    """A progress bar that sends this process a SIGTERM once ``step`` SFT steps are done (a fixed point: no timing)."""
+
+    def __init__(self, step):
+        self.step, self.done = step, 0
+
+    def update(self, n):
+        self.done += n
+        if self.done == self.step:
+            sigterm()
+
+    def set_postfix(self, **values):
+        pass
+
+
+def test_sigterm_during_the_warm_start_saves_its_progress_and_the_rerun_ends_bit_identical(
+    termination, monkeypatch, tmp_path
+):
+    """SFT (the warm start) stopped by a SIGTERM during step 5 of 12: that step finishes, the progress (params,
+    optimizer state, the batch sampler's position) is saved at step 5 and the rerun continues from it to the very
+    params and losses of an uninterrupted warm start. Catches a SIGTERM that throws the warm start's progress away
+    (the rerun starts at step 0), and a resume that restarts the optimizer or the batch order."""
+    from trace_jax.checkpoint.state import StateCheckpointer
+    from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
+    from trace_jax.data.tokenizer import train_world_tokenizer
+    from trace_jax.job import sft
+
+    monkeypatch.setattr(sft, "TERMINATION", termination)
+    world = SyntheticWorld(WorldConfig(scale=1, questions_per_hop=8, ood_questions=2, max_hops=2, ood_hops=3))
+    tokenizer = train_world_tokenizer(world, tmp_path / "tok", vocab_size=300)
+    config = sft.SFTConfig(
+        batch_size=4, max_steps=12, warmup_steps=2, log_every=2, practice_worlds=0, bucket_multiple=512
+    )
+    reference = sft.run_sft(config, world, tokenizer, tmp_path / "reference")
+
+    with pytest.raises(KeyboardInterrupt):
+        sft.run_sft(config, world, tokenizer, tmp_path / "preempted", progress=SigtermAfterStep(5))
+    assert termination.requested
+    saved = StateCheckpointer(tmp_path / "preempted" / "sft").all_steps()
+    assert saved == [5]  # the step under way finished and was kept: nothing lost
+    termination.reset()
+    resumed = sft.run_sft(config, world, tokenizer, tmp_path / "preempted")
+    assert not resumed.restored and resumed.steps == 12 and resumed.reproducible
+    assert resumed.losses == reference.losses
+    for a, b in zip(jax.tree.leaves(reference.params), jax.tree.leaves(resumed.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    again = sft.run_sft(config, world, tokenizer, tmp_path / "preempted")  # finished: reused as it is
+    assert again.restored and again.steps == 12

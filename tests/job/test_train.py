@@ -303,6 +303,61 @@ def test_a_few_rl_steps_raise_em_on_the_questions_they_train_on(tmp_path):
     assert after >= before + 0.05, (before, after, grad_norms)
 
 
+# The main job (k = 0) with a SIGTERM sent as step 2 starts sampling, whose rollouts then never finish: a step
+# longer than the grace, abandoned at the deadline, at the same point whatever the load.
+SIGTERM_WHILE_SAMPLING_STEP_2 = """
+import os, signal, sys, time
+from trace_jax.job.sampling import SamplingSide
+from trace_jax.job.commands import train_and_exit
+
+sample = SamplingSide.sample
+
+def sample_after_a_notice(self, step, version):
+    if step == 2:
+        print("SIGTERM sent while sampling step 2", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        while True:
+            time.sleep(0.05)
+    return sample(self, step, version)
+
+SamplingSide.sample = sample_after_a_notice
+sys.argv = ["trace_jax.train", *sys.argv[1:]]
+train_and_exit()
+"""
+
+
+def test_a_step_abandoned_at_the_deadline_keeps_the_completed_step_before_it(finished_run, cache, tmp_path):
+    """k = 0, checkpoints every 2 steps: step 1 completes (not checkpointed), a SIGTERM comes while step 2 samples
+    and the grace (0 s) runs out: step 2 is abandoned, step 1 is checkpointed (the stop loses only the step under
+    way), and the rerun resumes at step 1 and ends as the uninterrupted run (records, summary, params). Catches a
+    stop that keeps only the last periodic checkpoint (step 0: step 1 lost too)."""
+    from trace_jax.job.cli import ExitCode
+
+    reference, _ = finished_run
+    workdir = tmp_path / "abandoned"
+    command = main_job_command(workdir, cache, [*TINY, "--config.rl.preemption_grace_s=0"])
+    driver = [sys.executable, "-c", SIGTERM_WHILE_SAMPLING_STEP_2, *command[3:]]
+    stopped = subprocess.run(driver, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert stopped.returncode == ExitCode.PREEMPTED, stopped.stderr[-4000:]
+    assert "SIGTERM sent while sampling step 2" in stopped.stderr  # premise: the notice came during step 2
+    assert "stopped by SIGTERM before the step under way ended" in stopped.stderr  # premise: step 2 abandoned
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1]
+    assert [r["step"] for r in records_without_timings(workdir)] == [0, 1]
+
+    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resuming at RL step 1 of 3" in resumed.stderr
+    records = records_without_timings(reference)
+    assert any(r["train/grad_norm"] > 0 for r in records if r["step"] == 1)  # premise: step 1 moved the policy
+    assert records_without_timings(workdir) == records
+    summary = lambda path: without_run_facts(json.loads((path / "summary.json").read_text()))
+    assert summary(workdir) == summary(reference)
+    (step_a, params_a), (step_b, params_b) = final_params(reference), final_params(workdir)
+    assert step_a == step_b == 3
+    for a, b in zip(params_a, params_b, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 # A smaller KV page pool (160 pages of 16 positions) and an evaluation after every step, so the run crosses phases
 # (warm-up, evaluation, step) that share the engine's pool. A resumed run starts from an empty pool: the run is
 # exact only if nothing held outlives the phase that held it.

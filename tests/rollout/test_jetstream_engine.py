@@ -1,18 +1,24 @@
 """JetStream's own orchestrator drives ``JetStreamEngine``: greedy requests get the engine's own tokens.
 
-Runs only where google-jetstream is installed (``pip install -e ".[jetstream]"``: TensorFlow comes with it
-through seqio, ~2.2 GB, so CI does not install it and this module skips there)."""
+Needs google-jetstream (``pip install -e ".[jetstream]"``: TensorFlow comes with it through seqio, +2.2 GB), which
+the ``test`` extra leaves out: there this module skips. CI runs it in a second environment with the extra
+(``.ci/jetstream``), where ``TRACE_JAX_REQUIRE_JETSTREAM=1`` makes a missing JetStream a failure instead of a skip."""
 
 import asyncio
+import importlib
 import logging
+import os
 
 import pytest
 from flax import nnx
 
-pytest.importorskip(
-    "jetstream.engine.engine_api",
-    reason='google-jetstream is not installed (pip install -e ".[jetstream]"; ~2.2 GB with TensorFlow)',
-)
+if os.environ.get("TRACE_JAX_REQUIRE_JETSTREAM"):
+    importlib.import_module("jetstream.engine.engine_api")  # CI's JetStream environment: absent is an error
+else:
+    pytest.importorskip(
+        "jetstream.engine.engine_api",
+        reason='google-jetstream is not installed (pip install -e ".[jetstream]"; +2.2 GB with TensorFlow)',
+    )
 
 from jetstream.core.proto import jetstream_pb2
 

@@ -11,6 +11,13 @@ Command line (``trace_jax.job.commands.hf_main``)::
     python -m trace_jax.hf import --hf-dir D --out CKPT   # HF dir -> orbax checkpoint
     python -m trace_jax.hf export --ckpt CKPT --out D     # orbax checkpoint -> HF dir
     python -m trace_jax.hf export --workdir RUN --out D   # a run's newest policy + tokenizer files
+
+What ``import`` is for: the parameters as an orbax checkpoint that ``load_orbax`` restores straight into a mesh's
+shardings, for work from Python (notebooks, probes, custom loops), and ``export --ckpt`` back to HF. No training
+recipe reads it: to train from a HF checkpoint, point ``--config.model.hf_dir`` at the HF directory itself. The
+round trip keeps what a checkpoint needs besides its weights: config.json's bos/eos/pad token ids, the tokenizer
+files and ``generation_config.json`` (kept under ``CKPT/hf_files/``), so the exported model stops at its EOS under
+transformers' ``generate`` as the original does.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import json
 import math
 import os
 import re
+import shutil
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -351,10 +359,38 @@ def save_hf(
 
 # ------------------------------------------------------------------------------- orbax and the CLI
 _CONFIG_FILE = "model_config.json"
+# What of a HF directory besides its weights and architecture an imported checkpoint keeps (under HF_FILES_DIR)
+# and its export writes back: the tokenizer, the generation defaults, and config.json's token ids.
+HF_FILES_DIR = "hf_files"
+HF_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+_TOKEN_IDS_FILE = "token_ids.json"
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def save_orbax(config: ModelConfig, params: nnx.State, ckpt_dir: str | os.PathLike) -> None:
-    """Writes params as an orbax checkpoint plus ``model_config.json`` beside it."""
+def hf_token_ids(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """The bos/eos/pad token ids a HF directory's config.json names (an id or a list of ids each; unset ones left
+    out)."""
+    with open(os.path.join(os.fspath(hf_dir), "config.json")) as f:
+        hf_config = json.load(f)
+    return {key: hf_config[key] for key in TOKEN_ID_KEYS if hf_config.get(key) is not None}
+
+
+def save_orbax(
+    config: ModelConfig, params: nnx.State, ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike | None = None
+) -> None:
+    """Writes params as an orbax checkpoint plus ``model_config.json`` beside it; with ``hf_dir`` (the HF directory
+    the params came from), also its token ids and the files of ``HF_SIDE_FILES`` it has, under ``hf_files/``."""
 
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
     os.makedirs(ckpt_dir, exist_ok=True)
@@ -362,6 +398,38 @@ def save_orbax(config: ModelConfig, params: nnx.State, ckpt_dir: str | os.PathLi
         checkpointer.save(os.path.join(ckpt_dir, "params"), nnx.to_pure_dict(params), force=True)
     with open(os.path.join(ckpt_dir, _CONFIG_FILE), "w") as f:
         json.dump(config_to_dict(config), f, indent=2)
+    if hf_dir is None:
+        return
+    side = os.path.join(ckpt_dir, HF_FILES_DIR)
+    os.makedirs(side, exist_ok=True)
+    with open(os.path.join(side, _TOKEN_IDS_FILE), "w") as f:
+        json.dump(hf_token_ids(hf_dir), f, indent=2)
+    for name in HF_SIDE_FILES:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(side, name))
+
+
+def import_hf(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> None:
+    """``python -m trace_jax.hf import``: a HF directory -> an orbax checkpoint that keeps its token ids, tokenizer
+    files and generation config (``save_orbax`` with ``hf_dir``)."""
+    config, params = load_hf(hf_dir)
+    save_orbax(config, params, ckpt_dir, hf_dir=hf_dir)
+
+
+def export_orbax(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, max_shard_bytes: int = 0) -> None:
+    """``python -m trace_jax.hf export --ckpt``: the checkpoint as a HF directory, with the token ids in config.json
+    and the tokenizer / generation files that ``import`` kept (a checkpoint ``save_orbax`` wrote without a HF
+    directory has none: only weights and architecture)."""
+    config, params = load_orbax(ckpt_dir)
+    side = os.path.join(os.path.abspath(os.fspath(ckpt_dir)), HF_FILES_DIR)
+    token_ids = {}
+    if os.path.isfile(os.path.join(side, _TOKEN_IDS_FILE)):
+        with open(os.path.join(side, _TOKEN_IDS_FILE)) as f:
+            token_ids = json.load(f)
+    save_hf(config, params, out_dir, max_shard_bytes, token_ids=token_ids)
+    for name in HF_SIDE_FILES:
+        if os.path.isfile(os.path.join(side, name)):
+            shutil.copyfile(os.path.join(side, name), os.path.join(os.fspath(out_dir), name))
 
 
 def load_orbax(ckpt_dir: str | os.PathLike, mesh: Mesh | None = None) -> tuple[ModelConfig, nnx.State]:

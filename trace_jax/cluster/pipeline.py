@@ -13,10 +13,12 @@ Determinism. Which steps sample ahead is a function of the step number alone (:m
 so a run is reproducible and its schedule does not depend on the load: a step that ends at a checkpoint, an
 evaluation or the run's last step does not sample ahead, and the step after it samples with the newest policy.
 Checkpoints therefore never hold work in flight (the prompt stream, seeds and scheduler state they save are
-exactly those of the steps done), and a resume is exact. A SIGTERM after a step that sampled ahead stops
-without a checkpoint (the last one stays the resume point) and without waiting for those rollouts: they only
-change the sampling side's memory (prompt stream, seeds, predictor), which no checkpoint after the last one
-reads, and the process ends at once (``os._exit``), so a long rollout phase does not outlast the grace.
+exactly those of the steps done), and a resume is exact. A SIGTERM after a step that sampled ahead waits for
+those rollouts within the grace (:attr:`RolloutPipeline.ready`), then checkpoints the step with the sampling
+side's state after them and their trees beside it, which the rerun's next step trains on
+(``trace_jax.job.training.Training.drain_and_save``): exact, and the completed step is kept. Rollouts not done in
+time are dropped without waiting for them: they only change the sampling side's memory (prompt stream, seeds,
+predictor), which no checkpoint after the last one reads, and the process ends at once (``os._exit``).
 
 Timeline. The pipeline records when its background rollouts ran; :meth:`RolloutPipeline.busy_during` is how long
 they ran inside an interval (the trainer's), from which a step logs its overlap. The trainer's intervals come in
@@ -89,6 +91,11 @@ class RolloutPipeline:
     @property
     def in_flight(self) -> bool:
         return self._ahead is not None
+
+    @property
+    def ready(self) -> bool:
+        """Whether rollouts sampled ahead are in flight and done (``take`` returns them without waiting)."""
+        return self._ahead is not None and self._ahead.done()
 
     def ahead(self, step: int) -> bool:
         """Whether step ``step`` samples step ``step + 1``'s trees while it trains."""

@@ -224,25 +224,30 @@ def _port(args: Any) -> None:
     from trace_jax.job import recipes  # the run's recipe knows where its tokenizer files are
 
     if args.command == "import":
-        config, params = hf.load_hf(args.hf_dir)
-        hf.save_orbax(config, params, args.out)
+        hf.import_hf(args.hf_dir, args.out)
         print(f"import: {args.hf_dir} -> {args.out}")
     elif args.workdir:
         policy = recipes.export_run(args.workdir, args.out, args.max_shard_bytes)
         print(f"export: {policy} -> {args.out}")
     else:
-        config, params = hf.load_orbax(args.ckpt)
-        hf.save_hf(config, params, args.out, args.max_shard_bytes)
+        hf.export_orbax(args.ckpt, args.out, args.max_shard_bytes)
         print(f"export: {args.ckpt} -> {args.out}")
 
 
 def hf_main(argv: Sequence[str] | None = None) -> int:
     """``python -m trace_jax.hf``: Hugging Face checkpoints to orbax and back, or a run's newest policy to HF."""
     parser = argparse.ArgumentParser(
-        prog="python -m trace_jax.hf", description="Hugging Face Qwen checkpoints <-> trace_jax checkpoints."
+        prog="python -m trace_jax.hf",
+        description="Hugging Face Qwen checkpoints <-> trace_jax checkpoints. `import` writes the parameters as an "
+        "orbax checkpoint for use from Python (trace_jax.checkpoint.hf.load_orbax) and for `export --ckpt` back to "
+        "HF (token ids, tokenizer files and generation_config.json kept); no training recipe reads it: to train "
+        "from a HF checkpoint, pass --config.model.hf_dir=<the HF directory>.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    to_orbax = commands.add_parser("import", help="HF directory -> orbax checkpoint")
+    to_orbax = commands.add_parser(
+        "import",
+        help="HF directory -> orbax checkpoint (for load_orbax and export --ckpt; recipes read HF directories)",
+    )
     to_orbax.add_argument("--hf-dir", required=True)
     to_orbax.add_argument("--out", required=True)
     to_hf = commands.add_parser("export", help="an orbax checkpoint, or a run's newest policy, -> HF directory")

@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax.checkpoint.state import StateCheckpointer
+from trace_jax.cluster.processes import Processes
 from trace_jax.configs.sections import SFTConfig
 from trace_jax.data.synthetic import SyntheticWorld
 from trace_jax.envs.react import ReActConfig, ReActEnv, render_trajectory
@@ -170,6 +171,39 @@ def _fingerprint(config: SFTConfig, model_config: ModelConfig, world: SyntheticW
     )
 
 
+def _save_partial(
+    checkpointer: StateCheckpointer,
+    step: int,
+    params: Any,
+    opt_state: Any,
+    rng: np.random.Generator,
+    fingerprint: str,
+    losses: list,
+    start: float,
+) -> None:
+    """The warm start's progress at a SIGTERM (after ``step`` steps): what :func:`_resume_partial` continues from."""
+    meta = {
+        "fingerprint": fingerprint,
+        "partial": True,
+        "rng": rng.bit_generator.state,  # the batches still to draw
+        "losses": losses,
+        "seconds": time.monotonic() - start,
+    }
+    checkpointer.save(step, {"params": params, "opt_state": opt_state}, metadata=meta, force=True)
+    checkpointer.wait()
+    log.info("SFT: SIGTERM; progress saved at step %d in %s", step, checkpointer.directory)
+
+
+def _resume_partial(checkpointer: StateCheckpointer, restored: Any, params: Any, opt_state: Any) -> tuple:
+    """``(params, opt_state, rng, step, losses, seconds)`` of the progress :func:`_save_partial` wrote."""
+    full = checkpointer.restore(restored.step, target={"params": params, "opt_state": opt_state})
+    rng = np.random.default_rng()
+    rng.bit_generator.state = restored.metadata["rng"]
+    losses = [tuple(x) for x in restored.metadata["losses"]]
+    state = full.state
+    return state["params"], state["opt_state"], rng, restored.step, losses, restored.metadata["seconds"]
+
+
 def run_sft(
     config: SFTConfig,
     world: SyntheticWorld,
@@ -214,7 +248,9 @@ def run_sft(
     checkpointer = StateCheckpointer(pathlib.Path(workdir) / "sft", keep=1)
     try:
         restored = checkpointer.restore_latest(target={"params": params})
-        if restored is not None and restored.metadata.get("fingerprint") == fingerprint:
+        if restored is not None and restored.metadata.get("fingerprint") != fingerprint:
+            restored = None  # another warm start's: trained again (and replaced) below
+        if restored is not None and not restored.metadata.get("partial"):
             meta = restored.metadata
             log.info("SFT: reusing the warm start in %s (step %d)", checkpointer.directory, restored.step)
             return SFTResult(
@@ -244,25 +280,40 @@ def run_sft(
         # A bucket is drawn in proportion to its size, so every example is equally likely overall.
         bucket_p = np.asarray([len(buckets[w]) for w in widths], np.float64) / data.ids.shape[0]
         rng = np.random.default_rng(config.seed)
-        start = time.monotonic()
         budget = float("inf") if config.time_budget_s is None else config.time_budget_s
-        step, losses = 0, []
-        while step < config.max_steps and time.monotonic() - start < budget:
-            TERMINATION.stop_if_requested()  # a warm start outside any grace stops at a SIGTERM
-            width = int(rng.choice(widths, p=bucket_p))
-            rows = rng.choice(buckets[width], size=config.batch_size, replace=len(buckets[width]) < config.batch_size)
-            ids = jax.device_put(data.ids[rows, :width], sharding)
-            mask = jax.device_put(data.loss_mask[rows, :width], sharding)
-            params, opt_state, loss_value = train_step(params, opt_state, ids, mask)
-            step += 1
-            if step % config.log_every == 0 or step == 1:
-                losses.append((step, float(loss_value)))
-                log.info("SFT step %d loss %.4f (%.1fs)", step, losses[-1][1], time.monotonic() - start)
-                if progress is not None:
-                    progress.set_postfix(loss=f"{losses[-1][1]:.3f}", refresh=False)
+        step, losses, before, loss_value = 0, [], 0.0, float("nan")  # before: seconds of the runs SIGTERM stopped
+        if restored is not None:  # a SIGTERM's progress: continue exactly where it stopped
+            params, opt_state, rng, step, losses, before = _resume_partial(checkpointer, restored, params, opt_state)
+            log.info("SFT: resuming the warm start at step %d (saved at a SIGTERM)", step)
             if progress is not None:
-                progress.update(1)
-        loss = float(loss_value) if step else float("nan")
+                progress.update(step)
+        start, saved = time.monotonic() - before, step
+        processes = Processes()  # with several, every process stops after the same step (any one's SIGTERM)
+        stop_requested = lambda: processes.reduce({"stop": float(TERMINATION.requested)})["stop"] > 0
+        # A SIGTERM lets the step under way finish, then saves the progress (params, optimizer, sampler of
+        # batches) and stops: a rerun resumes from it and ends bit-identical to an uninterrupted warm start.
+        with TERMINATION.grace(float("inf")):
+            while step < config.max_steps and time.monotonic() - start < budget:
+                if stop_requested():
+                    if step > saved:
+                        _save_partial(checkpointer, step, params, opt_state, rng, fingerprint, losses, start)
+                    raise KeyboardInterrupt  # -> Preempted (exit 143) in the job; the rerun resumes at ``step``
+                width = int(rng.choice(widths, p=bucket_p))
+                rows = rng.choice(
+                    buckets[width], size=config.batch_size, replace=len(buckets[width]) < config.batch_size
+                )
+                ids = jax.device_put(data.ids[rows, :width], sharding)
+                mask = jax.device_put(data.loss_mask[rows, :width], sharding)
+                params, opt_state, loss_value = train_step(params, opt_state, ids, mask)
+                step += 1
+                if step % config.log_every == 0 or step == 1:
+                    losses.append((step, float(loss_value)))
+                    log.info("SFT step %d loss %.4f (%.1fs)", step, losses[-1][1], time.monotonic() - start)
+                    if progress is not None:
+                        progress.set_postfix(loss=f"{losses[-1][1]:.3f}", refresh=False)
+                if progress is not None:
+                    progress.update(1)
+        loss = float(loss_value)
         seconds = time.monotonic() - start
         reproducible = step == config.max_steps
         meta = {

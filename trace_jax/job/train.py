@@ -20,7 +20,11 @@ a finished run changes nothing (one line in ``train.log``); a larger ``--config.
 
 A SIGTERM (a spot or queued slice's preemption notice) during RL lets the step under way finish, writes its
 checkpoint and exits with code 143 (``ExitCode.PREEMPTED``) within ``rl.preemption_grace_s``; a step that
-would not finish in time is abandoned and the last checkpoint stays the resume point.
+would not finish in time is abandoned, and the last completed step is checkpointed (before the abandoned step's
+update, or at the abandonment when it came before it), so a stop loses at most the step under way. With
+``rl.max_staleness >= 1`` the next step's rollouts, sampled ahead, are waited for within the grace and kept with
+the checkpoint (the rerun trains on them). A SIGTERM during the SFT warm start saves its progress the same way
+(``trace_jax.job.sft``). Every rerun ends bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -184,7 +188,10 @@ def _train(config: RunConfig, workdir: epath.Path, console: Console, logs: paths
         with console.progress(steps, "TRACE RL", initial=run.step) as bar, TERMINATION.grace(float("inf")):
             while run.step < steps:
                 if _stop_requested(run):
-                    if run.pipeline.in_flight:  # the next step's trees, sampled ahead: not in any checkpoint
+                    if run.pipeline.in_flight and run.drain_and_save(abandon_after()):
+                        console.info(f"SIGTERM: stopped after RL step {run.step} (checkpointed, next step's trees too)")
+                        raise Preempted(f"stopped by SIGTERM after RL step {run.step}; {_resume_point(workdir)}")
+                    if run.pipeline.in_flight:  # the next step's trees, not done within the grace: not checkpointed
                         run.pipeline.abandon()  # not waited for: the process ends next (train_and_exit)
                         console.info(f"SIGTERM: stopped after RL step {run.step} (it sampled ahead: not checkpointed)")
                         raise Preempted(f"stopped by SIGTERM after RL step {run.step}; {_resume_point(workdir)}")
@@ -207,6 +214,9 @@ def _train(config: RunConfig, workdir: epath.Path, console: Console, logs: paths
                     reward=f"{metrics['rollout/mean_reward']:.2f}", eff=f"{metrics['alloc/effective_ratio']:.2f}"
                 )
                 bar.update(1)
+    except KeyboardInterrupt:  # a step abandoned before its update: the step before it is checkpointed if not yet
+        run.keep_last_step(abandoned=True)
+        raise
     finally:
         writer.close()
         run.close(wait=not TERMINATION.requested)  # a SIGTERM's stop leaves rollouts in flight behind

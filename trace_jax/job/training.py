@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import pathlib
+import pickle
 import time
 from typing import Any
 
@@ -20,7 +22,7 @@ from trace_jax.cluster.placement import Placement
 from trace_jax.cluster.processes import Processes
 from trace_jax.configs import RunConfig
 from trace_jax.job import recipes, rundir, schema
-from trace_jax.job.cli import Console
+from trace_jax.job.cli import TERMINATION, Console
 from trace_jax.job.sampling import SamplingSide
 from trace_jax.job.sampling_process import SamplingProcess
 from trace_jax.models import abstract_model
@@ -31,6 +33,10 @@ from trace_jax.rl.batch import build_batch
 from trace_jax.rl.trainer import RLTrainer
 from trace_jax.rollout import figures
 from trace_jax.rollout.tree import RolloutTree
+
+# Rollouts sampled ahead that a SIGTERM's checkpoint kept (``Training.drain_and_save``): ``<dir>/<step>.pkl`` holds
+# the trees step + 1 trains on, beside checkpoint ``step``.
+SAMPLED_AHEAD_DIR = "sampled_ahead"
 
 
 def eval_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -110,6 +116,11 @@ class Training:
             self.pipeline = RolloutPipeline(self.sampler.sample, config.rl.max_staleness, boundary)
         self.resumes = 0
         self.slowest_save_s = 0.0  # wall-clock seconds of the slowest checkpoint so far (the SIGTERM grace)
+        self.saved_step = -1  # the newest step checkpointed
+        # (step, sampling state) of the completed step ``self.step`` while it is not checkpointed, from the start of
+        # the next step to its update (which donates the state): what a SIGTERM then checkpoints (``keep_last_step``).
+        self._completed: tuple[int, dict[str, Any]] | None = None
+        self._primed: Any = None  # the next step's rollouts, kept by a SIGTERM's checkpoint (``drain_and_save``)
         self.eval_before: list[dict[str, Any]] = []
         self.last_eval: list[dict[str, Any]] = []
         self.sampled_by_process: list[list[str]] = []  # the last step's questions, per process that sampled them
@@ -119,8 +130,11 @@ class Training:
         if not (force or self.checkpointer.should_save(self.step)):
             return  # nothing read: the scheduler, prompts and runner may be sampling ahead on another thread
         self._engine_idle("a checkpoint")
+        self._write(self.step, self.sampler.state_dict(), force)
+
+    def _write(self, step: int, sampling: dict[str, Any], force: bool, sampled_ahead: bool = False) -> None:
+        """Checkpoints the train state as step ``step`` with the sampling side's state ``sampling``."""
         # The policy is its own entry (evaluation restores just it); "train" holds the rest of the state once.
-        sampling = self.sampler.state_dict()
         state = {
             "params": self.state.params,
             "train": self.state._replace(params=None),
@@ -133,11 +147,51 @@ class Training:
             "last_eval": self.last_eval,
             "timings": self.timer.state_dict(),
             "resumes": self.resumes,
+            "sampled_ahead": sampled_ahead,  # the next step's trees are in SAMPLED_AHEAD_DIR/<step>.pkl
         }
         start = time.perf_counter()
-        self.checkpointer.save(self.step, state, metadata, force=force)
-        if force or self.checkpointer.should_save(self.step):
+        self.checkpointer.save(step, state, metadata, force=force)
+        if force or self.checkpointer.should_save(step):
             self.slowest_save_s = max(self.slowest_save_s, time.perf_counter() - start)
+            self.saved_step = step
+
+    def keep_last_step(self, abandoned: bool = False) -> None:
+        """Checkpoints the last completed step when it is not yet and a SIGTERM came (any process's), so a stop
+        loses at most the step under way. Called before a step's update (it donates that state) and, with
+        ``abandoned``, when the grace ran out during the step before its update (one process only: the others
+        may not have stopped where this one did, and a checkpoint is collective)."""
+        completed, self._completed = self._completed, None
+        if completed is None:
+            return
+        if abandoned:
+            if not TERMINATION.requested or self.processes.multi:
+                return
+        elif not self.processes.reduce({"stop": float(TERMINATION.requested)})["stop"]:
+            return
+        with TERMINATION.grace(float("inf")):  # a second notice does not interrupt the checkpoint
+            self._write(*completed, force=True)
+            self.checkpointer.wait()
+        self.console.info(f"SIGTERM: checkpointed the completed RL step {completed[0]}")
+
+    def drain_and_save(self, abandon_after_s: float) -> bool:
+        """A SIGTERM after a step that sampled the next one ahead (``rl.max_staleness >= 1``): waits for those
+        rollouts until ``abandon_after_s`` seconds after the notice, then checkpoints this step with the sampling
+        side's state after them and their trees beside it, so the rerun trains the next step on the very trees
+        (exact). Returns False, having saved nothing, when they are not done in time on every process."""
+        deadline = (TERMINATION.received_at or time.monotonic()) + abandon_after_s
+        while not self.pipeline.ready and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.processes.reduce({"late": float(not self.pipeline.ready)})["late"]:
+            return False
+        sampled = self.pipeline.take(self.step + 1, self.engine_version)  # done: no wait
+        if self.processes.is_main:  # written before the checkpoint that names it
+            path = self.workdir / SAMPLED_AHEAD_DIR / f"{self.step}.pkl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(pickle.dumps(sampled))
+        self.processes.barrier("sampled ahead: written")
+        self._write(self.step, self.sampler.state_dict(), force=True, sampled_ahead=True)
+        self.checkpointer.wait()
+        return True
 
     def resume(self) -> bool:
         # The scheduler state has data-dependent shapes (a replay buffer that grows): restore it as saved.
@@ -153,7 +207,9 @@ class Training:
         self.eval_before, self.last_eval = meta.get("eval_before", []), meta.get("last_eval", [])
         self.timer.load_state_dict(meta.get("timings", {}))
         self.resumes = meta.get("resumes", 0) + 1
-        self.step = restored.step
+        self.step = self.saved_step = restored.step
+        if meta.get("sampled_ahead"):  # a SIGTERM's checkpoint: the next step trains on the trees it kept
+            self._primed = pickle.loads((self.workdir / SAMPLED_AHEAD_DIR / f"{self.step}.pkl").read_bytes())
         self._sync_weights()
         return True
 
@@ -179,7 +235,12 @@ class Training:
 
         start = time.perf_counter()
         step = self.step + 1
-        sampled = self.pipeline.take(step, self.engine_version)  # sampled ahead, or now
+        if not self.pipeline.in_flight and self.saved_step != self.step:  # what a SIGTERM would checkpoint
+            self._completed = (self.step, copy.deepcopy(self.sampler.state_dict()))
+        if self._primed is not None:  # sampled ahead before a SIGTERM's checkpoint (``drain_and_save``)
+            sampled, self._primed = self._primed, None
+        else:
+            sampled = self.pipeline.take(step, self.engine_version)  # sampled ahead, or now
         waited = time.perf_counter() - start
         sync_seconds = 0.0
         if self.engine_version != self.step:  # the engine sampled ahead with older weights; it is idle now
@@ -190,6 +251,7 @@ class Training:
         train_start = time.perf_counter()
         advantages = compute_advantages(self.config.rl.advantage, scheduled.trees)
         batch, info = build_batch(scheduled.trees, advantages, self.batch_config, self.trainer.loss_config)
+        self.keep_last_step()  # a SIGTERM before this update: the completed step is checkpointed now
         # Every process: all rows, its own fed.
         self.state, train_metrics = self.trainer.update(self.state, batch, info.path_tokens, info.skipped_denominator)
         train_end = time.perf_counter()
