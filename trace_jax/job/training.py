@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -103,6 +104,9 @@ class Training:
             # sampling cores apart (a CPU host), in a process of its own.
             self.sampler = self._sampling_side()
             self.engine_version = -1  # the policy version (RL updates) of the engine's weights
+            # (version, params): a copy of the weights sampling ahead, kept for the trainer's recomputed behaviour
+            # log-probs of those rollouts (``ppo.behaviour_logprobs`` "recompute" / "untruncated" at k >= 1).
+            self.sampling_params: tuple[int, Any] | None = None
             self._sync_weights()
             self.checkpointer = StateCheckpointer(
                 workdir / rundir.CHECKPOINTS, save_every=config.rl.checkpoint_every, keep=config.rl.keep_checkpoints
@@ -170,6 +174,16 @@ class Training:
         self.engine_version = self.step
         return time.perf_counter() - start
 
+    def _sampled_by(self, version: int) -> Any:
+        """The params of policy ``version`` for ``RLTrainer.prepare``: None when they are the trainer's own, else
+        the copy kept when the engine started sampling ahead with them (handed over: the run keeps no reference)."""
+        kept, self.sampling_params = self.sampling_params, None
+        if version == self.step or not self.trainer.recomputes_behaviour:
+            return None
+        if kept is None or kept[0] != version:
+            raise RuntimeError(f"trees of policy version {version} but no copy of its params was kept")
+        return kept[1]
+
     def _engine_idle(self, phase: str) -> None:
         if self.pipeline.in_flight:
             raise RuntimeError(f"{phase} needs the engine, but rollouts sampled ahead are in flight")
@@ -192,8 +206,14 @@ class Training:
         train_start = time.perf_counter()
         advantages = compute_advantages(self.config.rl.advantage, scheduled.trees)
         batch, info = build_batch(scheduled.trees, advantages, self.batch_config, self.trainer.loss_config)
+        # Behaviour log-probs under the weights that sampled the trees (kept when they were sampled ahead).
+        batch = self.trainer.prepare(self.state, batch, behaviour_params=self._sampled_by(sampled.version))
+        if self.pipeline.in_flight and self.trainer.recomputes_behaviour:  # the next trees' sampler: these params
+            self.sampling_params = (self.step, jax.tree.map(jnp.copy, self.state.params))
         # Every process: all rows, its own fed.
-        self.state, train_metrics = self.trainer.update(self.state, batch, info.path_tokens, info.skipped_denominator)
+        self.state, train_metrics = self.trainer.update(
+            self.state, batch, info.path_tokens, info.skipped_denominator, already_prepared=True
+        )
         train_end = time.perf_counter()
         version, self.step = self.step, step
         if not self.pipeline.in_flight:  # the new weights now; else once the engine is done sampling ahead

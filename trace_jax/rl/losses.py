@@ -70,8 +70,15 @@ class LossConfig:
         a run; None: the batch layout's largest row length (``BatchConfig.length_buckets[-1]``, which configs
         set to the engine's ``max_len``), a bound on any path's trained tokens.
       router_aux_loss_coef: weight of a mixture-of-experts policy's load-balancing loss
-        (``trace_jax.models.moe.router_aux_loss``) in the RL loss; 0 (the default): not added, only logged
-        (``router_aux_loss``). Added by the trainer (``trace_jax.rl.trainer``); no effect on a dense policy.
+        (``trace_jax.models.moe.router_aux_loss``, transformers' ``load_balancing_loss_func``) in the RL loss:
+        an additive term, whatever the aggregation (not divided by the policy loss's denominator). Each
+        optimizer step pools the statistics over every non-padding token of its rows (prompts and observations
+        included: the router routes them too), as transformers pools over a batch, and adds ``coef x`` that loss
+        divided by the optimizer steps of an epoch, so an epoch's steps, whose policy losses sum to the full-batch
+        objective, add ``coef x`` the mean of their load-balancing losses (with one mini-batch: objective + coef
+        x the batch's). 0 (the default): not added, only logged (``router_aux_loss``, the steps' mean). Added by
+        the trainer (``trace_jax.rl.trainer``); no effect on a dense policy. Not the checkpoint's own
+        coefficient (``MoeConfig.hf_router_aux_loss_coef``, kept for export only).
     """
 
     policy_loss: str = "ppo"
