@@ -365,6 +365,14 @@ class RLTrainer:
         return self._map_rows("logprobs", self._logprobs_fn, params, batch)
 
     @property
+    def truncated_behaviour(self) -> bool:
+        """Whether the behaviour log-probs are those of a top-k / top-p truncated distribution (the sampler's, or
+        recomputed under the sampling transform): ``approx_kl`` then uses the estimator that stays unbiased
+        (``trace_jax.rl.losses.behaviour_kl_estimate``)."""
+        truncates = self.sampling.top_k > 0 or self.sampling.top_p < 1.0
+        return truncates and self.update_config.behaviour_logprobs != "untruncated"
+
+    @property
     def recomputes_behaviour(self) -> bool:
         """Whether ``prepare`` recomputes the behaviour log-probs (``behaviour_logprobs`` "recompute" or
         "untruncated"): then a batch sampled by older weights than the state's needs those weights
@@ -423,7 +431,7 @@ class RLTrainer:
             seq_loss=micro.seq_loss,
             seq_grad=micro.seq_grad,
         )
-        out = compute_loss(inputs, self.loss_config)
+        out = compute_loss(inputs, self.loss_config, truncated_behaviour=self.truncated_behaviour)
         loss, metrics = out.numerator / denominator, out.metrics
         stats = getattr(extra, "stats", None)  # a mixture of experts' router statistics
         if stats is not None:
