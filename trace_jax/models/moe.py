@@ -333,7 +333,13 @@ class MoeBlock(nnx.Module):
 
         ``replay_nk`` (int32, -1 on tokens without a record): routing replay. A recorded token takes the
         recorded experts instead of its own top-k; its gate weights are still this router's probabilities of
-        those experts (renormalised likewise), so the router keeps its gradient."""
+        those experts (renormalised likewise), so the router keeps its gradient.
+
+        The engine records sampled tokens only: prompt and observation tokens have no record and are routed
+        here, so a context token that routes otherwise than in the sampler's prefill still changes the hidden
+        states feeding later sampled tokens. Measured (``docs/benchmarks.md``, routing replay over the
+        context): such flips are rare (0.2-0.6% of context decisions, bf16 sampler vs fp32 trainer) but carry
+        the largest log-prob gaps that sampled-token replay leaves."""
         logits_ne = x_nd.astype(jnp.float32) @ self.router.value.astype(jnp.float32)
         probs_ne = jax.nn.softmax(logits_ne, axis=-1)
         top_w_nk, top_i_nk = jax.lax.top_k(probs_ne, self.config.num_experts_per_tok)
