@@ -51,6 +51,23 @@ def test_prompt_renders_the_question_and_stop_sequences_are_the_closing_tags(tok
         react.ReActConfig(template="no field")
 
 
+def test_prompt_messages_without_a_chat_template_are_their_raw_content_with_one_warning(tokenizer, caplog):
+    """A Search-R1 ``prompt`` row and a tokenizer with no chat template: the prompt is the messages' content
+    joined by blank lines, as text and as ids, and one warning says so, however many prompts are rendered.
+    Fails if rendering raises (what it once did) or warns at every prompt."""
+    assert not getattr(tokenizer, "chat_template", None)  # premise: the world's tokenizer has none
+    env = make_env(tokenizer)
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Who directed Zorvak?"}]
+    task = {**TASK, "prompt": messages}
+    raw = "Answer briefly.\n\nWho directed Zorvak?"
+    with caplog.at_level("WARNING", logger="trace_jax.envs.react"):
+        assert env.prompt_text(task) == raw
+        np.testing.assert_array_equal(env.prompt_ids(task), np.asarray(env.encode(raw), np.int32))
+        env.prompt_ids(task)
+    warnings = [r for r in caplog.records if "no chat template" in r.getMessage()]
+    assert len(warnings) == 1
+
+
 def test_search_returns_wrapped_passages_without_tags(tokenizer):
     env = make_env(tokenizer)
     result = step(env, "<think> who</think>\n<search> Zorvak Kelda</search>")

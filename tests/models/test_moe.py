@@ -150,6 +150,19 @@ def test_config_round_trips_through_hf_json_and_model_config_json():
     assert config_from_dict(dataclasses.asdict(dense)) == dense  # files written without a family stay dense
 
 
+def test_the_checkpoints_load_balancing_coefficient_is_carried_under_its_own_name():
+    """config.json's ``router_aux_loss_coef`` is ``MoeConfig.hf_router_aux_loss_coef`` (one name, one meaning: the
+    RL loss's weight is ``LossConfig.router_aux_loss_coef``), back under the HF name on export; a
+    model_config.json written with the old field name still loads."""
+    config = dataclasses.replace(PRESETS["qwen3-moe-tiny"], hf_router_aux_loss_coef=0.02)
+    hf = config.to_hf()
+    assert hf["router_aux_loss_coef"] == 0.02 and "hf_router_aux_loss_coef" not in hf
+    assert ModelConfig.from_hf(hf).hf_router_aux_loss_coef == 0.02
+    old = config_to_dict(config)
+    old["router_aux_loss_coef"] = old.pop("hf_router_aux_loss_coef")
+    assert config_from_dict(old) == config
+
+
 # Published sizes (billions: total / active per token).
 PUBLISHED = {"qwen3-30b-a3b": (30.5, 3.3), "qwen3-235b-a22b": (235, 22)}
 

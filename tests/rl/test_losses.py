@@ -26,8 +26,8 @@ def _inputs(logprobs, old, adv, weights, segments=None, ref=None, entropies=None
     )
 
 
-def _loss(inputs, config, paths=None):
-    out = compute_loss(inputs, config)
+def _loss(inputs, config, paths=None, **kwargs):
+    out = compute_loss(inputs, config, **kwargs)
     return out.numerator / loss_denominator(inputs.weights, paths, config), out.metrics
 
 
@@ -277,6 +277,24 @@ def test_approx_kl_estimates_kl_old_to_new_on_old_samples():
     inputs = _inputs(np.log(new)[None], np.log(old)[None], np.zeros((1, 4)), old[None])
     _, metrics = _loss(inputs, LossConfig())
     assert finalize_metrics(metrics)["approx_kl"] == pytest.approx(exact, rel=1e-5)
+
+
+def test_approx_kl_under_a_truncated_behaviour_policy_is_kl_old_to_new():
+    """π_old the top-2 truncation of a 4-way categorical (what top-k / top-p sampling draws from): approx_kl's
+    π_old-expectation is KL(π_old ‖ π_θ) exactly. Fails with k3 there, whose expectation is KL + (kept mass − 1)
+    (E_old[r] is the mass π_θ puts on the kept tokens, not 1)."""
+    old = np.array([0.625, 0.375, 0.0, 0.0])  # top-2 of [0.5, 0.3, 0.15, 0.05], renormalised
+    new = np.array([0.2, 0.3, 0.3, 0.2])
+    kept = old > 0
+    exact = float(np.sum(old[kept] * np.log(old[kept] / new[kept])))
+    mass = float(new[kept].sum())
+    assert abs(mass - 1.0) > 0.1  # premise: k3 would be off by mass − 1
+    log_old = np.where(kept, np.log(np.where(kept, old, 1.0)), 0.0)
+    inputs = _inputs(np.log(new)[None], log_old[None], np.zeros((1, 4)), old[None])
+    _, metrics = _loss(inputs, LossConfig(), truncated_behaviour=True)
+    assert finalize_metrics(metrics)["approx_kl"] == pytest.approx(exact, rel=1e-5)
+    _, metrics = _loss(inputs, LossConfig())  # k3: KL + (mass − 1), what the untruncated estimator gives here
+    assert finalize_metrics(metrics)["approx_kl"] == pytest.approx(exact + mass - 1.0, rel=1e-5)
 
 
 def test_behaviour_gap_is_the_weighted_mean_absolute_log_ratio():

@@ -14,11 +14,12 @@ from flax import nnx
 
 from trace_jax.bench import routing
 from trace_jax.models import PRESETS, MoeConfig, abstract_model, router_aux_loss
+from trace_jax.models.moe import MoeBlock
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batch import BatchConfig, build_batch, take_rows
 from trace_jax.rl.logprobs import policy_logprobs
 from trace_jax.rl.losses import LossConfig, LossInputs, compute_loss, finalize_metrics
-from trace_jax.rl.trainer import RLTrainer
+from trace_jax.rl.trainer import RLTrainer, _pooled_router_aux_loss
 from trace_jax.rollout.backend import ContinuationRequest
 from trace_jax.rollout.engine.engine import Engine, EngineConfig
 from trace_jax.rollout.engine.mock import ToyEnv
@@ -139,15 +140,18 @@ def _router_grads_and_metrics(coef, params, batch):
     graphdef = abstract_model(CONFIG)[0]
     trainer = RLTrainer(graphdef, optax.sgd(0.1), LossConfig(router_aux_loss_coef=coef))
     micro = jax.tree.map(jnp.asarray, batch)
+    counts = trainer.router_counts(params, [micro], coef)
+    assert (counts is None) == (coef == 0)
     grad_fn = jax.value_and_grad(trainer._loss_and_metrics, has_aux=True)
-    (_, metrics), grads = grad_fn(params, micro, jnp.float32(1.0))
-    return np.asarray(grads["moe_layers"]["mlp"]["router"].value), finalize_metrics(metrics)
+    (_, metrics), grads = grad_fn(params, micro, jnp.float32(1.0), counts)
+    return np.asarray(grads["moe_layers"]["mlp"]["router"].value), finalize_metrics(_pooled_router_aux_loss(metrics))
 
 
 def test_the_load_balancing_loss_changes_the_router_gradient_only_when_on():
     """Off (the default): the router's gradient is the policy loss's alone (fails if the term is always added);
     on: it differs by the gradient of coef x the load-balancing loss. Both log ``router_aux_loss``, the value
-    of the forward's statistics over the rows' real tokens."""
+    of the replaying forward's statistics over the rows' real tokens (the value and gradient themselves are
+    checked against transformers in ``tests/rl/test_router_aux_loss.py``)."""
     params, _, batch = _sampled()
     off, metrics_off = _router_grads_and_metrics(0.0, params, batch)
     on, metrics_on = _router_grads_and_metrics(1.0, params, batch)
@@ -211,3 +215,26 @@ def test_the_runner_puts_each_turns_record_on_its_node_across_calls_and_forks():
                 longest = max(longest, n)
             start += node.num_tokens
     assert len(tree.leaves()) == 3 and longest > engine_config.steps_per_call  # premise: a turn spans calls
+
+
+def test_replayed_experts_take_the_gate_values_of_the_recorded_experts():
+    """Mutant M12 (replayed experts keep the gate values of the trainer's own top-k) fails here: a token whose
+    record names other experts than its own top-k gets this router's probabilities of the recorded experts,
+    renormalised, as its gates; a token without a record (-1) keeps its own top-k and gates."""
+    config = dataclasses.replace(CONFIG, norm_topk_prob=True)
+    graphdef, params = nnx.split(MoeBlock(config, nnx.Rngs(0)), nnx.Param)
+    block = nnx.merge(graphdef, params)
+    x = jax.random.normal(jax.random.key(1), (3, config.hidden_size))
+    probs, own_w, own_i = block.route(x)
+    # Record: token 0 the two experts its router ranks last, token 1 its second and last, token 2 none.
+    order = np.argsort(-np.asarray(probs), axis=-1)
+    record = np.stack([order[0, -2:], order[1, [1, -1]], [-1, -1]]).astype(np.int32)
+    _, top_w, top_i = block.route(x, jnp.asarray(record))
+    np.testing.assert_array_equal(np.asarray(top_i[:2]), record[:2])
+    np.testing.assert_array_equal(np.asarray(top_i[2]), np.asarray(own_i[2]))
+    for token in range(2):
+        chosen = np.asarray(probs)[token, record[token]]
+        assert set(record[token]) != set(np.asarray(own_i[token]))  # premise: replay changes the choice
+        np.testing.assert_allclose(np.asarray(top_w[token]), chosen / chosen.sum(), rtol=1e-6)
+        assert np.abs(np.asarray(top_w[token]) - np.asarray(own_w[token])).max() > 1e-3  # premise: gates differ
+    np.testing.assert_allclose(np.asarray(top_w[2]), np.asarray(own_w[2]), rtol=1e-6)

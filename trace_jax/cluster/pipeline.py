@@ -6,8 +6,11 @@ trees with the weights the engine holds, θ_{t-1}: the trainer of step t + 1 (θ
 old. The lag is bounded by 1 whatever k >= 1 allows, because one engine samples one step at a time and the
 trainer never runs two steps ahead of it. Each tree records the policy version it was sampled under
 (``RolloutTree.policy_version``); the PPO ratio corrects the lag because the behaviour log-probs are the
-sampler's own. Inside a sampled step nothing changes: the scheduler's stage 2 waits for its own stage 1, and the
-predictor learns from the trees as they finish, all on the sampling thread (the trainer never touches them).
+sampler's own, or, when the trainer recomputes them (``ppo.behaviour_logprobs`` "recompute" / "untruncated"),
+computed under a copy of θ_{t-1} that the job keeps while the engine samples with it (one more copy of the
+params on the training devices, at k >= 1 in those modes only; ``trace_jax.job.training``). Inside a sampled
+step nothing changes: the scheduler's stage 2 waits for its own stage 1, and the predictor learns from the
+trees as they finish, all on the sampling thread (the trainer never touches them).
 
 Determinism. Which steps sample ahead is a function of the step number alone (:meth:`RolloutPipeline.ahead`),
 so a run is reproducible and its schedule does not depend on the load: a step that ends at a checkpoint, an

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,6 +37,8 @@ from trace_jax.envs import rewards
 from trace_jax.envs.base import TurnResult
 from trace_jax.envs.retrieval.retriever import Passage, RetrievalError, Retriever
 from trace_jax.envs.stops import TextStops, first_stop_end, stop_id_sequences
+
+log = logging.getLogger(__name__)
 
 TAGS = ("<think>", "</think>", "<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>")
 STOP_TAGS = ("</search>", "</answer>")
@@ -70,7 +73,8 @@ class ReActConfig:
     format_error_reward: reward of a malformed turn (0.0; set e.g. -0.1 for a penalty).
     chat_template: wrap the instruction as one user message in the tokenizer's chat template (with the
       generation prompt), as instruction-tuned checkpoints (Qwen3, Qwen2.5-Instruct) expect. A task's own
-      ``prompt`` messages are always rendered by the chat template, and ``template`` is not used for them.
+      ``prompt`` messages are always rendered by the chat template, and ``template`` is not used for them; a
+      tokenizer without one gives their raw content, joined by blank lines (with a warning, once).
     stop_variants: stop on every id spelling of the stop tags that ``envs.stops.stop_id_sequences`` finds
       (tokenizers without atomic tags, e.g. Qwen's); False: only each tag's own encoding (the synthetic
       world's tokenizer keeps tags atomic). The engine's ``max_stop_sequences`` must hold them.
@@ -192,6 +196,7 @@ class ReActEnv:
         # Text of EOS / pad, stripped before parsing (a turn may end with EOS instead of a stop tag).
         self._end_texts = [t for t in (tokenizer.eos_token, tokenizer.pad_token) if t]
         self.retrieval_failures = 0
+        self._warned_raw_prompt = False  # prompt chat messages without a chat template: warned once
         # Observation body -> ids, remembered: the rollouts of a prompt repeat its searches.
         self._encode_observation = functools.lru_cache(maxsize=_MAX_CACHED_OBSERVATIONS)(self.encode)
 
@@ -212,17 +217,24 @@ class ReActEnv:
 
     def prompt_ids(self, task: Mapping[str, Any]) -> np.ndarray:
         """The prompt's ids: ``apply_chat_template(task["prompt"], add_generation_prompt=True)`` for a task
-        with chat messages, else the ids of :meth:`prompt_text`."""
+        with chat messages (their raw content when the tokenizer has no chat template, as :meth:`prompt_text`),
+        else the ids of :meth:`prompt_text`."""
         if task.get("prompt"):
             return np.asarray(self._chat(task["prompt"], tokenize=True), np.int32)
         return np.asarray(self.encode(self.prompt_text(task)), np.int32)
 
     def _chat(self, messages: Sequence[Mapping[str, str]], tokenize: bool) -> Any:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(
-                "a task has prompt chat messages but the tokenizer has no chat template to render them: "
-                "use the checkpoint's own tokenizer (model.tokenizer_dir)"
-            )
+            # As the question loader does for a row without a question: the messages' own text.
+            if not self._warned_raw_prompt:
+                self._warned_raw_prompt = True
+                log.warning(
+                    "tasks have prompt chat messages but the tokenizer has no chat template: each prompt is its "
+                    "messages' raw content, joined by blank lines; use the checkpoint's own tokenizer "
+                    "(model.tokenizer_dir) to render them as the model expects"
+                )
+            text = "\n\n".join(str(m["content"]) for m in messages)
+            return self.encode(text) if tokenize else text
         messages = [dict(m) for m in messages]
         if not tokenize:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.checkpoint.state import StateCheckpointer
@@ -107,6 +108,9 @@ class Training:
             # sampling cores apart (a CPU host), in a process of its own.
             self.sampler = self._sampling_side()
             self.engine_version = -1  # the policy version (RL updates) of the engine's weights
+            # (version, params): a copy of the weights sampling ahead, kept for the trainer's recomputed behaviour
+            # log-probs of those rollouts (``ppo.behaviour_logprobs`` "recompute" / "untruncated" at k >= 1).
+            self.sampling_params: tuple[int, Any] | None = None
             self._sync_weights()
             self.checkpointer = StateCheckpointer(
                 workdir / rundir.CHECKPOINTS, save_every=config.rl.checkpoint_every, keep=config.rl.keep_checkpoints
@@ -183,11 +187,16 @@ class Training:
             time.sleep(0.05)
         if self.processes.reduce({"late": float(not self.pipeline.ready)})["late"]:
             return False
+        kept = None
+        if self.sampling_params is not None:  # recomputed behaviour log-probs: the trees' sampler goes with them
+            if self.processes.multi:  # its params are sharded across processes; keep the last checkpoint instead
+                return False
+            kept = (self.sampling_params[0], jax.device_get(self.sampling_params[1]))
         sampled = self.pipeline.take(self.step + 1, self.engine_version)  # done: no wait
         if self.processes.is_main:  # written before the checkpoint that names it
             path = self.workdir / SAMPLED_AHEAD_DIR / f"{self.step}.pkl"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(pickle.dumps(sampled))
+            path.write_bytes(pickle.dumps((sampled, kept)))
         self.processes.barrier("sampled ahead: written")
         self._write(self.step, self.sampler.state_dict(), force=True, sampled_ahead=True)
         self.checkpointer.wait()
@@ -209,7 +218,10 @@ class Training:
         self.resumes = meta.get("resumes", 0) + 1
         self.step = self.saved_step = restored.step
         if meta.get("sampled_ahead"):  # a SIGTERM's checkpoint: the next step trains on the trees it kept
-            self._primed = pickle.loads((self.workdir / SAMPLED_AHEAD_DIR / f"{self.step}.pkl").read_bytes())
+            self._primed, kept = pickle.loads((self.workdir / SAMPLED_AHEAD_DIR / f"{self.step}.pkl").read_bytes())
+            if kept is not None:  # the params that sampled them, for their recomputed behaviour log-probs
+                shardings = jax.tree.map(lambda array: array.sharding, self.state.params)
+                self.sampling_params = (kept[0], jax.device_put(kept[1], shardings))
         self._sync_weights()
         return True
 
@@ -223,6 +235,16 @@ class Training:
         )
         self.engine_version = self.step
         return time.perf_counter() - start
+
+    def _sampled_by(self, version: int) -> Any:
+        """The params of policy ``version`` for ``RLTrainer.prepare``: None when they are the trainer's own, else
+        the copy kept when the engine started sampling ahead with them (handed over: the run keeps no reference)."""
+        kept, self.sampling_params = self.sampling_params, None
+        if version == self.step or not self.trainer.recomputes_behaviour:
+            return None
+        if kept is None or kept[0] != version:
+            raise RuntimeError(f"trees of policy version {version} but no copy of its params was kept")
+        return kept[1]
 
     def _engine_idle(self, phase: str) -> None:
         if self.pipeline.in_flight:
@@ -252,8 +274,14 @@ class Training:
         advantages = compute_advantages(self.config.rl.advantage, scheduled.trees)
         batch, info = build_batch(scheduled.trees, advantages, self.batch_config, self.trainer.loss_config)
         self.keep_last_step()  # a SIGTERM before this update: the completed step is checkpointed now
+        # Behaviour log-probs under the weights that sampled the trees (kept when they were sampled ahead).
+        batch = self.trainer.prepare(self.state, batch, behaviour_params=self._sampled_by(sampled.version))
+        if self.pipeline.in_flight and self.trainer.recomputes_behaviour:  # the next trees' sampler: these params
+            self.sampling_params = (self.step, jax.tree.map(jnp.copy, self.state.params))
         # Every process: all rows, its own fed.
-        self.state, train_metrics = self.trainer.update(self.state, batch, info.path_tokens, info.skipped_denominator)
+        self.state, train_metrics = self.trainer.update(
+            self.state, batch, info.path_tokens, info.skipped_denominator, already_prepared=True
+        )
         train_end = time.perf_counter()
         version, self.step = self.step, step
         if not self.pipeline.in_flight:  # the new weights now; else once the engine is done sampling ahead

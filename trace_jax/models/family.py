@@ -41,6 +41,8 @@ def config_from_dict(fields: dict[str, Any]) -> ModelConfig:
     ``ModelConfig``) from the fields. Fields without a ``family`` (older files) are a dense ``ModelConfig``."""
     fields = dict(fields)
     family = fields.pop("family", None)
+    if "router_aux_loss_coef" in fields:  # a Qwen3-MoE config written before the field became hf_router_aux_loss_coef
+        fields["hf_router_aux_loss_coef"] = fields.pop("router_aux_loss_coef")
     config_class = ModelConfig if family is None else getattr(MODEL_FAMILIES[family], "config_class", ModelConfig)
     return config_class(**fields)
 

@@ -34,7 +34,9 @@ depth (fine for the small checkpoints that use it).
 The load-balancing loss (``router_aux_loss``; Switch Transformer eq. 4-6, as transformers'
 ``load_balancing_loss_func`` computes it over all sparse layers' tokens): ``E * sum_e f_e * P_e`` with
 ``f_e`` the share of top-k choices that went to expert e and ``P_e`` its mean router probability. The model
-returns the statistics from ``forward_hidden``; an RL loss may add ``router_aux_loss_coef`` times the loss.
+returns the statistics from ``forward_hidden``; the RL loss adds ``LossConfig.router_aux_loss_coef`` times the
+loss pooled over an optimizer step (``trace_jax.rl.trainer``); ``MoeConfig.hf_router_aux_loss_coef`` is only
+the checkpoint's config.json value, carried for export.
 
 Letters: n tokens (flattened batch x time), m (token, expert) assignments (n x top-k), k top-k, e experts,
 d hidden, f expert mlp width (``e`` is the expert here; head dims never appear in this module).
@@ -86,7 +88,9 @@ class MoeConfig(ModelConfig):
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    router_aux_loss_coef: float = 0.001
+    # The checkpoint's config.json ``router_aux_loss_coef``, kept for export; RL training does not read it (its
+    # load-balancing weight is ``LossConfig.router_aux_loss_coef``, the main job's ``loss.router_aux_loss_coef``).
+    hf_router_aux_loss_coef: float = 0.001
     expert_compute: str = "grouped"  # one of EXPERT_COMPUTE
     expert_dispatch: str = "gather"  # a key of EXPERT_DISPATCH (models.expert_dispatch); not an HF field
 
@@ -160,7 +164,7 @@ class MoeConfig(ModelConfig):
             norm_topk_prob=config.get("norm_topk_prob", False),
             decoder_sparse_step=config.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
-            router_aux_loss_coef=config.get("router_aux_loss_coef", 0.001),
+            hf_router_aux_loss_coef=config.get("router_aux_loss_coef", 0.001),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -174,7 +178,7 @@ class MoeConfig(ModelConfig):
             "norm_topk_prob": self.norm_topk_prob,
             "decoder_sparse_step": self.decoder_sparse_step,
             "mlp_only_layers": list(self.mlp_only_layers),
-            "router_aux_loss_coef": self.router_aux_loss_coef,
+            "router_aux_loss_coef": self.hf_router_aux_loss_coef,
         }
 
 
@@ -329,7 +333,13 @@ class MoeBlock(nnx.Module):
 
         ``replay_nk`` (int32, -1 on tokens without a record): routing replay. A recorded token takes the
         recorded experts instead of its own top-k; its gate weights are still this router's probabilities of
-        those experts (renormalised likewise), so the router keeps its gradient."""
+        those experts (renormalised likewise), so the router keeps its gradient.
+
+        The engine records sampled tokens only: prompt and observation tokens have no record and are routed
+        here, so a context token that routes otherwise than in the sampler's prefill still changes the hidden
+        states feeding later sampled tokens. Measured (``docs/benchmarks.md``, routing replay over the
+        context): such flips are rare (0.2-0.6% of context decisions, bf16 sampler vs fp32 trainer) but carry
+        the largest log-prob gaps that sampled-token replay leaves."""
         logits_ne = x_nd.astype(jnp.float32) @ self.router.value.astype(jnp.float32)
         probs_ne = jax.nn.softmax(logits_ne, axis=-1)
         top_w_nk, top_i_nk = jax.lax.top_k(probs_ne, self.config.num_experts_per_tok)

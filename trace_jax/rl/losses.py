@@ -70,8 +70,15 @@ class LossConfig:
         a run; None: the batch layout's largest row length (``BatchConfig.length_buckets[-1]``, which configs
         set to the engine's ``max_len``), a bound on any path's trained tokens.
       router_aux_loss_coef: weight of a mixture-of-experts policy's load-balancing loss
-        (``trace_jax.models.moe.router_aux_loss``) in the RL loss; 0 (the default): not added, only logged
-        (``router_aux_loss``). Added by the trainer (``trace_jax.rl.trainer``); no effect on a dense policy.
+        (``trace_jax.models.moe.router_aux_loss``, transformers' ``load_balancing_loss_func``) in the RL loss:
+        an additive term, whatever the aggregation (not divided by the policy loss's denominator). Each
+        optimizer step pools the statistics over every non-padding token of its rows (prompts and observations
+        included: the router routes them too), as transformers pools over a batch, and adds ``coef x`` that loss
+        divided by the optimizer steps of an epoch, so an epoch's steps, whose policy losses sum to the full-batch
+        objective, add ``coef x`` the mean of their load-balancing losses (with one mini-batch: objective + coef
+        x the batch's). 0 (the default): not added, only logged (``router_aux_loss``, the steps' mean). Added by
+        the trainer (``trace_jax.rl.trainer``); no effect on a dense policy. Not the checkpoint's own
+        coefficient (``MoeConfig.hf_router_aux_loss_coef``, kept for export only).
     """
 
     policy_loss: str = "ppo"
@@ -297,10 +304,14 @@ def kl_value_estimate(d: jax.Array) -> jax.Array:
     return jnp.expm1(-d) + d
 
 
-def behaviour_kl_estimate(d: jax.Array) -> jax.Array:
-    """k3 = (r − 1) − log r >= 0 with r = exp(d), d = log π_θ(y) − log π_old(y), y sampled from π_old (the
-    batch's tokens): an unbiased per-token estimate of KL(π_old ‖ π_θ), since E_old[r] = 1."""
-    return jnp.expm1(d) - d
+def behaviour_kl_estimate(d: jax.Array, truncated: bool = False) -> jax.Array:
+    """A per-token estimate of KL(π_old ‖ π_θ) from d = log π_θ(y) − log π_old(y), y sampled from π_old (the
+    batch's tokens). ``truncated=False``: k3 = (r − 1) − log r >= 0 with r = exp(d), unbiased because
+    E_old[r] = Σ_{y: π_old(y) > 0} π_θ(y) = 1. When π_old is a top-k / top-p truncation, E_old[r] is the mass
+    π_θ puts on the kept tokens, m < 1, and k3 would estimate KL(π_old ‖ π_θ) + (m − 1), not a KL: there
+    (``truncated=True``) it is k1 = −d, unbiased for KL(π_old ‖ π_θ) whatever the support (noisier, and a single
+    token's value can be negative)."""
+    return -d if truncated else jnp.expm1(d) - d
 
 
 # -------------------------------------------------------------------------------------- aggregation
@@ -357,20 +368,22 @@ def mask_nonfinite_behaviour(inputs: LossInputs) -> tuple[LossInputs, jax.Array]
     return fixed, jnp.sum(bad.astype(jnp.float32))
 
 
-def compute_loss(inputs: LossInputs, config: LossConfig) -> LossOutput:
+def compute_loss(inputs: LossInputs, config: LossConfig, truncated_behaviour: bool = False) -> LossOutput:
     """Policy loss + kl_coef · KL penalty − entropy_coef · H, per token, summed to a numerator.
 
     Divide by ``loss_denominator(...)`` of the whole batch to get the loss. Trained tokens with a non-finite
     behaviour log-prob are left out (``mask_nonfinite_behaviour``). Metrics: pg_loss, approx_kl (KL(π_old ‖ π_θ)
-    by ``behaviour_kl_estimate``), behaviour_gap (the mean |log π_θ − log π_old| a trained token, clipped as the
-    ratio is: how far the trained policy is from the one that sampled), clip fractions, ratio and ratio_max, and
-    kl_ref / entropy when those are given.
+    by ``behaviour_kl_estimate``: k1 when ``truncated_behaviour``, i.e. the behaviour log-probs are those of a
+    top-k / top-p truncated distribution, else k3), behaviour_gap (the mean |log π_θ − log π_old| a trained
+    token, clipped as the ratio is: how far the trained policy is from the one that sampled), clip fractions,
+    ratio and ratio_max, and kl_ref / entropy when those are given.
     """
     inputs, _ = mask_nonfinite_behaviour(inputs)
     per_token, metrics = POLICY_LOSSES[config.policy_loss](inputs, config)
     metrics["pg_loss"] = (jnp.sum(per_token), jnp.sum(inputs.weights))
     log_ratio = _log_ratio(inputs)
-    metrics["approx_kl"] = _metric(behaviour_kl_estimate(jax.lax.stop_gradient(log_ratio)), inputs.weights)
+    kl = behaviour_kl_estimate(jax.lax.stop_gradient(log_ratio), truncated_behaviour)
+    metrics["approx_kl"] = _metric(kl, inputs.weights)
     metrics["behaviour_gap"] = _metric(jnp.abs(jax.lax.stop_gradient(log_ratio)), inputs.weights)
     if inputs.ref_logprobs is not None:
         d = jnp.where(inputs.weights > 0, inputs.logprobs - inputs.ref_logprobs, 0.0)

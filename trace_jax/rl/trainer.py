@@ -32,6 +32,13 @@ one-program form (the whole given batch, ``micro_batches`` parts, scanned): benc
 A non-finite loss or gradient leaves params and optimizer state untouched, increments ``skipped_steps``
 and the run goes on.
 
+A mixture of experts' load-balancing loss (``LossConfig.router_aux_loss_coef``) is pooled over an optimizer
+step's tokens, not a micro-batch's: before the step's gradient a forward over its micro-batches (no LM head)
+counts its top-k choices per expert (``RouterCounts``), and each micro-batch adds its router probabilities'
+part of ``E sum_e f_e P_e`` with the step's f_e, so the parts sum to the step's loss in value and gradient
+(transformers' ``load_balancing_loss_func`` over the step's non-padding tokens). The logged
+``router_aux_loss`` is that pooled value, averaged over steps.
+
 Shardings: params keep the shardings they arrive with (from their logical axes); the optimizer state
 follows the params; the batch is split over the mesh's (data, fsdp) axes; step, rng and counters are
 replicated. The state is donated to the step (the update is in place on device).
@@ -49,12 +56,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trace_jax.models.moe import router_aux_loss
+from trace_jax.models.moe import RouterStats, router_aux_loss
 from trace_jax.optim import guarded_update, init_sharded
 from trace_jax.parallel import multihost
 from trace_jax.parallel.mesh import batch_sharding, traced_under
 from trace_jax.rl.batch import TrainBatch, take_rows
-from trace_jax.rl.logprobs import DEFAULT_CHUNK, behaviour_logprobs, policy_forward
+from trace_jax.rl.logprobs import DEFAULT_CHUNK, behaviour_logprobs, policy_forward, predecessor_forward
 from trace_jax.rl.losses import (
     LossConfig,
     LossInputs,
@@ -89,7 +96,8 @@ class UpdateConfig:
         the mass top-k / top-p kept at that position. "untruncated": the trainer recomputes them in float32
         under the trained policy's own distribution ``softmax(logits / temperature)`` (no top-k / top-p), so
         the first step's ratio is 1 whatever the truncation (the ratio then measures the policy's move only,
-        not the sampler's truncation).
+        not the sampler's truncation). Recomputed log-probs are those of the params that sampled the batch:
+        ``prepare(..., behaviour_params=...)`` when the rollouts lag the trained params (``rl.max_staleness``).
       entropy_metric: compute (and log) the policy entropy even when ``entropy_coef`` is 0 (costs a pass
         over the vocabulary per position).
       micro_rows: rows per forward/backward call; every call has this shape, so the update compiles once.
@@ -122,19 +130,43 @@ class UpdateConfig:
         return self.ppo_epochs * self.mini_batches
 
 
-def _with_router_aux_loss(
-    numerator: jax.Array, metrics: dict[str, Any], stats: Any, weights: jax.Array, coef: float
-) -> tuple[jax.Array, dict[str, Any]]:
-    """The micro-batch's load-balancing loss (over its real tokens) as the metric ``router_aux_loss`` (weighted
-    by its trained tokens' weights) and, with ``LossConfig.router_aux_loss_coef`` > 0, added to the loss
-    numerator weighted like its tokens' share of the policy loss (``Σ weights / denominator``), so the
-    micro-batches of a step add up to about ``coef x`` the batch's load-balancing loss."""
-    aux = router_aux_loss(stats)
-    share = jnp.sum(weights)
-    metrics = {**metrics, "router_aux_loss": (aux * share, share)}
-    if coef:
-        numerator = numerator + coef * aux * share
-    return numerator, metrics
+class RouterCounts(NamedTuple):
+    """An optimizer step's routing counts, fixed before its gradient (``RLTrainer.router_counts``): ``chosen_e``
+    float32 [E] top-k choices of expert e and ``rows`` float32 [] (token, sparse layer) rows, over every
+    non-padding token of the step's rows; ``scale`` float32 [] the load-balancing loss's weight in the step's loss
+    (``LossConfig.router_aux_loss_coef`` / optimizer steps per epoch)."""
+
+    chosen_e: jax.Array
+    rows: jax.Array
+    scale: jax.Array
+
+
+def _router_stat_metrics(metrics: dict[str, Any], stats: RouterStats) -> dict[str, Any]:
+    """``metrics`` with a micro-batch's router statistics as summable pairs (vectors, combined by addition over
+    the step's micro-batches; ``_pooled_router_aux_loss`` turns them into the step's loss)."""
+    stats = jax.tree.map(jax.lax.stop_gradient, stats)
+    return {**metrics, "router_chosen": (stats.chosen_e, stats.tokens), "router_prob": (stats.prob_e, stats.tokens)}
+
+
+def _pooled_router_aux_loss(pairs: dict[str, Any]) -> dict[str, Any]:
+    """The step's metric pairs with its summed router statistics replaced by the load-balancing loss of the
+    whole step, ``router_aux_loss`` as a (value, 1) pair: pooled over its tokens as transformers pools over a
+    batch, and averaged over steps when steps combine."""
+    if "router_chosen" not in pairs:
+        return pairs
+    pairs = dict(pairs)
+    (chosen_e, rows), (prob_e, _) = pairs.pop("router_chosen"), pairs.pop("router_prob")
+    aux = router_aux_loss(RouterStats(chosen_e, prob_e, rows))
+    return {**pairs, "router_aux_loss": (aux, jnp.ones((), jnp.float32))}
+
+
+def _step_router_aux_loss(stats: RouterStats, counts: RouterCounts) -> jax.Array:
+    """One micro-batch's part of ``scale x`` the step's load-balancing loss ``E sum_e f_e P_e``: f_e (the step's
+    share of top-k choices, a constant of the gradient as in transformers) from ``counts``, and this micro-batch's
+    router probabilities summed over its real tokens over the step's rows; the parts of a step sum to exactly
+    ``scale x router_aux_loss(the step's statistics)`` in value and gradient."""
+    rows = jnp.maximum(counts.rows, 1.0)
+    return counts.scale * stats.chosen_e.shape[0] * jnp.sum((counts.chosen_e / rows) * (stats.prob_e / rows))
 
 
 def _nonfinite_behaviour_tokens(batch: TrainBatch) -> float:
@@ -215,6 +247,7 @@ class RLTrainer:
         self._under_mesh = (lambda fn: fn) if mesh is None else (lambda fn: traced_under(mesh, fn))
         self._logprobs_fn = jax.jit(self._under_mesh(self._policy_logprobs))
         self._behaviour_fn = jax.jit(self._under_mesh(self._behaviour_logprobs))
+        self._counts_fn = jax.jit(self._under_mesh(self._router_counts))
         # Recomputed behaviour log-probs by ``behaviour_logprobs``: (program name, program).
         self._recomputed_behaviour = {
             "recompute": ("behaviour", self._behaviour_fn),
@@ -331,18 +364,45 @@ class RLTrainer:
         tempered policy; 0 on the others, whose LM head is not run (every log-prob the trainer computes is so)."""
         return self._map_rows("logprobs", self._logprobs_fn, params, batch)
 
-    def prepare(self, state: TrainState, batch: TrainBatch, recompute_old_logprobs: bool | None = None) -> TrainBatch:
+    @property
+    def truncated_behaviour(self) -> bool:
+        """Whether the behaviour log-probs are those of a top-k / top-p truncated distribution (the sampler's, or
+        recomputed under the sampling transform): ``approx_kl`` then uses the estimator that stays unbiased
+        (``trace_jax.rl.losses.behaviour_kl_estimate``)."""
+        truncates = self.sampling.top_k > 0 or self.sampling.top_p < 1.0
+        return truncates and self.update_config.behaviour_logprobs != "untruncated"
+
+    @property
+    def recomputes_behaviour(self) -> bool:
+        """Whether ``prepare`` recomputes the behaviour log-probs (``behaviour_logprobs`` "recompute" or
+        "untruncated"): then a batch sampled by older weights than the state's needs those weights
+        (``prepare(..., behaviour_params=...)``)."""
+        return self.update_config.behaviour_logprobs in self._recomputed_behaviour
+
+    def prepare(
+        self,
+        state: TrainState,
+        batch: TrainBatch,
+        recompute_old_logprobs: bool | None = None,
+        behaviour_params: Any = None,
+    ) -> TrainBatch:
         """Host batch with its behaviour log-probs (recomputed as ``UpdateConfig.behaviour_logprobs`` says; asked
         here, True recomputes them, under the sampling transform when the config says "sampler", and False
         keeps the sampler's) and, when ``kl_coef != 0``, the reference log-probs; both computed over
-        fixed-shape micro-batches of ``micro_rows`` rows."""
+        fixed-shape micro-batches of ``micro_rows`` rows.
+
+        ``behaviour_params``: the params that sampled the batch, when they are not ``state.params`` (rollouts
+        sampled one step ahead, ``rl.max_staleness >= 1``): recomputed behaviour log-probs are those of the
+        policy that sampled, so the ratio measures the lag. None: the batch was sampled by ``state.params``.
+        Unused when the sampler's log-probs are kept."""
         batch = jax.tree.map(multihost.to_host, batch)  # whole rows on every process
         mode = self.update_config.behaviour_logprobs
         if recompute_old_logprobs is not None:
             mode = ("recompute" if mode == "sampler" else mode) if recompute_old_logprobs else "sampler"
         trained = np.asarray(batch.weights) > 0
         if mode in self._recomputed_behaviour:
-            old = self._map_rows(*self._recomputed_behaviour[mode], state.params, batch)
+            sampled_by = state.params if behaviour_params is None else behaviour_params
+            old = self._map_rows(*self._recomputed_behaviour[mode], sampled_by, batch)
             batch = batch._replace(old_logprobs=np.where(trained, old, 0.0).astype(np.float32))
         if self.loss_config.kl_coef:
             if self.reference_params is None:
@@ -352,7 +412,9 @@ class RLTrainer:
         return batch
 
     # ------------------------------------------------------------------------------------------ step
-    def _loss_and_metrics(self, params: Any, micro: TrainBatch, denominator: jax.Array):
+    def _loss_and_metrics(
+        self, params: Any, micro: TrainBatch, denominator: jax.Array, counts: RouterCounts | None = None
+    ):
         entropy = bool(self.loss_config.entropy_coef) or self.update_config.entropy_metric
         logprobs, entropies, extra = self._policy_stats(params, micro, entropy)
         if entropies is not None and not self.loss_config.entropy_coef:
@@ -369,13 +431,35 @@ class RLTrainer:
             seq_loss=micro.seq_loss,
             seq_grad=micro.seq_grad,
         )
-        out = compute_loss(inputs, self.loss_config)
-        numerator, metrics = out.numerator, out.metrics
+        out = compute_loss(inputs, self.loss_config, truncated_behaviour=self.truncated_behaviour)
+        loss, metrics = out.numerator / denominator, out.metrics
         stats = getattr(extra, "stats", None)  # a mixture of experts' router statistics
         if stats is not None:
-            coef = self.loss_config.router_aux_loss_coef
-            numerator, metrics = _with_router_aux_loss(numerator, metrics, stats, micro.weights, coef)
-        return numerator / denominator, metrics
+            metrics = _router_stat_metrics(metrics, stats)
+            if counts is not None:  # an additive term: not divided by the policy loss's denominator
+                loss = loss + _step_router_aux_loss(stats, counts)
+        return loss, metrics
+
+    def _router_counts(self, params: Any, micro: TrainBatch) -> tuple[jax.Array, jax.Array] | None:
+        """(top-k choices per expert [E], rows []) of one micro-batch's forward (no LM head, no gradient), or
+        None for a dense policy."""
+        _, extra = predecessor_forward(nnx.merge(self.graphdef, params), micro)
+        stats = getattr(extra, "stats", None)
+        return None if stats is None else (stats.chosen_e, stats.tokens)
+
+    def router_counts(self, params: Any, micros: list[TrainBatch], scale: float) -> RouterCounts | None:
+        """The routing counts of an optimizer step over micro-batches ``micros`` at ``params`` (a forward each),
+        with weight ``scale``; None when the load-balancing loss is off or the policy is dense."""
+        if not self.loss_config.router_aux_loss_coef:
+            return None
+        total = None
+        for micro in micros:
+            self.programs.add(("router_counts", micro.tokens.shape))
+            part = self._counts_fn(params, micro)
+            if part is None:
+                return None
+            total = part if total is None else jax.tree.map(jnp.add, total, part)
+        return RouterCounts(*total, jnp.float32(scale))
 
     def _micro_batches(self, batch: TrainBatch) -> TrainBatch:
         """[B, ...] -> [M, B/M, ...]; micro-batch m takes rows m, m+M, ... so every shard holds a part of each."""
@@ -402,25 +486,36 @@ class RLTrainer:
             },
         )
 
-    def _accumulate(self, params: Any, acc: Any, micro: TrainBatch, denominator: jax.Array) -> Any:
-        """``acc`` plus one micro-batch's loss, gradient and metrics (its share of the mini-batch loss)."""
+    def _accumulate(
+        self, params: Any, acc: Any, micro: TrainBatch, denominator: jax.Array, counts: RouterCounts | None = None
+    ) -> Any:
+        """``acc`` plus one micro-batch's loss, gradient and metrics (its share of the mini-batch loss; with
+        ``counts``, its share of the step's load-balancing term)."""
         if not self.loss_config.kl_coef:
             micro = micro._replace(ref_logprobs=None)
         loss_sum, grads_sum, metrics_sum = acc
         grad_fn = jax.value_and_grad(self._loss_and_metrics, has_aux=True)
-        (loss, metrics), grads = grad_fn(params, micro, denominator)
+        (loss, metrics), grads = grad_fn(params, micro, denominator, counts)
         return loss_sum + loss, jax.tree.map(jnp.add, grads_sum, grads), combine_metrics(metrics_sum, metrics)
 
     def _step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Any]]:
         denominator = jnp.maximum(loss_denominator(batch.weights, batch.paths, self.loss_config), 1e-8)
         micros = self._micro_batches(batch if self.loss_config.kl_coef else batch._replace(ref_logprobs=None))
-        zeros = self._zero_acc(state.params, jax.tree.map(lambda x: x[0], micros))
-        acc, _ = jax.lax.scan(lambda acc, m: (self._accumulate(state.params, acc, m, denominator), None), zeros, micros)
+        first = jax.tree.map(lambda x: x[0], micros)
+        zeros = self._zero_acc(state.params, first)
+        counts, shapes = None, jax.eval_shape(self._router_counts, state.params, first)
+        if self.loss_config.router_aux_loss_coef and shapes is not None:  # the step's counts first (MoE only)
+            add = lambda total, m: (jax.tree.map(jnp.add, total, self._router_counts(state.params, m)), None)
+            total, _ = jax.lax.scan(add, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), micros)
+            counts = RouterCounts(*total, jnp.float32(self.loss_config.router_aux_loss_coef))
+        step = lambda acc, m: (self._accumulate(state.params, acc, m, denominator, counts), None)
+        acc, _ = jax.lax.scan(step, zeros, micros)
         return self._apply(state, acc)
 
     def _apply(self, state: TrainState, acc: Any) -> tuple[TrainState, dict[str, Any]]:
         """The optimizer step on the accumulated gradient (skipped when non-finite)."""
         loss, grads, metrics = acc
+        metrics = _pooled_router_aux_loss(metrics)
         update = guarded_update(self.optimizer, grads, state.opt_state, state.params, loss)
         new_state = TrainState(
             params=update.params,
@@ -506,6 +601,8 @@ class RLTrainer:
         batch: TrainBatch,
         path_tokens: PathTokens | None = None,
         skipped_denominator: float = 0.0,
+        *,
+        already_prepared: bool = False,
     ) -> tuple[TrainState, dict[str, float]]:
         """PPO on one rollout batch: ``prepare``, then ``ppo_epochs`` passes, each over ``mini_batches``
         reshuffled mini-batches of rows, one optimizer step each, its gradient accumulated over micro-batches
@@ -514,6 +611,8 @@ class RLTrainer:
         its steps every path's sequence ratio is computed at the step's params (``sequence_step_batch``).
         ``skipped_denominator`` (``BatchInfo.skipped_denominator``) is the denominator of the trees the batch
         left out for zero advantage: added to the rows' own, the update trains the objective of every tree.
+        ``already_prepared``: ``batch`` is ``prepare``'s output (e.g. with ``behaviour_params`` of lagged
+        rollouts), used as it is.
 
         Metrics: the loss metrics pooled over every step (``ratio`` is the mean ratio, ``ratio_max`` the
         largest, ``clip_fraction`` the clipped share; each measured at the start of its step), the same per
@@ -527,7 +626,7 @@ class RLTrainer:
         sequence_level = self.loss_config.policy_loss == "gspo"
         if sequence_level and path_tokens is None:
             raise ValueError("policy_loss 'gspo' needs update(state, batch, path_tokens=info.path_tokens)")
-        prepared = self.prepare(state, batch)
+        prepared = jax.tree.map(multihost.to_host, batch) if already_prepared else self.prepare(state, batch)
         real = np.flatnonzero(np.asarray(prepared.lengths) > 0)  # padding rows carry nothing: not run
         if not real.size:
             raise ValueError("the batch has no rows with tokens")
@@ -555,10 +654,12 @@ class RLTrainer:
                 if sequence_level:
                     step_batch, host_pairs = self.sequence_step_batch(state, prepared, path_tokens)
                 micros = [self._micro(step_batch, parts[i]) for i in group]
+                # The load-balancing term weighs 1 / steps an epoch: an epoch's steps add coef x their mean.
+                counts = self.router_counts(state.params, micros, self.loss_config.router_aux_loss_coef / mini_batches)
                 acc = fns["zero"](state.params, micros[0])
                 for micro in micros:
                     self.programs.add(("accumulate", micro.tokens.shape))
-                    acc = fns["accumulate"](state.params, acc, micro, denominator)
+                    acc = fns["accumulate"](state.params, acc, micro, denominator, counts)
                 state, out = fns["apply"](state, acc)
                 out["pairs"] = {**out["pairs"], **host_pairs}
                 outs[-1].append(out)
