@@ -1,6 +1,6 @@
 """Paged KV: a pool of fixed-size pages, a page table per slot, shared prefix pages and copy-on-write forks.
 
-The engine's keys and values live in a pool ``[layers, num_pages, page_size, kv_heads, head_dim]``. Slot b's
+The engine's keys and values live in a pool ``[layers, kv_heads, num_pages, page_size, head_dim]``. Slot b's
 position p is page ``table[b, p // page_size]`` at offset ``p % page_size``. Page 0 is the *trash page*:
 table entries a slot does not own point at it, so writes of padding rows and of idle slots land there and
 nothing reads them as valid (a slot attends only below its length).
