@@ -151,6 +151,41 @@ def _train_candidates(config, topology: Topology, rows: int, seq_len: int, chunk
                     yield {"remat": remat, "micro_batches": micro, "mesh": mesh}, estimate
 
 
+def parse_mesh(text: str, chips: int) -> dict[str, int]:
+    """``data=1,fsdp=-1,tensor=4`` -> every axis's size over ``chips`` (one axis may be -1: the rest)."""
+    sizes = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() not in sizes or not value.strip().lstrip("-").isdigit():
+            raise SystemExit(f"--mesh {text!r}: expected axis=size pairs over {tuple(sizes)}, e.g. fsdp=-1,tensor=4")
+        sizes[name.strip()] = int(value)
+    known = 1
+    for v in sizes.values():
+        known *= v if v != -1 else 1
+    for k, v in sizes.items():
+        if v == -1:
+            sizes[k] = chips // known
+    product = sizes["data"] * sizes["fsdp"] * sizes["expert"] * sizes["tensor"]
+    if product != chips:
+        raise SystemExit(f"--mesh {text!r} covers {product} chips; the slice has {chips}")
+    return sizes
+
+
+def _fixed_candidates(config, topology: Topology, args: argparse.Namespace, copies: float):
+    """The job's own layout (``--mesh``, ``--micro-rows``): one train candidate, the model's remat policy."""
+    mesh = parse_mesh(args.mesh, topology.chips)
+    shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
+    micro_rows = args.micro_rows or shards
+    if micro_rows % shards or args.rows % micro_rows:
+        raise SystemExit(f"--micro-rows {micro_rows} must divide --rows {args.rows} and be a multiple of {shards}")
+    rows_dev = micro_rows // shards
+    estimate = _activation_estimate(
+        config, rows_dev * args.seq_len, mesh["tensor"], config.remat, rows_dev, args.logprob_chunk, mesh["expert"],
+        copies,
+    )  # fmt: skip
+    yield {"remat": config.remat, "micro_batches": args.rows // micro_rows, "mesh": _mesh(config, **mesh)}, estimate
+
+
 def _engine_candidates(topology: Topology, slots: int, config: Any = None):
     for tensor in (1, 2, 4, 8):
         for expert in _expert_sizes(config, topology.chips // tensor if topology.chips % tensor == 0 else 1):
@@ -220,9 +255,12 @@ class Planner:
         fresh = self.compiles + args.max_compiles  # candidates compiled before (memoised) cost nothing
         copies = 2.5 if self.backend == "cpu" else 1.0
         candidates = _train_candidates(config, topology, args.rows, args.seq_len, args.logprob_chunk, copies)
+        if getattr(args, "mesh", None):
+            candidates = _fixed_candidates(config, topology, args, copies)
         for candidate, estimate in candidates:
             key = self._key(topology, "train", candidate)
-            if state_bytes + estimate > budget * args.prune or (key not in self.memo and self.compiles >= fresh):
+            pruned = state_bytes + estimate > budget * args.prune and not getattr(args, "mesh", None)
+            if pruned or (key not in self.memo and self.compiles >= fresh):
                 continue
             build = functools.partial(
                 plan_compile.update_programs,
@@ -277,7 +315,12 @@ class Planner:
         max_len = args.engine_len or args.seq_len
         out: dict[str, Any] = {"fits": None, "tried": []}
         fresh = self.compiles + args.max_compiles
-        for candidate in _engine_candidates(topology, args.slots, self.config):
+        candidates = list(_engine_candidates(topology, args.slots, self.config))
+        if getattr(args, "mesh", None):  # the job decodes with the same tensor and expert split
+            fixed = parse_mesh(args.mesh, topology.chips)
+            candidates = [c for c in candidates if (c["mesh"]["tensor"], c["mesh"].get("expert", 1)) == (
+                fixed["tensor"], fixed["expert"])]  # fmt: skip
+        for candidate in candidates:
             mesh = make_mesh(**candidate["mesh"], devices=devices)
             weights = plan_compile.shard_bytes(plan_compile.abstract_params(config, mesh)[1])
             key = self._key(topology, "engine", candidate)
@@ -421,6 +464,10 @@ def predicted_times(result: dict[str, Any], config: Any, topology: Topology, arg
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     topology = parse_topology(args.topology)
+    if getattr(args, "mesh", None) and args.rows < 0:  # the job's rows: one micro-batch call per mini-batch
+        mesh = parse_mesh(args.mesh, topology.chips)
+        args.micro_rows = args.micro_rows or mesh["data"] * mesh["fsdp"] * mesh["expert"]
+        args.rows = args.micro_rows * args.mini_batches
     return plan_one(Planner(args, topology.chips, topology), topology, args.depth_check)
 
 
@@ -496,7 +543,12 @@ def summary(result: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The sizing options shared by ``python -m trace_jax.plan`` and ``trace_jax.plan.table``."""
-    parser.add_argument("--rows", type=int, default=256, help="train rows per step (0: skip the train step)")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=256,
+        help="train rows a step (0: skip it; -1 with --mesh: micro-rows x mini-batches)",
+    )
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--slots", type=int, default=256, help="engine decode slots (0: skip the engine)")
     parser.add_argument("--engine-len", type=int, default=0, help="cache positions per slot (default: --seq-len)")
@@ -520,6 +572,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ppo-epochs", type=int, default=2, help="the update's epochs (UpdateConfig)")
     parser.add_argument("--mini-batches", type=int, default=2, help="optimizer steps an epoch (UpdateConfig)")
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of a row (the RL step's phases)")
+    parser.add_argument("--mesh", help="compile only this layout, e.g. data=1,fsdp=-1,tensor=4 (the job's mesh)")
+    parser.add_argument("--micro-rows", type=int, default=0, help="with --mesh: rows per forward/backward call")
+    parser.add_argument(
+        "--require-fit", action="store_true", help="exit 3 (after printing the figures) when a part does not fit"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -539,6 +596,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     print(json.dumps(result))
+    asked = {"train": args.rows, "engine": args.slots}
+    missing = [part for part, n in asked.items() if n and result[part]["fits"] is None]
+    if args.require_fit and missing:
+        print(f"plan: {' and '.join(missing)} do(es) not fit {args.topology}; see the figures above", file=sys.stderr)
+        sys.exit(3)
     return result
 
 
