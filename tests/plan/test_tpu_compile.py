@@ -46,6 +46,13 @@ MOSAIC_XFAIL = pytest.mark.xfail(
 )
 
 
+MOSAIC_DECODE_XFAIL = pytest.mark.xfail(
+    strict=True,
+    reason="paged attention in shard_map over the engine's axes, chosen by the target's platform, is not on "
+    "this branch yet: the decode compiles the reference attention",
+)
+
+
 @pytest.fixture(scope="module")
 def update_report():
     return plan_compile.update_programs(TINY, _tpu_mesh(fsdp=4), micro_rows=8, seq_len=512, rows=16)
@@ -95,12 +102,29 @@ def test_a_mixture_of_experts_update_compiles_for_tpu_on_an_expert_axis():
             assert hlo["collectives"].get("all-to-all", {}).get("count", 0) > 0, hlo["collectives"]
 
 
-@pytest.mark.parametrize("axes", [{"data": 4}, {"data": 2, "tensor": 2}], ids=["data4", "data2xtensor2"])
-def test_the_engine_decode_compiles_for_a_v5p_slice(axes):
-    """Fails if ``Engine.generate`` no longer compiles for TPU on the sampling layout, or its temporaries
-    exceed its weights and cache (a float32 copy of the KV pool per step)."""
+ENGINE_AXES = pytest.mark.parametrize("axes", [{"data": 4}, {"data": 2, "tensor": 2}], ids=["data4", "data2xtensor2"])
+
+
+def _decode_report(axes):
     config = dataclasses.replace(TINY, param_dtype="bfloat16")
-    report = plan_compile.generate_memory(config, _tpu_mesh(**axes), slots=8, max_len=512, steps_per_call=4)
+    return plan_compile.generate_memory(config, _tpu_mesh(**axes), slots=8, max_len=512, steps_per_call=4)
+
+
+@ENGINE_AXES
+def test_the_engine_decode_compiles_for_a_v5p_slice(axes):
+    """Fails if ``Engine.generate`` no longer compiles for TPU on the sampling layout, if its decode loop's
+    trip counts cannot be read (the step-time model would count one step), or if its temporaries reach twice
+    its weights and KV pool: a float32 copy of both (the mutant: float32 pools or weights cast per step)."""
+    report = _decode_report(axes)
     kinds = report.by_kind
     assert report.platform == "tpu" and report.hlo["flops"] > 0
-    assert report.temporaries <= kinds["weights"] + kinds["kv_cache"], (report.temporaries, kinds)
+    assert 4 in report.hlo["loop_trip_counts"] and report.hlo["unknown_loops"] == 0, report.hlo["loop_trip_counts"]
+    assert report.temporaries < 2 * (kinds["weights"] + kinds["kv_cache"]), (report.temporaries, kinds)
+
+
+@MOSAIC_DECODE_XFAIL
+@ENGINE_AXES
+def test_the_engine_decode_calls_the_paged_attention_kernel_on_tpu(axes):
+    """Fails while the decode program compiled for a TPU slice carries no Mosaic kernel (``tpu_custom_call``):
+    the kernel chosen by the host's backend instead of the target's."""
+    assert _decode_report(axes).hlo["kernels"], "no tpu_custom_call in the decode program"

@@ -447,6 +447,7 @@ def predicted_times(result: dict[str, Any], config: Any, topology: Topology, arg
             "tokens_per_s": rate,
             "tokens_per_s_per_chip": rate / topology.chips,
             "slots": s["slots"],
+            "steps_per_call": s["steps_per_call"],
             "window": s["max_len"],
         }
         phases["decode"] = args.rows * (args.seq_len - args.prompt_len) / rate

@@ -22,6 +22,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import time
 from typing import Any
 
@@ -58,6 +59,7 @@ class MemoryReport:
     platform: str = "cpu"  # the compiler's: "tpu" (libtpu) or the host's
     hlo: dict[str, Any] | None = None  # hlo.summarize(...).as_dict() of the compiled program
     programs: dict[str, Any] | None = None  # a report of several programs (update): each one's figures
+    error: str | None = None  # the TPU compiler refused the program for the chip's HBM (temporaries: its need)
 
     def as_dict(self) -> dict[str, Any]:
         gib = lambda n: round(n / GIB, 3)
@@ -70,12 +72,14 @@ class MemoryReport:
             "compile_seconds": round(self.compile_seconds, 1),
             "platform": self.platform,
         }
+        if self.error is not None:
+            out["error"] = self.error
         if self.hlo is not None:
             out["hlo"] = self.hlo
             out["kernels"] = self.hlo["kernels"]
         if self.programs is not None:
             out["programs"] = self.programs
-            out["kernels"] = {k: v for p in self.programs.values() for k, v in p["hlo"]["kernels"].items()}
+            out["kernels"] = {k: v for p in self.programs.values() if p["hlo"] for k, v in p["hlo"]["kernels"].items()}
         return out
 
 
@@ -118,8 +122,28 @@ def abstract_params(config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.
     return graphdef, _with_shardings(params, mesh_lib.state_shardings(params, mesh))
 
 
+def _exhausted(error: Exception) -> int | None:
+    """The bytes the TPU compiler said a program needs when it refused it for the chip's HBM, else None."""
+    found = re.search(r"RESOURCE_EXHAUSTED.*?required for [^(]*\(([\d.]+)([KMGT])\)", str(error), re.DOTALL)
+    if found is None:
+        return None
+    return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
+
+
 def _compiled_report(program, lowered, mesh: Mesh, settings: dict, by_kind: dict, start: float) -> MemoryReport:
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # the TPU compiler refuses a program that cannot fit the chip's HBM
+        needed = _exhausted(e)
+        if needed is None:
+            raise
+        args = sum(v for k, v in by_kind.items() if k != "gradients")
+        seconds = time.perf_counter() - start
+        report = MemoryReport(
+            program, dict(mesh.shape), settings, by_kind, needed, args + needed, seconds, _platform(mesh)
+        )
+        report.error = str(e).strip().splitlines()[0][:300]
+        return report
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     peak = (
@@ -216,7 +240,7 @@ def update_programs(
     programs, peaks, temps = {}, [], []
     for name, low in lowered.items():
         report = _compiled_report(name, low, mesh, settings, by_kind, time.perf_counter())
-        resident = by_kind["optimizer"] if name == "accumulate" else 0  # not an argument of accumulate
+        resident = by_kind["optimizer"] if name == "accumulate" and not report.error else 0  # not an argument
         peaks.append(report.peak + resident)
         temps.append(report.temporaries)
         programs[name] = {
@@ -225,10 +249,15 @@ def update_programs(
             "compile_seconds": round(report.compile_seconds, 1),
             "hlo": report.hlo,
         }
+        if report.error:
+            programs[name]["error"] = report.error
     seconds = time.perf_counter() - start
-    return MemoryReport(
+    errors = [p["error"] for p in programs.values() if "error" in p]
+    report = MemoryReport(
         "update", dict(mesh.shape), settings, by_kind, max(temps), max(peaks), seconds, _platform(mesh), None, programs
     )
+    report.error = errors[0] if errors else None
+    return report
 
 
 def train_step_memory(
