@@ -254,12 +254,18 @@ class Planner:
         out: dict[str, Any] = {"fits": None, "tried": []}
         fresh = self.compiles + args.max_compiles  # candidates compiled before (memoised) cost nothing
         copies = 2.5 if self.backend == "cpu" else 1.0
+        refused: dict[str, tuple[int, float]] = {}
         candidates = _train_candidates(config, topology, args.rows, args.seq_len, args.logprob_chunk, copies)
         if getattr(args, "mesh", None):
             candidates = _fixed_candidates(config, topology, args, copies)
         for candidate, estimate in candidates:
             key = self._key(topology, "train", candidate)
             pruned = state_bytes + estimate > budget * args.prune and not getattr(args, "mesh", None)
+            # A compiled sibling (same remat and mesh, fewer micro-batches) whose temporaries were too big:
+            # activations shrink about as the rows a call does, so skip this one while the scaled need is too big.
+            sibling = refused.get(json.dumps([candidate["remat"], candidate["mesh"]]))
+            if sibling and sibling[1] * sibling[0] / candidate["micro_batches"] + state_bytes > budget:
+                pruned = True
             if pruned or (key not in self.memo and self.compiles >= fresh):
                 continue
             build = functools.partial(
@@ -274,6 +280,9 @@ class Planner:
             )
             report = self._report(key, build)
             entry = {**report, "fits": report["peak_gib"] * GIB <= budget}
+            if not entry["fits"]:
+                need = report["per_device_gib"]["temporaries"] * GIB
+                refused[json.dumps([candidate["remat"], candidate["mesh"]])] = (candidate["micro_batches"], need)
             out["tried"].append(entry)
             print(_row(entry), flush=True)
             if entry["fits"]:
