@@ -54,7 +54,7 @@ ENTRY %main (x.0: bf16[256,1024], w.0: bf16[256,512], k.0: s32[], m.0: f32[64,64
   %zero = s32[] constant(0)
   %init = (s32[], bf16[256,1024]{1,0}, bf16[256,512]{1,0}) tuple(%zero, %x.0, %w.0)
   %while.1 = (s32[], bf16[256,1024]{1,0}, bf16[256,512]{1,0}) while(%init), condition=%cond, body=%body
-  %kern = f32[64,64]{1,0} custom-call(%m.0), custom_call_target="tpu_custom_call", metadata={op_name="f/paged_attention"}
+  %kern = f32[64,64]{1,0} custom-call(%m.0), custom_call_target="tpu_custom_call", metadata={op_name="paged_attention"}
   ROOT %c = f32[64,64]{1,0} conditional(%k.0, %kern, %kern), branch_computations={%branch_a, %branch_b}
 }
 """
