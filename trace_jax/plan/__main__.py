@@ -348,7 +348,7 @@ class Planner:
                 out["fits"] = entry
                 break
         chosen = out["fits"]
-        if chosen is not None:
+        if chosen is not None and getattr(args, "slots_fit", True):
             mesh = make_mesh(**chosen["mesh"], devices=devices)
             twice = self._report(
                 self._key(topology, "engine", {"mesh": chosen["mesh"], "slots": 2 * args.slots}),
@@ -575,6 +575,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prune", type=float, default=1.5, help="skip candidates estimated above prune x budget")
     parser.add_argument("--max-compiles", type=int, default=4, help="train-step compiles at most")
     parser.add_argument("--no-depth-check", dest="depth_check", action="store_false")
+    parser.add_argument(
+        "--no-slots-fit", dest="slots_fit", action="store_false", help="skip the engine's second compile (2x slots)"
+    )
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument(
         "--backend", default="auto", choices=("auto", "tpu", "cpu"), help="compiler (auto: TPU where libtpu is)"
