@@ -88,6 +88,7 @@ def plan_command(accelerator: str, config_spec: str, overrides: list[str], extra
         "--steps-per-call", str(engine.steps_per_call),
         "--engine-dtype", engine.weight_dtype,
         "--no-depth-check",
+        "--no-slots-fit",
         "--max-compiles", "1",
         "--require-fit",
         *extra,
