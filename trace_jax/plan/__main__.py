@@ -179,11 +179,12 @@ def _fixed_candidates(config, topology: Topology, args: argparse.Namespace, copi
     if micro_rows % shards or args.rows % micro_rows:
         raise SystemExit(f"--micro-rows {micro_rows} must divide --rows {args.rows} and be a multiple of {shards}")
     rows_dev = micro_rows // shards
+    remat = getattr(args, "remat", None) or config.remat
     estimate = _activation_estimate(
-        config, rows_dev * args.seq_len, mesh["tensor"], config.remat, rows_dev, args.logprob_chunk, mesh["expert"],
+        config, rows_dev * args.seq_len, mesh["tensor"], remat, rows_dev, args.logprob_chunk, mesh["expert"],
         copies,
     )  # fmt: skip
-    yield {"remat": config.remat, "micro_batches": args.rows // micro_rows, "mesh": _mesh(config, **mesh)}, estimate
+    yield {"remat": remat, "micro_batches": args.rows // micro_rows, "mesh": _mesh(config, **mesh)}, estimate
 
 
 def _engine_candidates(topology: Topology, slots: int, config: Any = None):
@@ -525,6 +526,7 @@ def summary(result: dict[str, Any]) -> str:
             lines.append(
                 f"  {name:<18} {t['seconds'] * 1e3:10.2f} ms  ({t['bound']}-bound; compute {t['compute_s'] * 1e3:.2f}"
                 f" / memory {t['memory_s'] * 1e3:.2f} / ICI {t['communication_s'] * 1e3:.2f} ms)"
+                + (f"  [{t['unknown_loops']} loop(s) counted once: trip count unread]" if t.get("unknown_loops") else "")
             )
         if "update" in timing:
             u = timing["update"]
@@ -587,6 +589,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of a row (the RL step's phases)")
     parser.add_argument("--mesh", help="compile only this layout, e.g. data=1,fsdp=-1,tensor=4 (the job's mesh)")
     parser.add_argument("--micro-rows", type=int, default=0, help="with --mesh: rows per forward/backward call")
+    parser.add_argument("--remat", choices=REMATS, help="with --mesh: the remat policy (default: the preset's)")
+    parser.add_argument("--hlo-dir", help="also write every compiled program's HLO text here (gzip)")
     parser.add_argument(
         "--require-fit", action="store_true", help="exit 3 (after printing the figures) when a part does not fit"
     )
@@ -601,6 +605,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_arguments(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.hlo_dir:
+        from trace_jax.plan import compile as plan_compile
+
+        plan_compile.HLO_DIR = args.hlo_dir
     result = plan(args)
     result["seconds"] = round(time.perf_counter() - start, 1)
     print(summary(result))

@@ -43,6 +43,7 @@ from trace_jax.rollout.engine.engine import Engine, EngineConfig
 from trace_jax.rollout.engine.layout import SamplingLayout
 
 GIB = 1 << 30
+HLO_DIR: str | None = None  # where set, every compiled program's HLO text is written there (gzip), to re-read
 
 
 @dataclasses.dataclass
@@ -151,7 +152,16 @@ def _compiled_report(program, lowered, mesh: Mesh, settings: dict, by_kind: dict
         + stats.temp_size_in_bytes
         + max(stats.output_size_in_bytes - stats.alias_size_in_bytes, 0)
     )
-    summary = hlo.summarize(compiled.as_text(), mesh.devices.size).as_dict()
+    text = compiled.as_text()
+    if HLO_DIR:
+        import gzip
+        import hashlib
+
+        os.makedirs(HLO_DIR, exist_ok=True)
+        digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+        with gzip.open(os.path.join(HLO_DIR, f"{program}_{digest}.hlo.txt.gz"), "wt") as f:
+            f.write(text)
+    summary = hlo.summarize(text, mesh.devices.size).as_dict()
     return MemoryReport(
         program, dict(mesh.shape), settings, by_kind, stats.temp_size_in_bytes, peak, seconds, _platform(mesh), summary
     )

@@ -167,12 +167,26 @@ def _dot_flops(ins: Instruction, shapes: dict[str, str]) -> float:
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
         k = math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i) if contracting and lhs else 1
         return 2.0 * out * k
-    # convolution: every output element takes (kernel elements / output features) multiply-adds
-    labels = re.search(r"dim_labels=\w+_(\w+)->\w+", ins.attrs)
-    rhs = _dims(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
-    if not labels or not rhs or len(labels.group(1)) != len(rhs):
+    # convolution: every output element takes (input features) x (window taps over real input) multiply-adds.
+    # The TPU compiler writes batched matmuls as convolutions whose window slides over a padded or dilated
+    # spatial dimension; only the taps that land on real input positions count (at most ceil(window /
+    # lhs_dilate) of them, and never more than the input's positions).
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    if not labels or len(ins.operands) < 2:
         return 0.0
-    return 2.0 * out * math.prod(rhs) / rhs[labels.group(1).index("o")]
+    lhs_labels, rhs_labels = labels.group(1), labels.group(2)
+    lhs, rhs = _dims(shapes.get(ins.operands[0], "")), _dims(shapes.get(ins.operands[1], ""))
+    if len(lhs) != len(lhs_labels) or len(rhs) != len(rhs_labels):
+        return 0.0
+    dilation = re.search(r"lhs_dilate=([\dx]+)", ins.attrs)
+    dilate = [int(x) for x in dilation.group(1).split("x")] if dilation else []
+    taps = 1
+    for label, window in zip(rhs_labels, rhs, strict=True):
+        if label.isdigit():
+            d = int(label)
+            k = dilate[d] if d < len(dilate) else 1
+            taps *= min(-(-window // k), lhs[lhs_labels.index(label)])
+    return 2.0 * out * rhs[rhs_labels.index("i")] * taps
 
 
 @dataclasses.dataclass

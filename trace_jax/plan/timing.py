@@ -54,7 +54,12 @@ def program_time(summary: dict[str, Any], chip: Chip) -> dict[str, Any]:
         "communication_s": summary["wire_bytes"] / (chip.ici_bandwidth / 2),
     }
     bound = max(bounds, key=bounds.get)
-    return {**bounds, "seconds": bounds[bound], "bound": bound.removesuffix("_s")}
+    return {
+        **bounds,
+        "seconds": bounds[bound],
+        "bound": bound.removesuffix("_s"),
+        "unknown_loops": summary.get("unknown_loops", 0),
+    }
 
 
 def model_flops_per_token(config: Any, context: float) -> float:
