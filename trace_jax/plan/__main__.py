@@ -526,7 +526,7 @@ def summary(result: dict[str, Any]) -> str:
             lines.append(
                 f"  {name:<18} {t['seconds'] * 1e3:10.2f} ms  ({t['bound']}-bound; compute {t['compute_s'] * 1e3:.2f}"
                 f" / memory {t['memory_s'] * 1e3:.2f} / ICI {t['communication_s'] * 1e3:.2f} ms)"
-                + (f"  [{t['unknown_loops']} loop(s) counted once: trip count unread]" if t.get("unknown_loops") else "")
+                + (f"  [{t['unknown_loops']} loop(s) counted once: trip unread]" if t.get("unknown_loops") else "")
             )
         if "update" in timing:
             u = timing["update"]
