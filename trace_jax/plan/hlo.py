@@ -70,6 +70,7 @@ class Computation:
     name: str
     params: dict[str, str]
     instructions: list[Instruction]
+    root: str = ""
 
 
 def _top_level_split(text: str) -> list[str]:
@@ -100,6 +101,8 @@ def parse(text: str) -> tuple[dict[str, Computation], str]:
             continue
         instr = _INSTR.match(line)
         if instr and current is not None:
+            if line.lstrip().startswith("ROOT "):
+                current.root = instr.group(1)
             rest = instr.group(4)
             depth, cut = 1, len(rest)
             for i, ch in enumerate(rest):  # the operand list ends at the matching parenthesis
@@ -217,6 +220,55 @@ class HloSummary:
         }
 
 
+_SLICING = ("dynamic-slice", "gather", "slice")
+
+
+def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str, str], out_bytes: int) -> float:
+    """HBM bytes one kernel moves: its operands and output, except what it does not touch. An operand read only
+    by slices / gathers costs the slices' bytes; a buffer updated in place (``dynamic-update-slice`` /
+    ``scatter`` on it) costs its update's bytes, read and written, not the whole buffer (a KV pool updated one
+    token at a time, a layer's slice of a stack)."""
+    if ins.op in ("dynamic-update-slice", "scatter") and len(ins.operands) >= 2:
+        update = type_bytes(shapes.get(ins.operands[-1], ""))
+        return 2.0 * update + sum(type_bytes(shapes.get(o, "")) for o in ins.operands[1:-1])
+    if ins.op in _SLICING:
+        return 2.0 * out_bytes
+    callee = next((t for k, t in _callees(ins.attrs) if k == "calls"), None) if ins.op == "fusion" else None
+    if callee is None or callee not in comps:
+        return out_bytes + sum(type_bytes(shapes.get(o, "")) for o in ins.operands)
+    body = comps[callee]
+    params = [i for i in body.instructions if i.op == "parameter"]
+    index = {i.name: int(re.match(r"\s*(\d+)", i.args).group(1)) for i in params if re.match(r"\s*(\d+)", i.args)}
+    users: dict[str, list[Instruction]] = collections.defaultdict(list)
+    for i in body.instructions:
+        for o in i.operands:
+            users[o].append(i)
+    total = 0.0
+    in_place = False
+    for name, position in index.items():
+        if position >= len(ins.operands):
+            continue
+        full = type_bytes(shapes.get(ins.operands[position], ""))
+        uses = users.get(name, [])
+        if uses and all(u.op in _SLICING and u.operands and u.operands[0] == name for u in uses):
+            total += sum(type_bytes(u.type) for u in uses)
+        elif uses and all(u.op in ("dynamic-update-slice", "scatter") and u.operands[0] == name for u in uses):
+            in_place = True  # the buffer is written in place: its update is counted below
+        else:
+            total += full
+    root = body.instructions[-1] if body.instructions else None
+    for r in body.instructions:
+        if r.name == _root_name(body):
+            root = r
+    if in_place and root is not None and root.op in ("dynamic-update-slice", "scatter"):
+        return total + 2.0 * type_bytes(shapes.get(root.operands[-1], ""))
+    return total + out_bytes
+
+
+def _root_name(comp: Computation) -> str:
+    return comp.root or (comp.instructions[-1].name if comp.instructions else "")
+
+
 def kernel_names(text: str) -> dict[str, int]:
     """Mosaic (Pallas TPU) kernel calls in an HLO text, by kernel name (op_name metadata), counted once each."""
     out: collections.Counter[str] = collections.Counter()
@@ -278,7 +330,7 @@ def summarize(text: str, devices: int) -> HloSummary:
                 continue
             out_bytes = type_bytes(ins.type)
             in_bytes = sum(type_bytes(shapes.get(o, "")) for o in ins.operands)
-            bytes_accessed += times * (out_bytes + in_bytes)
+            bytes_accessed += times * _hbm_bytes(ins, comps, shapes, out_bytes)
             kind = ins.op.removesuffix("-start")
             if kind in COLLECTIVES:
                 n = _group_size(ins.attrs, devices)
