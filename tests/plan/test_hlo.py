@@ -109,3 +109,30 @@ def test_slice_names_users_type_and_libtpu_names_agree():
         parse_topology("v6e:2x2x2")  # a 2D family
     with pytest.raises(ValueError, match="not a TPU slice"):
         _ = parse_topology("h100-8").libtpu_name
+
+
+IN_PLACE = """
+HloModule jit_g
+
+%update (pool.1: bf16[64,1024,128], row.1: bf16[1,1,128], i.1: s32[]) -> bf16[64,1024,128] {
+  %pool.1 = bf16[64,1024,128]{2,1,0} parameter(0)
+  %row.1 = bf16[1,1,128]{2,1,0} parameter(1)
+  %i.1 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = bf16[64,1024,128]{2,1,0} dynamic-update-slice(%pool.1, %row.1, %i.1, %i.1, %z)
+}
+
+ENTRY %main (pool.0: bf16[64,1024,128], row.0: bf16[1,1,128], i.0: s32[]) -> bf16[64,1024,128] {
+  %pool.0 = bf16[64,1024,128]{2,1,0} parameter(0)
+  %row.0 = bf16[1,1,128]{2,1,0} parameter(1)
+  %i.0 = s32[] parameter(2)
+  ROOT %f = bf16[64,1024,128]{2,1,0} fusion(%pool.0, %row.0, %i.0), kind=kLoop, calls=%update
+}
+"""
+
+
+def test_a_buffer_updated_in_place_costs_its_update_not_the_buffer():
+    """Fails if writing one token into a KV pool counts the whole pool read and written (16 MiB twice here):
+    a decode step would look HBM-bound on the cache size instead of the bytes it touches."""
+    summary = hlo.summarize(IN_PLACE, devices=1)
+    assert summary.bytes_accessed <= 4 * 128 * 2 + 4, summary.bytes_accessed
