@@ -460,8 +460,9 @@ def predicted_times(result: dict[str, Any], config: Any, topology: Topology, arg
             "steps_per_call": s["steps_per_call"],
             "window": s["max_len"],
         }
-        phases["decode"] = args.rows * (args.seq_len - args.prompt_len) / rate
-    if phases:
+        if args.rows:
+            phases["decode"] = args.rows * (args.seq_len - args.prompt_len) / rate
+    if phases and sum(phases.values()) > 0:
         total = sum(phases.values())
         out["rl_step"] = {
             "seconds": total,
