@@ -2,6 +2,8 @@
 
     python launch/pod_helper.py check CONFIG [--config.a.b=v ...]   # exit 2 naming each key the config lacks
     python launch/pod_helper.py pack OUT.tgz                          # this checkout's code as a tarball
+    python launch/pod_helper.py plan ACCELERATOR CONFIG [--config.a.b=v ...] [-- PLANNER ARGS]
+                                                    # compile the job for the slice; exit 3 if it does not fit
 
 ``check`` runs before anything is created or shipped: a misspelt override found on a 64-chip slice costs
 the minutes of installing and compiling on every host first. ``pack`` ships exactly what the user has
@@ -11,6 +13,7 @@ repository URL, and never the virtual environment, run directories or git histor
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import subprocess
@@ -43,6 +46,67 @@ def check(config_spec: str, overrides: list[str]) -> int:
     for problem in problems:
         print(f"error: {problem} (in {config_spec})", file=sys.stderr)
     return 2 if problems else 0
+
+
+def plan_command(accelerator: str, config_spec: str, overrides: list[str], extra: list[str]) -> list[str]:
+    """The planner's command line for this job on ``accelerator``: the model preset (``sft.model``), the job's
+    mesh, micro-batch rows (``ppo.micro_rows``; 0 is one row per batch shard), its longest training row (the
+    largest ``batch.length_buckets`` or ``batch.pack_length``), the engine's slots, window and dtypes, and
+    ``--require-fit``; ``extra`` (planner options) is appended, so it can override any of them."""
+    sys.path.insert(0, str(ROOT))
+    from trace_jax.config_utils import load_config_file
+
+    config = load_config_file(config_spec)
+    for override in overrides:  # --config.a.b=value, the value read as a Python literal where it is one
+        key, _, value = override.removeprefix("--config.").partition("=")
+        *path, leaf = key.split(".")
+        section = config
+        for name in path:
+            section = section[name]
+        try:
+            section[leaf] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            section[leaf] = value
+    mesh, batch, engine, ppo = config.mesh, config.batch, config.engine, config.ppo
+    model = config.get("model") or {}
+    axes = {"data": mesh.data, "fsdp": mesh.fsdp, "expert": mesh.get("expert", 1), "tensor": mesh.tensor}
+    seq_len = batch.get("pack_length") or max(batch.length_buckets)
+    return [
+        "-m", "trace_jax.plan",
+        "--model", config.sft.model,
+        "--topology", accelerator,
+        "--mesh", ",".join(f"{k}={v}" for k, v in axes.items()),
+        "--micro-rows", str(ppo.micro_rows),
+        "--rows", "-1",
+        "--mini-batches", str(ppo.mini_batches),
+        "--ppo-epochs", str(ppo.ppo_epochs),
+        "--seq-len", str(seq_len),
+        "--dtype", model.get("dtype", "bfloat16"),
+        "--param-dtype", model.get("param_dtype", "float32"),
+        "--slots", str(engine.max_slots),
+        "--engine-len", str(engine.max_len),
+        "--steps-per-call", str(engine.steps_per_call),
+        "--engine-dtype", engine.weight_dtype,
+        "--no-depth-check",
+        "--no-slots-fit",
+        "--max-compiles", "1",
+        "--require-fit",
+        *extra,
+    ]  # fmt: skip
+
+
+def plan(argv: list[str]) -> int:
+    """Runs the planner for the job (``plan_command``); its exit status: 0 fits, 3 does not, 2 bad input."""
+    accelerator, config_spec, rest = argv[0], argv[1], argv[2:]
+    overrides, extra = (rest[: rest.index("--")], rest[rest.index("--") + 1 :]) if "--" in rest else (rest, [])
+    try:
+        command = [sys.executable, *plan_command(accelerator, config_spec, overrides, extra)]
+    except Exception as e:  # the user's local environment: say what is missing and how to go on
+        problem = f"{type(e).__name__}: {e}"
+        print(f"error: cannot build the plan of {config_spec} ({problem}); pass --skip-plan", file=sys.stderr)
+        return 2
+    print("plan: " + " ".join(command[1:]), file=sys.stderr, flush=True)
+    return subprocess.run(command, cwd=ROOT, check=False).returncode
 
 
 def _files() -> list[str]:
@@ -79,7 +143,13 @@ def main(argv: list[str]) -> int:
         return check(argv[1], argv[2:])
     if len(argv) == 2 and argv[0] == "pack":
         return pack(argv[1])
-    print("usage: pod_helper.py check CONFIG [--config.key=value ...] | pod_helper.py pack OUT.tgz", file=sys.stderr)
+    if len(argv) >= 3 and argv[0] == "plan":
+        return plan(argv[1:])
+    print(
+        "usage: pod_helper.py check CONFIG [--config.key=value ...] | pod_helper.py pack OUT.tgz | "
+        "pod_helper.py plan ACCELERATOR CONFIG [--config.key=value ...] [-- PLANNER ARGS]",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -4,8 +4,13 @@
 # Launch (checks the overrides here, creates or reuses the slice, ships this checkout, installs, starts, streams):
 #   launch/tpu_pod.sh --tpu NAME --zone ZONE --workdir gs://BUCKET/RUN [--project P] [--accelerator v5p-64]
 #       [--create | --queued [--spot]] [--runtime VERSION] [--python 3.11] [--env KEY=VALUE ...]
-#       [--no-stream] [--skip-check] [--dry-run] [--config configs/x.py[:arg]] [-- --config.key=value ...]
-#       [--watch [--max-relaunches N]]
+#       [--no-stream] [--skip-check] [--skip-plan | --plan] [--plan-args "PLANNER OPTIONS"] [--dry-run]
+#       [--config configs/x.py[:arg]] [-- --config.key=value ...] [--watch [--max-relaunches N]]
+# The plan step (before the slice is made or anything shipped): the TPU compiler compiles the job's update and
+# decode programs for the slice's topology here (python -m trace_jax.plan with the config's model preset,
+# mesh, rows and engine; needs libtpu locally: pip install "jax[tpu]==<your jax version>") and a config whose
+# per-chip peak does not fit the chip's memory stops the launch (exit 3) with the figures. Without libtpu it is
+# skipped with a note; --skip-plan skips it; under --dry-run it is printed, and run only with --plan.
 # --watch (with --create or --queued) stays attached: when the job ends with exit status 143 (a SIGTERM, e.g. a
 # preemption notice: it checkpointed first), the slice is preempted / SUSPENDED / FAILED / gone, or the ssh to
 # worker 0 drops, it recreates the slice the same way (spot / queued included), ships and starts the same
@@ -24,6 +29,7 @@ cd "$(dirname "$0")/.."
 WORKDIR=""  # a pod needs an explicit shared workdir (common.sh defaults to a local one)
 TPU=""; ZONE=""; PROJECT=""; ACCELERATOR="v5p-64"; RUNTIME=""; PY_VERSION="3.11"
 CREATE=0; QUEUED=0; SPOT=0; STREAM=1; CHECK=1; ACTION="launch"; WORKER=0; ENVS=()
+PLAN="auto"; PLAN_ARGS=""
 WATCH=0; MAX_RELAUNCHES=10
 PREEMPTED=143  # trace_jax.job.cli.ExitCode.PREEMPTED: stopped by SIGTERM after checkpointing; a rerun resumes
 PYTHON="${PYTHON:-python3}"
@@ -45,6 +51,9 @@ parse_specific() {
     --spot) SPOT=1; SHIFT_TWO=0 ;;
     --no-stream) STREAM=0; SHIFT_TWO=0 ;;
     --skip-check) CHECK=0; SHIFT_TWO=0 ;;
+    --skip-plan) PLAN=0; SHIFT_TWO=0 ;;
+    --plan) PLAN=1; SHIFT_TWO=0 ;;
+    --plan-args) PLAN_ARGS="$2" ;;
     --logs | --status | --stop | --delete) ACTION="${1#--}"; SHIFT_TWO=0 ;;
     *) SHIFT_TWO=0; return 1 ;;
   esac
@@ -142,6 +151,7 @@ launch() {
     [ "$DRY_RUN" = 1 ] && run "$PYTHON" launch/pod_helper.py check "$CONFIG" "${overrides[@]}"
     "$PYTHON" launch/pod_helper.py check "$CONFIG" "${overrides[@]}" || exit 2
   fi
+  plan_step "${overrides[@]}"
   ensure_slice
   JOB=(python -m trace_jax.train "--config=$CONFIG" "--workdir=$WORKDIR" "${overrides[@]}")
   ship_and_start
@@ -156,6 +166,29 @@ launch() {
     on_workers 0 "bash $WORKER_SCRIPT logs"
   fi
 }
+
+# Compile the job for the slice's topology before paying for it; a config that does not fit stops here (exit 3).
+plan_step() {
+  [ "$PLAN" = 0 ] && return 0
+  local extra=()
+  [ -n "$PLAN_ARGS" ] && read -r -a extra <<< "$PLAN_ARGS"
+  local cmd=("$PYTHON" launch/pod_helper.py plan "$ACCELERATOR" "$CONFIG" "$@" -- ${extra[@]+"${extra[@]}"})
+  if [ "$DRY_RUN" = 1 ] && [ "$PLAN" != 1 ]; then
+    note "plan: compile the job for $ACCELERATOR with the TPU compiler; stop here if it does not fit (--plan runs it under --dry-run)"
+    run "${cmd[@]}"
+    return 0
+  fi
+  if [ "$PLAN" = auto ] && ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('libtpu') is None)"; then
+    echo "note: the plan step is skipped: libtpu is not installed here (pip install \"jax[tpu]==<your jax version>\"" \
+      "compiles the job for $ACCELERATOR before the slice is paid for; --skip-plan silences this)" >&2
+    return 0
+  fi
+  local code=0
+  "${cmd[@]}" >&2 || code=$?
+  [ "$code" = 3 ] && fail_with 3 "the job does not fit $ACCELERATOR (figures above): nothing was created or shipped"
+  [ "$code" = 0 ] || fail_with "$code" "the plan step failed (exit status $code): nothing was created; --skip-plan to launch anyway"
+}
+fail_with() { echo "$2" >&2; exit "$1"; }
 
 ship_and_start() {
   local tarball="${TMPDIR:-/tmp}/trace_jax_code_$TPU.tgz"

@@ -266,3 +266,59 @@ def test_the_readme_pod_example_passes_the_launchers_own_checks():
     assert done.returncode == 0, done.stderr
     job = shlex.split(flag(gcloud(commands(done.stdout), "ssh")[1], "command"))
     assert "--config.sft.model=qwen3-8b" in job and "--workdir=gs://b/runs/qwen3-8b" in job
+
+
+# ------------------------------------------------------------------------------------------ the plan step
+def test_tpu_pod_dry_run_prints_the_plan_step_before_the_slice_is_made():
+    """Fails if the launcher stops compiling the job for the slice before creating it (the plan step missing,
+    or placed after the create), or plans another accelerator than the one it creates."""
+    done = launch("tpu_pod.sh", "--dry-run", *POD, "--create", "--accelerator", "v5p-128")
+    assert done.returncode == 0, done.stderr
+    cmds = commands(done.stdout)
+    plan_at = next(i for i, c in enumerate(cmds) if "pod_helper.py" in " ".join(c) and "plan" in c)
+    create_at = next(i for i, c in enumerate(cmds) if c[0] == "gcloud" and "create" in c)
+    assert plan_at < create_at
+    plan = cmds[plan_at]
+    assert plan[plan.index("plan") + 1 : plan.index("plan") + 3] == ["v5p-128", "configs/default.py"]
+    done = launch("tpu_pod.sh", "--dry-run", *POD, "--create", "--skip-plan")
+    assert not any("plan" in c for c in commands(done.stdout) if "pod_helper.py" in " ".join(c))
+
+
+def test_the_plan_step_compiles_the_configs_own_layout():
+    """Fails if the plan step ignores the job's mesh, model preset, micro-batch rows, longest row or engine
+    (it would check another program than the one the pod runs)."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import pod_helper
+
+    overrides = ["--config.sft.model=qwen3-8b", "--config.mesh.fsdp=8", "--config.ppo.micro_rows=16"]
+    argv = pod_helper.plan_command("v5p-64", "configs/search_r1.py:qwen3-8b", overrides, ["--margin", "0.2"])
+    value = lambda name: argv[argv.index(name) + 1]
+    assert value("--model") == "qwen3-8b" and value("--topology") == "v5p-64"
+    assert value("--mesh") == "data=1,fsdp=8,expert=1,tensor=4" and value("--micro-rows") == "16"
+    assert value("--seq-len") == "4096" and value("--engine-len") == "4096" and value("--slots") == "128"
+    assert "--require-fit" in argv and argv[-2:] == ["--margin", "0.2"]
+
+
+def _plan_launch(*plan_args):
+    plan = ["--plan", "--plan-args", " ".join(("--backend", "cpu", *plan_args))]
+    return subprocess.run(
+        ["bash", str(ROOT / "launch" / "tpu_pod.sh"), "--dry-run", *POD, "--create", "--accelerator", "v5p-8", *plan],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=ENV,
+    )
+
+
+@pytest.mark.slow
+def test_tpu_pod_refuses_a_config_that_does_not_fit_before_any_gcloud_command():
+    """Fails if a job whose compiled peak exceeds the chip's memory still reaches gcloud, or if the refusal
+    hides the figures; the same job with the chip's real memory goes on to create the slice. (XLA:CPU
+    stand-ins keep this fast; the TPU compiler is the default where libtpu is installed.)"""
+    refused = _plan_launch("--memory-gib", "0.001")
+    assert refused.returncode == 3, refused.stderr[-3000:]
+    assert "does not fit v5p-8" in refused.stderr and "peak=" in refused.stderr
+    assert not gcloud(commands(refused.stdout))
+    accepted = _plan_launch()
+    assert accepted.returncode == 0, accepted.stderr[-3000:]
+    assert gcloud(commands(accepted.stdout), "create")

@@ -11,6 +11,7 @@ import pytest
 
 from trace_jax.models import ModelConfig, num_params
 from trace_jax.parallel.mesh import make_mesh
+from trace_jax.plan import compile as plan_compile
 from trace_jax.plan.__main__ import slots_per_chip
 from trace_jax.plan.compile import generate_memory, train_step_memory
 from trace_jax.plan.topology import GIB, parse_topology
@@ -71,9 +72,10 @@ def test_topologies_count_chips_and_memory():
         parse_topology("v5p-7")
 
 
-def _plan(tmp_path, *extra):
+def _plan(tmp_path, *extra, backend="cpu"):
     out = tmp_path / "plan.json"
     args = ["--model", "qwen3-tiny", "--topology", "v5p-16", "--rows", "16", "--seq-len", "256", "--slots", "16"]
+    args += ["--backend", backend]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # the planner sets the fake device count itself
     done = subprocess.run(
@@ -91,7 +93,8 @@ def _plan(tmp_path, *extra):
 @pytest.mark.slow
 def test_the_planner_compiles_the_step_and_the_engine_and_picks_what_fits(tmp_path):
     stdout, plan = _plan(tmp_path)
-    assert "estimate" in stdout and "train: FITS" in stdout and "engine: FITS" in stdout
+    assert "XLA:CPU stand-ins" in stdout and "train: FITS" in stdout and "engine: FITS" in stdout
+    assert plan["compiler"] == "cpu" and plan["train"]["fits"]["platform"] == "cpu"
     train, engine = plan["train"]["fits"], plan["engine"]["fits"]
     assert sum(train["mesh"].values()) and train["mesh"]["fsdp"] * train["mesh"]["tensor"] == 8
     assert train["per_device_gib"]["temporaries"] > 0 and engine["per_device_gib"]["kv_cache"] >= 0
@@ -191,3 +194,18 @@ def test_the_all_to_all_estimate_trades_gathered_experts_for_dispatch_buffers():
     rows = 256 // 32 // 4
     full_g, full_a = (_activation_estimate(c, rows * 4096, 1, "full", rows, 512, 16) for c in (gather, a2a))
     assert full_a > full_g  # full remat keeps no experts: only the buffers differ
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not plan_compile.libtpu_available(), reason="needs libtpu (the TPU compiler)")
+def test_the_planner_compiles_with_the_tpu_compiler_and_predicts_times(tmp_path):
+    """Fails if the planner falls back to XLA:CPU where libtpu is installed, loses the TPU figures' label, or
+    stops predicting the update's and the decode's times from the compiled programs."""
+    stdout, plan = _plan(tmp_path, backend="auto")
+    assert plan["compiler"] == "tpu" and plan["topology"]["libtpu"] == "v5p:2x2x2"
+    assert "TPU compiler (libtpu)" in stdout and "predicted times on v5p" in stdout
+    assert plan["train"]["fits"]["platform"] == plan["engine"]["fits"]["platform"] == "tpu"
+    timing = plan["timing"]
+    assert timing["update"]["optimizer_step_s"] > 0 and 0 < timing["update"]["mfu"] < 1
+    assert timing["decode"]["tokens_per_s"] > 0
+    assert set(timing["rl_step"]["phases_s"]) == {"update", "prefill", "decode"}

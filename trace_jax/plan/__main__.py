@@ -2,16 +2,24 @@
 
     python -m trace_jax.plan --model qwen3-8b --topology v5p-64 --rows 256 --seq-len 4096 [--json out.json]
 
+Which compiler: with libtpu installed (``pip install "jax[tpu]"`` at the installed jax version, or the
+``tpu`` extra) a TPU slice is compiled by the TPU compiler for that slice's abstract devices, on any host, and
+the figures are the TPU compiler's; without it (or with ``--backend cpu``) XLA:CPU compiles the same programs
+on fake CPU devices and the figures are stand-ins (XLA:CPU keeps float32 copies the TPU compiler does not).
+Beside the memory the plan prints the Mosaic kernels each program calls and its predicted time
+(``trace_jax.plan.timing``: the largest of the compute, HBM and interconnect bounds from the compiled HLO),
+hence decode tokens/s, the update's time and MFU, and the RL step split by phase.
+
 For the train step the candidates are (fsdp x tensor meshes over all chips) x micro-batches x remat policies,
 tried in order of expected speed (no remat before matmul-saving before full remat; fewer micro-batches and
 less tensor parallelism first). A rough analytic estimate skips candidates that cannot fit; each remaining one
-is compiled (the real ``RLTrainer`` step) until XLA's per-device peak fits the chip's memory less the margin.
+is compiled (the programs ``RLTrainer.update`` runs: zero, accumulate over a micro-batch of rows / micro-batches
+rows, apply) until the update's per-device peak fits the chip's memory less the margin.
 The engine (``Engine.generate``, slots x max_len) tries data x tensor meshes the same way; on the mesh chosen
 it is compiled once more at twice the slots, and the line through the two peaks (per chip: fixed bytes +
 bytes per slot) gives the slots per chip that fit the budget at that length (``slots_per_chip``). A 4-layer copy of
 the chosen train step is compiled too, to show that compile time does not grow with depth (scanned layers).
 
-The numbers are XLA:CPU's estimate of per-device memory; XLA:TPU schedules differently (treat as an estimate).
 """
 
 from __future__ import annotations
@@ -30,6 +38,21 @@ from trace_jax.plan.topology import GIB, Topology, parse_topology
 REMATS = ("none", "save_dots", "full")
 
 
+def _backend(requested: str, topology: Topology | None) -> str:
+    """ "tpu" or "cpu" (see ``Planner``); an explicit "tpu" without libtpu is an error that says how to install it."""
+    import importlib.util
+
+    have_libtpu = importlib.util.find_spec("libtpu") is not None
+    tpu_slice = topology is None or (topology.is_tpu and topology.grid is not None)
+    if requested == "tpu":
+        if not have_libtpu:
+            raise SystemExit('--backend tpu needs libtpu: pip install "jax[tpu]==<the installed jax version>"')
+        return "tpu"
+    if requested == "cpu":
+        return "cpu"
+    return "tpu" if have_libtpu and tpu_slice else "cpu"
+
+
 def _set_fake_devices(count: int) -> None:
     if "jax" in sys.modules:
         import jax  # already imported: only look at its devices
@@ -44,7 +67,7 @@ def _set_fake_devices(count: int) -> None:
 
 # ------------------------------------------------------------------------------------------ estimates
 def _activation_estimate(
-    config: Any, tokens: int, tensor: int, remat: str, rows: int, chunk: int, expert: int = 1
+    config: Any, tokens: int, tensor: int, remat: str, rows: int, chunk: int, expert: int = 1, copies: float = 2.5
 ) -> float:
     """Rough per-device activation bytes of one micro-batch (orders and prunes candidates; XLA decides)."""
     act = 2 if config.dtype == "bfloat16" else 4
@@ -62,8 +85,8 @@ def _activation_estimate(
     seq = tokens / max(rows, 1)
     attention = rows * config.num_heads / tensor * min(512, seq) * seq * 4 * 4
     logits = rows * chunk * config.vocab_size / tensor * 4 * 4
-    # x2.5: XLA:CPU keeps float32 copies around bf16 dots (measured on qwen3-8b: ~2.6x the bf16 count).
-    return 2.5 * (config.num_layers * saved[remat] + 2 * per_layer + kept_experts + 2 * experts) + attention + logits
+    # copies: XLA:CPU keeps float32 copies around bf16 dots (measured on qwen3-8b: ~2.6x the bf16 count); 1 on TPU.
+    return copies * (config.num_layers * saved[remat] + 2 * per_layer + kept_experts + 2 * experts) + attention + logits
 
 
 def _gather_terms(config: Any, tensor: int, act: int, expert: int) -> tuple[float, float]:
@@ -110,7 +133,7 @@ def _mesh(config: Any, **sizes: int) -> dict[str, int]:
     return sizes
 
 
-def _train_candidates(config, topology: Topology, rows: int, seq_len: int, chunk: int):
+def _train_candidates(config, topology: Topology, rows: int, seq_len: int, chunk: int, copies: float = 2.5):
     chips = topology.chips
     for remat in REMATS:
         for micro in (1, 2, 4, 8, 16, 32):
@@ -121,9 +144,47 @@ def _train_candidates(config, topology: Topology, rows: int, seq_len: int, chunk
                     if chips % tensor or rows % (shards * micro):
                         continue
                     rows_dev = rows // shards // micro
-                    estimate = _activation_estimate(config, rows_dev * seq_len, tensor, remat, rows_dev, chunk, expert)
+                    estimate = _activation_estimate(
+                        config, rows_dev * seq_len, tensor, remat, rows_dev, chunk, expert, copies
+                    )
                     mesh = _mesh(config, data=1, fsdp=fsdp, expert=expert, tensor=tensor)
                     yield {"remat": remat, "micro_batches": micro, "mesh": mesh}, estimate
+
+
+def parse_mesh(text: str, chips: int) -> dict[str, int]:
+    """``data=1,fsdp=-1,tensor=4`` -> every axis's size over ``chips`` (one axis may be -1: the rest)."""
+    sizes = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() not in sizes or not value.strip().lstrip("-").isdigit():
+            raise SystemExit(f"--mesh {text!r}: expected axis=size pairs over {tuple(sizes)}, e.g. fsdp=-1,tensor=4")
+        sizes[name.strip()] = int(value)
+    known = 1
+    for v in sizes.values():
+        known *= v if v != -1 else 1
+    for k, v in sizes.items():
+        if v == -1:
+            sizes[k] = chips // known
+    product = sizes["data"] * sizes["fsdp"] * sizes["expert"] * sizes["tensor"]
+    if product != chips:
+        raise SystemExit(f"--mesh {text!r} covers {product} chips; the slice has {chips}")
+    return sizes
+
+
+def _fixed_candidates(config, topology: Topology, args: argparse.Namespace, copies: float):
+    """The job's own layout (``--mesh``, ``--micro-rows``): one train candidate, the model's remat policy."""
+    mesh = parse_mesh(args.mesh, topology.chips)
+    shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
+    micro_rows = args.micro_rows or shards
+    if micro_rows % shards or args.rows % micro_rows:
+        raise SystemExit(f"--micro-rows {micro_rows} must divide --rows {args.rows} and be a multiple of {shards}")
+    rows_dev = micro_rows // shards
+    remat = getattr(args, "remat", None) or config.remat
+    estimate = _activation_estimate(
+        config, rows_dev * args.seq_len, mesh["tensor"], remat, rows_dev, args.logprob_chunk, mesh["expert"],
+        copies,
+    )  # fmt: skip
+    yield {"remat": remat, "micro_batches": args.rows // micro_rows, "mesh": _mesh(config, **mesh)}, estimate
 
 
 def _engine_candidates(topology: Topology, slots: int, config: Any = None):
@@ -136,17 +197,22 @@ def _engine_candidates(topology: Topology, slots: int, config: Any = None):
 
 # ---------------------------------------------------------------------------------------------- search
 class Planner:
-    """Compiles candidates for one model on fake devices; compiled reports are memoised by (program,
-    mesh, settings), so topologies with the same chip count and different memory share compiles."""
+    """Compiles candidates for one model; compiled reports are memoised by (program, mesh, settings), so
+    topologies with the same chip count, devices and a different memory share compiles. ``backend``: "tpu"
+    compiles for each slice's abstract TPU devices (libtpu), "cpu" on fake CPU devices (``chips`` of them),
+    "auto" the first where libtpu is installed and the slice is a TPU."""
 
-    def __init__(self, args: argparse.Namespace, chips: int):
-        _set_fake_devices(chips)
+    def __init__(self, args: argparse.Namespace, chips: int, topology: Topology | None = None):
+        self.backend = _backend(getattr(args, "backend", "auto"), topology)
+        if self.backend == "cpu":
+            _set_fake_devices(chips)
         import jax  # JAX only after _set_fake_devices: the fake device count is read when JAX starts
 
         from trace_jax.models import ModelConfig
 
         self.args = args
-        self.devices = jax.devices()
+        self.devices = jax.devices() if self.backend == "cpu" else []
+        self._tpu_devices: dict[str, list[Any]] = {}
         self.config = ModelConfig.preset(args.model, dtype=args.dtype, param_dtype=args.param_dtype)
         if getattr(args, "expert_dispatch", None):  # MoeConfig.expert_dispatch; dense presets have no such field
             if not hasattr(self.config, "expert_dispatch"):
@@ -154,6 +220,22 @@ class Planner:
             self.config = dataclasses.replace(self.config, expert_dispatch=args.expert_dispatch)
         self.memo: dict[str, Any] = {}
         self.compiles = 0
+
+    def devices_for(self, topology: Topology) -> list[Any]:
+        """The devices a candidate's mesh is built over: the slice's abstract TPU devices, or fake CPU ones."""
+        if self.backend == "cpu":
+            return self.devices[: topology.chips]
+        if not topology.is_tpu or topology.grid is None:
+            raise SystemExit(f"--backend tpu needs a TPU slice with a known grid; {topology.name} is not one")
+        if topology.libtpu_name not in self._tpu_devices:
+            from trace_jax.plan.compile import target_devices
+
+            self._tpu_devices[topology.libtpu_name] = target_devices(topology)
+        return self._tpu_devices[topology.libtpu_name]
+
+    def _key(self, topology: Topology, *parts: Any) -> str:
+        where = "cpu" if self.backend == "cpu" else topology.libtpu_name
+        return json.dumps([where, *parts])
 
     def _report(self, key: str, build) -> dict[str, Any]:
         if key not in self.memo:
@@ -168,25 +250,40 @@ class Planner:
         from trace_jax.plan import compile as plan_compile
 
         args, config = self.args, self.config
-        devices = self.devices[: topology.chips]
+        devices = self.devices_for(topology)
         state_bytes = num_params(config) * (4 if args.param_dtype == "float32" else 2) * 4 / topology.chips
         out: dict[str, Any] = {"fits": None, "tried": []}
         fresh = self.compiles + args.max_compiles  # candidates compiled before (memoised) cost nothing
-        for candidate, estimate in _train_candidates(config, topology, args.rows, args.seq_len, args.logprob_chunk):
-            key = json.dumps(["train", candidate])
-            if state_bytes + estimate > budget * args.prune or (key not in self.memo and self.compiles >= fresh):
+        copies = 2.5 if self.backend == "cpu" else 1.0
+        refused: dict[str, tuple[int, float]] = {}
+        candidates = _train_candidates(config, topology, args.rows, args.seq_len, args.logprob_chunk, copies)
+        if getattr(args, "mesh", None):
+            candidates = _fixed_candidates(config, topology, args, copies)
+        for candidate, estimate in candidates:
+            key = self._key(topology, "train", candidate)
+            pruned = state_bytes + estimate > budget * args.prune and not getattr(args, "mesh", None)
+            # A compiled sibling (same remat and mesh, fewer micro-batches) whose temporaries were too big:
+            # activations shrink about as the rows a call does, so skip this one while the scaled need is too big.
+            sibling = refused.get(json.dumps([candidate["remat"], candidate["mesh"]]))
+            if sibling and sibling[1] * sibling[0] / candidate["micro_batches"] + state_bytes > budget:
+                pruned = True
+            if pruned or (key not in self.memo and self.compiles >= fresh):
                 continue
             build = functools.partial(
-                plan_compile.train_step_memory,
+                plan_compile.update_programs,
                 dataclasses.replace(config, remat=candidate["remat"]),
                 make_mesh(**candidate["mesh"], devices=devices),
-                args.rows,
+                args.rows // candidate["micro_batches"],
                 args.seq_len,
-                candidate["micro_batches"],
                 args.logprob_chunk,
+                update=self.update_config(),
+                rows=args.rows,
             )
             report = self._report(key, build)
             entry = {**report, "fits": report["peak_gib"] * GIB <= budget}
+            if not entry["fits"]:
+                need = report["per_device_gib"]["temporaries"] * GIB
+                refused[json.dumps([candidate["remat"], candidate["mesh"]])] = (candidate["micro_batches"], need)
             out["tried"].append(entry)
             print(_row(entry), flush=True)
             if entry["fits"]:
@@ -195,13 +292,14 @@ class Planner:
         if out["fits"] and depth_check:
             chosen = out["fits"]
             shallow = dataclasses.replace(config, remat=chosen["settings"]["remat"], num_layers=4)
-            report = plan_compile.train_step_memory(
+            report = plan_compile.update_programs(
                 shallow,
                 make_mesh(**chosen["mesh"], devices=devices),
-                args.rows,
+                chosen["settings"]["micro_rows"],
                 args.seq_len,
-                chosen["settings"]["micro_batches"],
                 args.logprob_chunk,
+                update=self.update_config(),
+                rows=args.rows,
             )
             out["depth_check"] = {
                 "layers": config.num_layers,
@@ -211,21 +309,31 @@ class Planner:
             }
         return out
 
+    def update_config(self) -> Any:
+        from trace_jax.rl.trainer import UpdateConfig
+
+        return UpdateConfig(ppo_epochs=self.args.ppo_epochs, mini_batches=self.args.mini_batches)
+
     def engine(self, topology: Topology, budget: int) -> dict[str, Any]:
         # These import JAX: only after _set_fake_devices (the fake device count is read when JAX starts).
         from trace_jax.parallel.mesh import make_mesh
         from trace_jax.plan import compile as plan_compile
 
         args = self.args
-        devices = self.devices[: topology.chips]
+        devices = self.devices_for(topology)
         config = dataclasses.replace(self.config, param_dtype=args.engine_dtype, dtype=args.engine_dtype)
         max_len = args.engine_len or args.seq_len
         out: dict[str, Any] = {"fits": None, "tried": []}
         fresh = self.compiles + args.max_compiles
-        for candidate in _engine_candidates(topology, args.slots, self.config):
+        candidates = list(_engine_candidates(topology, args.slots, self.config))
+        if getattr(args, "mesh", None):  # the job decodes with the same tensor and expert split
+            fixed = parse_mesh(args.mesh, topology.chips)
+            candidates = [c for c in candidates if (c["mesh"]["tensor"], c["mesh"].get("expert", 1)) == (
+                fixed["tensor"], fixed["expert"])]  # fmt: skip
+        for candidate in candidates:
             mesh = make_mesh(**candidate["mesh"], devices=devices)
             weights = plan_compile.shard_bytes(plan_compile.abstract_params(config, mesh)[1])
-            key = json.dumps(["engine", candidate])
+            key = self._key(topology, "engine", candidate)
             if weights > budget or (key not in self.memo and self.compiles >= fresh):
                 continue
             report = self._report(
@@ -241,10 +349,10 @@ class Planner:
                 out["fits"] = entry
                 break
         chosen = out["fits"]
-        if chosen is not None:
+        if chosen is not None and getattr(args, "slots_fit", True):
             mesh = make_mesh(**chosen["mesh"], devices=devices)
             twice = self._report(
-                json.dumps(["engine", {"mesh": chosen["mesh"], "slots": 2 * args.slots}]),
+                self._key(topology, "engine", {"mesh": chosen["mesh"], "slots": 2 * args.slots}),
                 lambda: plan_compile.generate_memory(
                     config, mesh, 2 * args.slots, max_len, args.steps_per_call, args.engine_dtype
                 ),
@@ -270,29 +378,109 @@ def slots_per_chip(one: dict[str, Any], twice: dict[str, Any], budget: int) -> d
     }
 
 
+NOTES = {
+    "tpu": "TPU compiler (libtpu) for the slice's abstract devices: per-chip memory, kernels and HLO of the "
+    "programs the slice would run.",
+    "cpu": "XLA:CPU stand-ins on fake CPU devices (libtpu not installed, or --backend cpu): an estimate of TPU "
+    "memory (XLA:CPU keeps float32 copies and schedules differently); the kernels are the CPU's.",
+}
+
+
 def plan_one(planner: Planner, topology: Topology, depth_check: bool) -> dict[str, Any]:
-    """The train step and engine plans of ``planner``'s model on ``topology``."""
+    """The train step and engine plans of ``planner``'s model on ``topology``, and their predicted times."""
     from trace_jax.models import num_params  # JAX: only after _set_fake_devices (see Planner)
 
     args = planner.args
     memory = int(args.memory_gib * GIB) if args.memory_gib else topology.memory_bytes
     budget = int(memory * (1 - args.margin))
-    return {
+    result = {
         "model": args.model,
         "params": num_params(planner.config),
         "active_params": planner.config.active_params(),
         "topology": {"name": topology.name, "chips": topology.chips, "memory_gib": round(memory / GIB, 1)},
         "budget_gib": round(budget / GIB, 2),
         "margin": args.margin,
-        "note": "XLA:CPU memory analysis on fake devices: an estimate of TPU/GPU memory (schedules differ).",
+        "compiler": planner.backend,
+        "note": NOTES[planner.backend],
         "train": planner.train(topology, budget, depth_check) if args.rows else {"fits": None, "tried": []},
         "engine": planner.engine(topology, budget) if args.slots else {"fits": None, "tried": []},
     }
+    if topology.is_tpu and topology.grid is not None:
+        result["topology"]["libtpu"] = topology.libtpu_name
+    result["timing"] = predicted_times(result, planner.config, topology, args)
+    return result
+
+
+def predicted_times(result: dict[str, Any], config: Any, topology: Topology, args: argparse.Namespace) -> Any:
+    """The step-time model (``trace_jax.plan.timing``) applied to the chosen programs: each program's bounds,
+    the update's time and MFU, decode tokens/s, and one RL step split by phase. None for a slice without a
+    chip in the table (GPUs)."""
+    from trace_jax.plan.timing import CHIPS, model_flops_per_token, program_time
+
+    chip = CHIPS.get(topology.family.name)
+    if chip is None:
+        return None
+    out: dict[str, Any] = {"chip": chip.name, "source": chip.source, "programs": {}}
+    train, engine = result["train"]["fits"], result["engine"]["fits"]
+    phases: dict[str, float] = {}
+    if train is not None:
+        s = train["settings"]
+        times = {name: program_time(p["hlo"], chip) for name, p in train["programs"].items()}
+        out["programs"].update({f"update.{k}": v for k, v in times.items()})
+        calls = max(s["micro_batches"], s["mini_batches"])
+        step = calls * times["accumulate"]["seconds"] + s["mini_batches"] * (
+            times["apply"]["seconds"] + times["zero"]["seconds"]
+        )
+        tokens = s["rows"] * s["seq_len"]
+        flops = model_flops_per_token(config, s["seq_len"] / 2) * tokens
+        out["update"] = {
+            "optimizer_step_s": step,
+            "update_s": s["ppo_epochs"] * step,
+            "tokens_per_s_per_chip": tokens / step / topology.chips,
+            "mfu": flops / (step * topology.chips * chip.bf16_flops),
+            "model_flops_per_step": flops,
+            "hlo_flops_per_step": calls * train["programs"]["accumulate"]["hlo"]["flops"] * topology.chips,
+        }
+        phases["update"] = s["ppo_epochs"] * step
+        # Prefill ~ a forward pass over the prompts: a third of the accumulate step's forward + backward per
+        # token (no remat; full remat makes it a quarter, so this errs long).
+        per_token = times["accumulate"]["seconds"] / (s["micro_rows"] * s["seq_len"])
+        phases["prefill"] = per_token / 3 * s["rows"] * args.prompt_len
+    if engine is not None:
+        s = engine["settings"]
+        t = program_time(engine["hlo"], chip)
+        out["programs"]["generate"] = t
+        rate = s["slots"] * s["steps_per_call"] / t["seconds"]
+        out["decode"] = {
+            "call_s": t["seconds"],
+            "step_ms": 1e3 * t["seconds"] / s["steps_per_call"],
+            "tokens_per_s": rate,
+            "tokens_per_s_per_chip": rate / topology.chips,
+            "slots": s["slots"],
+            "steps_per_call": s["steps_per_call"],
+            "window": s["max_len"],
+        }
+        if args.rows:
+            phases["decode"] = args.rows * (args.seq_len - args.prompt_len) / rate
+    if phases and sum(phases.values()) > 0:
+        total = sum(phases.values())
+        out["rl_step"] = {
+            "seconds": total,
+            "phases_s": phases,
+            "share": {k: v / total for k, v in phases.items()},
+            "assumes": f"{args.rows} rows of {args.prompt_len} prompt + {args.seq_len - args.prompt_len} sampled "
+            "tokens; decode at full slots and the widest window; the update on the train mesh; no host time",
+        }
+    return out
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     topology = parse_topology(args.topology)
-    return plan_one(Planner(args, topology.chips), topology, args.depth_check)
+    if getattr(args, "mesh", None) and args.rows < 0:  # the job's rows: one micro-batch call per mini-batch
+        mesh = parse_mesh(args.mesh, topology.chips)
+        args.micro_rows = args.micro_rows or mesh["data"] * mesh["fsdp"] * mesh["expert"]
+        args.rows = args.micro_rows * args.mini_batches
+    return plan_one(Planner(args, topology.chips, topology), topology, args.depth_check)
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -301,14 +489,15 @@ def _row(entry: dict[str, Any]) -> str:
     s = entry["settings"]
     what = (
         f"micro={s['micro_batches']} remat={s['remat']}"
-        if entry["program"] == "train_step"
+        if entry["program"] in ("train_step", "update")
         else f"slots={s['slots']} len={s['max_len']}"
     )
     kinds = " ".join(f"{k}={v:.2f}" for k, v in entry["per_device_gib"].items())
     verdict = "fits" if entry["fits"] else "too big"
+    kernels = ",".join(f"{k}x{v}" for k, v in sorted(entry.get("kernels", {}).items())) or "none"
     return (
         f"{entry['program']:<10} {mesh:<18} {what:<26} {kinds}  peak={entry['peak_gib']:.2f} GiB  "
-        f"[{verdict}; compiled in {entry['compile_seconds']:.0f}s]"
+        f"kernels={kernels}  [{verdict}; {entry.get('platform', 'cpu')}; compiled in {entry['compile_seconds']:.0f}s]"
     )
 
 
@@ -331,6 +520,31 @@ def summary(result: dict[str, Any]) -> str:
                 )
         else:
             lines.append(f"{part}: nothing fits among the {len(result[part]['tried'])} compiled candidates")
+    timing = result.get("timing")
+    if timing:
+        lines.append(f"predicted times on {timing['chip']} (max of compute, HBM and ICI bounds; {timing['source']}):")
+        for name, t in timing["programs"].items():
+            lines.append(
+                f"  {name:<18} {t['seconds'] * 1e3:10.2f} ms  ({t['bound']}-bound; compute {t['compute_s'] * 1e3:.2f}"
+                f" / memory {t['memory_s'] * 1e3:.2f} / ICI {t['communication_s'] * 1e3:.2f} ms)"
+                + (f"  [{t['unknown_loops']} loop(s) counted once: trip unread]" if t.get("unknown_loops") else "")
+            )
+        if "update" in timing:
+            u = timing["update"]
+            lines.append(
+                f"  update: {u['optimizer_step_s']:.2f} s an optimizer step, {u['update_s']:.2f} s the update; "
+                f"{u['tokens_per_s_per_chip']:.0f} tokens/s/chip, MFU {u['mfu']:.1%}"
+            )
+        if "decode" in timing:
+            d = timing["decode"]
+            lines.append(
+                f"  decode: {d['tokens_per_s']:.0f} tokens/s ({d['tokens_per_s_per_chip']:.0f}/chip) at "
+                f"{d['slots']} slots, {d['step_ms']:.2f} ms a step"
+            )
+        if "rl_step" in timing:
+            r = timing["rl_step"]
+            split = ", ".join(f"{k} {v:.1f} s ({r['share'][k]:.0%})" for k, v in r["phases_s"].items())
+            lines.append(f"  RL step: {r['seconds']:.1f} s = {split}  [{r['assumes']}]")
     if "depth_check" in result["train"]:
         d = result["train"]["depth_check"]
         lines.append(
@@ -342,7 +556,12 @@ def summary(result: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The sizing options shared by ``python -m trace_jax.plan`` and ``trace_jax.plan.table``."""
-    parser.add_argument("--rows", type=int, default=256, help="train rows per step (0: skip the train step)")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=256,
+        help="train rows a step (0: skip it; -1 with --mesh: micro-rows x mini-batches)",
+    )
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--slots", type=int, default=256, help="engine decode slots (0: skip the engine)")
     parser.add_argument("--engine-len", type=int, default=0, help="cache positions per slot (default: --seq-len)")
@@ -359,16 +578,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prune", type=float, default=1.5, help="skip candidates estimated above prune x budget")
     parser.add_argument("--max-compiles", type=int, default=4, help="train-step compiles at most")
     parser.add_argument("--no-depth-check", dest="depth_check", action="store_false")
+    parser.add_argument(
+        "--no-slots-fit", dest="slots_fit", action="store_false", help="skip the engine's second compile (2x slots)"
+    )
     parser.add_argument("--json", help="also write the result here")
+    parser.add_argument(
+        "--backend", default="auto", choices=("auto", "tpu", "cpu"), help="compiler (auto: TPU where libtpu is)"
+    )
+    parser.add_argument("--ppo-epochs", type=int, default=2, help="the update's epochs (UpdateConfig)")
+    parser.add_argument("--mini-batches", type=int, default=2, help="optimizer steps an epoch (UpdateConfig)")
+    parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of a row (the RL step's phases)")
+    parser.add_argument("--mesh", help="compile only this layout, e.g. data=1,fsdp=-1,tensor=4 (the job's mesh)")
+    parser.add_argument("--micro-rows", type=int, default=0, help="with --mesh: rows per forward/backward call")
+    parser.add_argument("--remat", choices=REMATS, help="with --mesh: the remat policy (default: the preset's)")
+    parser.add_argument("--hlo-dir", help="also write every compiled program's HLO text here (gzip)")
+    parser.add_argument(
+        "--require-fit", action="store_true", help="exit 3 (after printing the figures) when a part does not fit"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m trace_jax.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="a ModelConfig preset, e.g. qwen3-8b")
-    parser.add_argument("--topology", required=True, help="e.g. v5p-64, v5e-64, v6e-64, v4-32, h100-8")
+    parser.add_argument(
+        "--topology", required=True, help="e.g. v5p-64, v5e-64, v6e-64, v4-32, h100-8, or libtpu's v5p:2x4x4"
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.hlo_dir:
+        from trace_jax.plan import compile as plan_compile
+
+        plan_compile.HLO_DIR = args.hlo_dir
     result = plan(args)
     result["seconds"] = round(time.perf_counter() - start, 1)
     print(summary(result))
@@ -377,6 +618,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     print(json.dumps(result))
+    asked = {"train": args.rows, "engine": args.slots}
+    missing = [part for part, n in asked.items() if n and result[part]["fits"] is None]
+    if args.require_fit and missing:
+        print(f"plan: {' and '.join(missing)} do(es) not fit {args.topology}; see the figures above", file=sys.stderr)
+        sys.exit(3)
     return result
 
 

@@ -9,12 +9,20 @@ compiled program is per device. The kinds reported:
 * gradients: the per-device bytes of one gradient accumulator (params-shaped, inside the temporaries);
 * temporaries: XLA's ``temp_size_in_bytes`` (activations, gradients, workspace);
 * peak: arguments + temporaries + outputs that do not alias a donated argument.
+
+The devices decide the compiler: a mesh over ``target_devices(topology)`` (abstract TPU devices from libtpu,
+on any host) is compiled by the TPU compiler; a mesh over ``jax.devices()`` by the host's (XLA:CPU on fake
+devices, a stand-in). Every report also carries ``hlo.summarize`` of the compiled program: its Mosaic
+kernels, collectives, FLOPs and bytes, from which ``timing`` predicts its time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import os
+import re
 import time
 from typing import Any
 
@@ -26,13 +34,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from trace_jax.models import ModelConfig, abstract_model
 from trace_jax.optim import make_optimizer, optimizer_shardings
 from trace_jax.parallel import mesh as mesh_lib
+from trace_jax.plan import hlo
+from trace_jax.plan.topology import Topology
 from trace_jax.rl.batch import TrainBatch
 from trace_jax.rl.losses import LossConfig
-from trace_jax.rl.trainer import RLTrainer, TrainState
+from trace_jax.rl.trainer import RLTrainer, TrainState, UpdateConfig
 from trace_jax.rollout.engine.engine import Engine, EngineConfig
 from trace_jax.rollout.engine.layout import SamplingLayout
 
 GIB = 1 << 30
+HLO_DIR: str | None = None  # where set, every compiled program's HLO text is written there (gzip), to re-read
 
 
 @dataclasses.dataclass
@@ -46,17 +57,51 @@ class MemoryReport:
     temporaries: int
     peak: int
     compile_seconds: float
+    platform: str = "cpu"  # the compiler's: "tpu" (libtpu) or the host's
+    hlo: dict[str, Any] | None = None  # hlo.summarize(...).as_dict() of the compiled program
+    programs: dict[str, Any] | None = None  # a report of several programs (update): each one's figures
+    error: str | None = None  # the TPU compiler refused the program for the chip's HBM (temporaries: its need)
 
     def as_dict(self) -> dict[str, Any]:
         gib = lambda n: round(n / GIB, 3)
-        return {
+        out = {
             "program": self.program,
             "mesh": self.mesh,
             "settings": self.settings,
             "per_device_gib": {**{k: gib(v) for k, v in self.by_kind.items()}, "temporaries": gib(self.temporaries)},
             "peak_gib": gib(self.peak),
             "compile_seconds": round(self.compile_seconds, 1),
+            "platform": self.platform,
         }
+        if self.error is not None:
+            out["error"] = self.error
+        if self.hlo is not None:
+            out["hlo"] = self.hlo
+            out["kernels"] = self.hlo["kernels"]
+        if self.programs is not None:
+            out["programs"] = self.programs
+            out["kernels"] = {k: v for p in self.programs.values() if p["hlo"] for k, v in p["hlo"]["kernels"].items()}
+        return out
+
+
+# ------------------------------------------------------------------------------------ target devices
+def libtpu_available() -> bool:
+    """Whether the TPU compiler (the ``libtpu`` package, ``pip install "jax[tpu]"``) is installed here."""
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def target_devices(topology: Topology) -> list[Any]:
+    """Abstract devices of a TPU slice (``jax.experimental.topologies``, needs libtpu; no TPU needed): a mesh
+    over them is compiled by the TPU compiler for that slice, on any host."""
+    from jax.experimental import topologies
+
+    # Compiling only: several processes may load libtpu at once (it otherwise takes a lock for the chips).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology.libtpu_name).devices)
+
+
+def _platform(mesh: Mesh) -> str:
+    return mesh.devices.flat[0].platform
 
 
 def shard_bytes(tree: Any) -> int:
@@ -78,11 +123,28 @@ def abstract_params(config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.
     return graphdef, _with_shardings(params, mesh_lib.state_shardings(params, mesh))
 
 
-def _compile(program: str, fn: Any, args: tuple, mesh: Mesh, settings: dict, by_kind: dict) -> MemoryReport:
-    start = time.perf_counter()
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # activation constraints see the mesh
-        lowered = fn.lower(*args)
-    compiled = lowered.compile()
+def _exhausted(error: Exception) -> int | None:
+    """The bytes the TPU compiler said a program needs when it refused it for the chip's HBM, else None."""
+    found = re.search(r"RESOURCE_EXHAUSTED.*?required for [^(]*\(([\d.]+)([KMGT])\)", str(error), re.DOTALL)
+    if found is None:
+        return None
+    return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
+
+
+def _compiled_report(program, lowered, mesh: Mesh, settings: dict, by_kind: dict, start: float) -> MemoryReport:
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # the TPU compiler refuses a program that cannot fit the chip's HBM
+        needed = _exhausted(e)
+        if needed is None:
+            raise
+        args = sum(v for k, v in by_kind.items() if k != "gradients")
+        seconds = time.perf_counter() - start
+        report = MemoryReport(
+            program, dict(mesh.shape), settings, by_kind, needed, args + needed, seconds, _platform(mesh)
+        )
+        report.error = str(e).strip().splitlines()[0][:300]
+        return report
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     peak = (
@@ -90,7 +152,26 @@ def _compile(program: str, fn: Any, args: tuple, mesh: Mesh, settings: dict, by_
         + stats.temp_size_in_bytes
         + max(stats.output_size_in_bytes - stats.alias_size_in_bytes, 0)
     )
-    return MemoryReport(program, dict(mesh.shape), settings, by_kind, stats.temp_size_in_bytes, peak, seconds)
+    text = compiled.as_text()
+    if HLO_DIR:
+        import gzip
+        import hashlib
+
+        os.makedirs(HLO_DIR, exist_ok=True)
+        digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+        with gzip.open(os.path.join(HLO_DIR, f"{program}_{digest}.hlo.txt.gz"), "wt") as f:
+            f.write(text)
+    summary = hlo.summarize(text, mesh.devices.size).as_dict()
+    return MemoryReport(
+        program, dict(mesh.shape), settings, by_kind, stats.temp_size_in_bytes, peak, seconds, _platform(mesh), summary
+    )
+
+
+def _compile(program: str, fn: Any, args: tuple, mesh: Mesh, settings: dict, by_kind: dict) -> MemoryReport:
+    start = time.perf_counter()
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # activation constraints see the mesh
+        lowered = fn.lower(*args)
+    return _compiled_report(program, lowered, mesh, settings, by_kind, start)
 
 
 # ---------------------------------------------------------------------------------------- train step
@@ -112,6 +193,83 @@ def abstract_batch(rows: int, seq_len: int, mesh: Mesh, with_ref: bool) -> Train
     return TrainBatch(**fields)
 
 
+def abstract_train_state(config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, TrainState, Any]:
+    """``(graphdef, TrainState of sharded ShapeDtypeStruct, optimizer)``: AdamW as the job makes it."""
+    graphdef, params = abstract_params(config, mesh)
+    optimizer = make_optimizer(weight_decay=0.1)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_state = _with_shardings(
+        jax.eval_shape(optimizer.init, params),
+        optimizer_shardings(optimizer, params, jax.tree.map(lambda x: x.sharding, params), replicated),
+    )
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
+    state = TrainState(params, opt_state, scalar(jnp.int32), scalar(jax.random.key(0).dtype), scalar(jnp.int32))
+    return graphdef, state, optimizer
+
+
+def update_programs(
+    config: ModelConfig,
+    mesh: Mesh,
+    micro_rows: int,
+    seq_len: int,
+    logprob_chunk: int | None = 512,
+    loss_config: LossConfig | None = None,
+    update: UpdateConfig | None = None,
+    rows: int | None = None,
+) -> MemoryReport:
+    """Compiles ``RLTrainer.update``'s own programs (``RLTrainer.lower_update``: zero, accumulate, apply) for
+    micro-batches of ``micro_rows x seq_len`` on ``mesh``; per-device memory of the update as the job runs
+    it: the peak of accumulate (the optimizer state stays resident beside its arguments) and of apply, and
+    each program's figures and HLO summary under ``programs``. ``rows`` (the step's rows) is reported only."""
+    loss_config = loss_config or LossConfig()
+    update = dataclasses.replace(update or UpdateConfig(), micro_rows=micro_rows)
+    graphdef, state, optimizer = abstract_train_state(config, mesh)
+    trainer = RLTrainer(graphdef, optimizer, loss_config, mesh=mesh, update=update, logprob_chunk=logprob_chunk)
+    micro = abstract_batch(micro_rows, seq_len, mesh, with_ref=bool(loss_config.kl_coef))
+    start = time.perf_counter()
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        lowered = trainer.lower_update(state, micro)
+    by_kind = {
+        "weights": shard_bytes(state.params),
+        "optimizer": shard_bytes(state.opt_state),
+        "gradients": shard_bytes(state.params),
+        "batch": shard_bytes(micro),
+    }
+    settings = {
+        "rows": rows or micro_rows,
+        "seq_len": seq_len,
+        "micro_rows": micro_rows,
+        "micro_batches": max((rows or micro_rows) // micro_rows, 1),
+        "ppo_epochs": update.ppo_epochs,
+        "mini_batches": update.mini_batches,
+        "remat": config.remat,
+        "logprob_chunk": logprob_chunk,
+        "param_dtype": config.param_dtype,
+        "dtype": config.dtype,
+    }
+    programs, peaks, temps = {}, [], []
+    for name, low in lowered.items():
+        report = _compiled_report(name, low, mesh, settings, by_kind, time.perf_counter())
+        resident = by_kind["optimizer"] if name == "accumulate" and not report.error else 0  # not an argument
+        peaks.append(report.peak + resident)
+        temps.append(report.temporaries)
+        programs[name] = {
+            "temporaries_gib": round(report.temporaries / GIB, 3),
+            "peak_gib": round(report.peak / GIB, 3),
+            "compile_seconds": round(report.compile_seconds, 1),
+            "hlo": report.hlo,
+        }
+        if report.error:
+            programs[name]["error"] = report.error
+    seconds = time.perf_counter() - start
+    errors = [p["error"] for p in programs.values() if "error" in p]
+    report = MemoryReport(
+        "update", dict(mesh.shape), settings, by_kind, max(temps), max(peaks), seconds, _platform(mesh), None, programs
+    )
+    report.error = errors[0] if errors else None
+    return report
+
+
 def train_step_memory(
     config: ModelConfig,
     mesh: Mesh,
@@ -124,23 +282,15 @@ def train_step_memory(
     """Compiles ``RLTrainer``'s jitted step (AdamW, the trainer's own sharding of state and batch) for
     ``rows x seq_len`` tokens on ``mesh`` and returns its per-device memory. ``config.remat`` is the policy."""
     loss_config = loss_config or LossConfig()
-    graphdef, params = abstract_params(config, mesh)
-    optimizer = make_optimizer(weight_decay=0.1)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    opt_state = _with_shardings(
-        jax.eval_shape(optimizer.init, params),
-        optimizer_shardings(optimizer, params, jax.tree.map(lambda x: x.sharding, params), replicated),
-    )
-    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
-    state = TrainState(params, opt_state, scalar(jnp.int32), scalar(jax.random.key(0).dtype), scalar(jnp.int32))
+    graphdef, state, optimizer = abstract_train_state(config, mesh)
     trainer = RLTrainer(
         graphdef, optimizer, loss_config, mesh=mesh, micro_batches=micro_batches, logprob_chunk=logprob_chunk
     )
     batch = abstract_batch(rows, seq_len, mesh, with_ref=bool(loss_config.kl_coef))
     by_kind = {
-        "weights": shard_bytes(params),
-        "optimizer": shard_bytes(opt_state),
-        "gradients": shard_bytes(params),
+        "weights": shard_bytes(state.params),
+        "optimizer": shard_bytes(state.opt_state),
+        "gradients": shard_bytes(state.params),
         "batch": shard_bytes(batch),
     }
     settings = {

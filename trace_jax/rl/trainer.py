@@ -687,3 +687,18 @@ class RLTrainer:
         metrics["micro_batches"] = float(calls * config.ppo_epochs)
         metrics["programs"] = float(len(self.programs))
         return state, metrics
+
+    def lower_update(self, state: TrainState, micro: TrainBatch) -> dict[str, Any]:
+        """``update``'s own device programs (zero, accumulate, apply), lowered for ``state`` and one micro-batch
+        of ``micro_rows`` rows given as arrays or sharded ``jax.ShapeDtypeStruct`` (abstract devices of another
+        platform included): ``{name: jax.stages.Lowered}``, to ``.compile()`` for the mesh's devices. The same
+        jitted functions ``update`` runs; ``trace_jax.plan.compile.update_programs`` compiles them for a slice."""
+        fns = self._compile_update(state)
+        replicated = self._replicated()
+        denominator = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+        acc = jax.eval_shape(fns["zero"], state.params, micro)
+        return {
+            "zero": fns["zero"].lower(state.params, micro),
+            "accumulate": fns["accumulate"].lower(state.params, acc, micro, denominator),
+            "apply": fns["apply"].lower(state, acc),
+        }

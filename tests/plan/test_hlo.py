@@ -1,0 +1,138 @@
+"""The HLO reader behind the step-time model, the chip table's bounds and the TPU slice names (no libtpu)."""
+
+import pytest
+
+from trace_jax.plan import hlo
+from trace_jax.plan.timing import CHIPS, program_time
+from trace_jax.plan.topology import parse_topology
+
+# The shape of a TPU-compiled scan: a while loop whose condition compares the counter with 7, a dot fused in
+# its body, an FSDP all-gather over a named mesh axis; a 2-branch conditional; a Mosaic kernel.
+MODULE = """
+HloModule jit_f
+
+%fused_dot (param_0.1: bf16[256,1024], param_1.1: bf16[1024,512]) -> bf16[256,512] {
+  %param_0.1 = bf16[256,1024]{1,0} parameter(0)
+  %param_1.1 = bf16[1024,512]{1,0} parameter(1)
+  ROOT %convolution.1 = bf16[256,512]{1,0} convolution(%param_0.1, %param_1.1), dim_labels=bf_io->bf
+}
+
+%body (p.1: (s32[], bf16[256,1024], bf16[256,512])) -> (s32[], bf16[256,1024], bf16[256,512]) {
+  %p.1 = (s32[], bf16[256,1024]{1,0}, bf16[256,512]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p.1), index=0
+  %x = bf16[256,1024]{1,0} get-tuple-element(%p.1), index=1
+  %w = bf16[256,512]{1,0} get-tuple-element(%p.1), index=2
+  %ag = bf16[1024,512]{1,0} all-gather(%w), replica_groups=mesh['fsdp'=4,'tensor'=2] {'fsdp'}, dimensions={0}
+  %fusion.1 = bf16[256,512]{1,0} fusion(%x, %ag), kind=kOutput, calls=%fused_dot
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[256,1024]{1,0}, bf16[256,512]{1,0}) tuple(%next, %x, %w)
+}
+
+%cond (p.2: (s32[], bf16[256,1024], bf16[256,512])) -> pred[] {
+  %p.2 = (s32[], bf16[256,1024]{1,0}, bf16[256,512]{1,0}) parameter(0)
+  %i.2 = s32[] get-tuple-element(%p.2), index=0
+  %seven = s32[] constant(7)
+  ROOT %lt = pred[] compare(%i.2, %seven), direction=LT
+}
+
+%branch_a (a.1: f32[64,64]) -> f32[64,64] {
+  %a.1 = f32[64,64]{1,0} parameter(0)
+  ROOT %dot.a = f32[64,64]{1,0} dot(%a.1, %a.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%branch_b (b.1: f32[64,64]) -> f32[64,64] {
+  %b.1 = f32[64,64]{1,0} parameter(0)
+  ROOT %neg.b = f32[64,64]{1,0} negate(%b.1)
+}
+
+ENTRY %main (x.0: bf16[256,1024], w.0: bf16[256,512], k.0: s32[], m.0: f32[64,64]) -> f32[64,64] {
+  %x.0 = bf16[256,1024]{1,0} parameter(0)
+  %w.0 = bf16[256,512]{1,0} parameter(1)
+  %k.0 = s32[] parameter(2)
+  %m.0 = f32[64,64]{1,0} parameter(3)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[256,1024]{1,0}, bf16[256,512]{1,0}) tuple(%zero, %x.0, %w.0)
+  %while.1 = (s32[], bf16[256,1024]{1,0}, bf16[256,512]{1,0}) while(%init), condition=%cond, body=%body
+  %kern = f32[64,64]{1,0} custom-call(%m.0), custom_call_target="tpu_custom_call", metadata={op_name="paged_attention"}
+  ROOT %c = f32[64,64]{1,0} conditional(%k.0, %kern, %kern), branch_computations={%branch_a, %branch_b}
+}
+"""
+
+
+def test_loops_count_their_trips_and_a_conditional_one_branch():
+    """Fails if a while body is counted once (what ``cost_analysis()`` does: one layer of a scanned model),
+    if the dot fused into the loop is missed, or if both branches of a conditional are counted in full."""
+    summary = hlo.summarize(MODULE, devices=8)
+    loop_flops = 7 * 2 * 256 * 512 * 1024
+    branch_flops = 2 * 64 * 64 * 64 / 2  # one of two branches runs
+    assert summary.loops == [7] and summary.unknown_loops == 0
+    assert summary.flops == pytest.approx(loop_flops + branch_flops)
+
+
+def test_collectives_count_their_bytes_per_run_and_their_group():
+    """Fails if an all-gather's group is taken as the whole mesh (8) instead of its named axis (4), or if the
+    collective inside the loop is counted once."""
+    summary = hlo.summarize(MODULE, devices=8)
+    gathered = 1024 * 512 * 2
+    (kind,) = summary.collectives
+    assert kind == "all-gather" and summary.collectives[kind]["count"] == 7
+    assert summary.wire_bytes == pytest.approx(7 * gathered * 3 / 4)
+
+
+def test_mosaic_kernels_are_found_by_name():
+    """Fails if a ``tpu_custom_call`` goes unreported (a plan would say no kernel runs)."""
+    assert hlo.summarize(MODULE, devices=8).kernels == {"paged_attention": 1}
+    assert hlo.kernel_names(MODULE.replace("tpu_custom_call", "cpu_thing")) == {}
+
+
+def test_a_program_time_is_its_largest_bound():
+    """Fails if the bounds are summed, or a bound uses the wrong figure (ICI one way is half the bidirectional)."""
+    chip = CHIPS["v5p"]
+    t = program_time({"flops": chip.bf16_flops, "bytes_accessed": chip.hbm_bandwidth / 2, "wire_bytes": 0}, chip)
+    assert (t["seconds"], t["bound"]) == (pytest.approx(1.0), "compute")
+    t = program_time({"flops": 0, "bytes_accessed": 0, "wire_bytes": chip.ici_bandwidth}, chip)
+    assert (t["seconds"], t["bound"]) == (pytest.approx(2.0), "communication")
+
+
+def test_slice_names_users_type_and_libtpu_names_agree():
+    """Fails if a v5p/v4 name's number is taken as chips (it counts TensorCores), if a grid differs from Google's
+    slice tables, or if an unknown name's error does not list the accepted forms."""
+    cases = {"v5p-8": "v5p:2x2x1", "v5p-64": "v5p:2x4x4", "v5p-256": "v5p:4x4x8", "v6e-64": "v6e:8x8",
+             "v6e-4": "v6e:2x2", "v5e-16": "v5e:4x4", "v5litepod-16": "v5e:4x4", "v4-32": "v4:2x2x4"}  # fmt: skip
+    for name, libtpu in cases.items():
+        assert parse_topology(name).libtpu_name == libtpu, name
+    assert parse_topology("v5p:4x4x2").chips == parse_topology("v5p-64").chips == 32
+    with pytest.raises(ValueError, match=r"unknown topology 'v7x-8'.*v5p-N.*v6e:AxB"):
+        parse_topology("v7x-8")
+    with pytest.raises(ValueError, match="unknown topology"):
+        parse_topology("v6e:2x2x2")  # a 2D family
+    with pytest.raises(ValueError, match="not a TPU slice"):
+        _ = parse_topology("h100-8").libtpu_name
+
+
+IN_PLACE = """
+HloModule jit_g
+
+%update (pool.1: bf16[64,1024,128], row.1: bf16[1,1,128], i.1: s32[]) -> bf16[64,1024,128] {
+  %pool.1 = bf16[64,1024,128]{2,1,0} parameter(0)
+  %row.1 = bf16[1,1,128]{2,1,0} parameter(1)
+  %i.1 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = bf16[64,1024,128]{2,1,0} dynamic-update-slice(%pool.1, %row.1, %i.1, %i.1, %z)
+}
+
+ENTRY %main (pool.0: bf16[64,1024,128], row.0: bf16[1,1,128], i.0: s32[]) -> bf16[64,1024,128] {
+  %pool.0 = bf16[64,1024,128]{2,1,0} parameter(0)
+  %row.0 = bf16[1,1,128]{2,1,0} parameter(1)
+  %i.0 = s32[] parameter(2)
+  ROOT %f = bf16[64,1024,128]{2,1,0} fusion(%pool.0, %row.0, %i.0), kind=kLoop, calls=%update
+}
+"""
+
+
+def test_a_buffer_updated_in_place_costs_its_update_not_the_buffer():
+    """Fails if writing one token into a KV pool counts the whole pool read and written (16 MiB twice here):
+    a decode step would look HBM-bound on the cache size instead of the bytes it touches."""
+    summary = hlo.summarize(IN_PLACE, devices=1)
+    assert summary.bytes_accessed <= 4 * 128 * 2 + 4, summary.bytes_accessed

@@ -1,0 +1,346 @@
+"""What a compiled program's HLO says: the Mosaic kernels it calls, its collectives, and its FLOPs and bytes
+counted once per execution (loops included).
+
+``compiled.cost_analysis()`` counts a ``while`` body once whatever its trip count (measured on the TPU
+compiler: a 7-step scan of a matmul reports one step's FLOPs), and a model's layers are a scan, so this module
+reads ``compiled.as_text()`` instead: every computation's executions per program run are the product of the
+trip counts of the loops around it (a loop's count is the constant its condition compares the counter
+with, the form ``lax.scan`` / ``fori_loop`` lower to; a loop whose count cannot be read is counted once and
+listed in ``unknown_loops``; each branch of a conditional counts as 1/branches of a run, the mean of a
+``lax.switch`` over equal branches). Per execution:
+
+* FLOPs: 2 x output elements x contracted elements of every ``dot`` / ``convolution`` (fusions included);
+* bytes: operands + output of every instruction that runs as its own kernel (a fusion, a copy, a
+  collective, a custom call; not the tuple plumbing), as XLA's cost analysis counts HBM traffic;
+* collectives: all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute (and their async
+  ``-start`` forms) with their bytes and the number of devices in each group.
+
+``kernels``: the ``custom_call_target="tpu_custom_call"`` calls (Pallas / Mosaic kernels), by kernel name.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Any
+
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1,
+    "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8,
+    "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\((.*)\)\s*->\s*(.*)\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
+_CALLEES = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|true_computation|false_computation)=")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+# Instructions that move no HBM bytes of their own.
+_FREE = {
+    "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
+    "after-all", "partition-id", "replica-id", "copy-done", "all-gather-done", "all-reduce-done",
+    "collective-permute-done", "send-done", "recv-done", "opt-barrier", "iota", "add-dependency",
+    "get-dimension-size", "async-done", "async-update",
+}  # fmt: skip
+
+
+def type_bytes(text: str) -> int:
+    """Bytes of an HLO type (an array or a tuple of arrays; layouts ignored)."""
+    return sum(_DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x) for d, dims in _ARRAY.findall(text))
+
+
+def _dims(text: str) -> list[int]:
+    found = _ARRAY.search(text)
+    return [int(x) for x in found.group(2).split(",") if x] if found else []
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    type: str
+    op: str
+    operands: list[str]
+    attrs: str
+    args: str = ""
+
+
+@dataclasses.dataclass
+class Computation:
+    name: str
+    params: dict[str, str]
+    instructions: list[Instruction]
+    root: str = ""
+
+
+def _top_level_split(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets, braces and parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
+def parse(text: str) -> tuple[dict[str, Computation], str]:
+    """``(computations by name, the entry computation's name)`` of an HLO module's text."""
+    comps: dict[str, Computation] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            params = dict(p.split(":", 1) for p in _top_level_split(header.group(2)) if ":" in p)
+            params = {k.strip(): v.strip() for k, v in params.items()}
+            current = Computation(header.group(1), params, [])
+            comps[current.name] = current
+            if line.startswith("ENTRY"):
+                entry = current.name
+            continue
+        instr = _INSTR.match(line)
+        if instr and current is not None:
+            if line.lstrip().startswith("ROOT "):
+                current.root = instr.group(1)
+            rest = instr.group(4)
+            depth, cut = 1, len(rest)
+            for i, ch in enumerate(rest):  # the operand list ends at the matching parenthesis
+                depth += ch == "("
+                depth -= ch == ")"
+                if depth == 0:
+                    cut = i
+                    break
+            operands = re.findall(r"%([\w.\-]+)", rest[:cut])
+            current.instructions.append(
+                Instruction(instr.group(1), instr.group(2), instr.group(3), operands, rest[cut:], rest[:cut])
+            )
+    return comps, entry
+
+
+def _callees(attrs: str) -> list[tuple[str, str]]:
+    out = []
+    for m in _CALLEES.finditer(attrs):
+        tail = attrs[m.end() :]
+        names = re.match(r"\{([^}]*)\}", tail)
+        targets = re.findall(r"%([\w.\-]+)", names.group(1)) if names else re.findall(r"^%([\w.\-]+)", tail)
+        out += [(m.group(1), t) for t in targets]
+    return out
+
+
+def _trip_count(condition: Computation | None) -> int | None:
+    """The constant a ``lax.scan`` / ``fori_loop`` condition compares its counter with (counter from 0)."""
+    if condition is None:
+        return None
+    constants = {}
+    for ins in condition.instructions:
+        if ins.op == "constant" and re.fullmatch(r"\s*-?\d+\s*", ins.args):
+            constants[ins.name] = int(ins.args)
+    for ins in condition.instructions:
+        if ins.op == "compare" and "direction=LT" in ins.attrs:
+            for operand in ins.operands:
+                if operand in constants:
+                    return constants[operand]
+    return None
+
+
+def _group_size(attrs: str, devices: int) -> int:
+    """Devices in each group of a collective: ``mesh['a'=4,'b'=2] {'a'}`` -> 4; ``{{0,1},{2,3}}`` -> 2;
+    iota ``[2,4]<=[8]`` -> 4; none given -> all devices."""
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if named:
+        sizes = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", named.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", named.group(2)))
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+    if listed:
+        return len([x for x in listed.group(1).split(",") if x])
+    pairs = re.search(r"source_target_pairs=\{(.*?)\}\s*(,|$)", attrs)
+    if pairs:
+        return 2
+    return devices
+
+
+def _dot_flops(ins: Instruction, shapes: dict[str, str]) -> float:
+    out = math.prod(_dims(ins.type)) if _ARRAY.search(ins.type) else 0
+    if ins.op == "dot":
+        lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+        k = math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i) if contracting and lhs else 1
+        return 2.0 * out * k
+    # convolution: every output element takes (input features) x (window taps over real input) multiply-adds.
+    # The TPU compiler writes batched matmuls as convolutions whose window slides over a padded or dilated
+    # spatial dimension; only the taps that land on real input positions count (at most ceil(window /
+    # lhs_dilate) of them, and never more than the input's positions).
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    if not labels or len(ins.operands) < 2:
+        return 0.0
+    lhs_labels, rhs_labels = labels.group(1), labels.group(2)
+    lhs, rhs = _dims(shapes.get(ins.operands[0], "")), _dims(shapes.get(ins.operands[1], ""))
+    if len(lhs) != len(lhs_labels) or len(rhs) != len(rhs_labels):
+        return 0.0
+    dilation = re.search(r"lhs_dilate=([\dx]+)", ins.attrs)
+    dilate = [int(x) for x in dilation.group(1).split("x")] if dilation else []
+    taps = 1
+    for label, window in zip(rhs_labels, rhs, strict=True):
+        if label.isdigit():
+            d = int(label)
+            k = dilate[d] if d < len(dilate) else 1
+            taps *= min(-(-window // k), lhs[lhs_labels.index(label)])
+    return 2.0 * out * rhs[rhs_labels.index("i")] * taps
+
+
+@dataclasses.dataclass
+class HloSummary:
+    """One program's counts per run (see the module docstring)."""
+
+    flops: float
+    bytes_accessed: float
+    collectives: dict[str, dict[str, float]]  # kind -> {"count", "bytes", "wire_bytes"}
+    kernels: dict[str, int]
+    loops: list[int]
+    unknown_loops: int
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each device sends over the interconnect (ring algorithms), all collectives together."""
+        return sum(c["wire_bytes"] for c in self.collectives.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "flops": self.flops,
+            "bytes_accessed": self.bytes_accessed,
+            "collectives": self.collectives,
+            "wire_bytes": self.wire_bytes,
+            "kernels": self.kernels,
+            "loop_trip_counts": sorted(set(self.loops)),
+            "unknown_loops": self.unknown_loops,
+        }
+
+
+_SLICING = ("dynamic-slice", "gather", "slice")
+
+
+def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str, str], out_bytes: int) -> float:
+    """HBM bytes one kernel moves: its operands and output, except what it does not touch. An operand read only
+    by slices / gathers costs the slices' bytes; a buffer updated in place (``dynamic-update-slice`` /
+    ``scatter`` on it) costs its update's bytes, read and written, not the whole buffer (a KV pool updated one
+    token at a time, a layer's slice of a stack)."""
+    if ins.op in ("dynamic-update-slice", "scatter") and len(ins.operands) >= 2:
+        update = type_bytes(shapes.get(ins.operands[-1], ""))
+        return 2.0 * update + sum(type_bytes(shapes.get(o, "")) for o in ins.operands[1:-1])
+    if ins.op in _SLICING:
+        return 2.0 * out_bytes
+    callee = next((t for k, t in _callees(ins.attrs) if k == "calls"), None) if ins.op == "fusion" else None
+    if callee is None or callee not in comps:
+        return out_bytes + sum(type_bytes(shapes.get(o, "")) for o in ins.operands)
+    body = comps[callee]
+    params = [i for i in body.instructions if i.op == "parameter"]
+    index = {i.name: int(re.match(r"\s*(\d+)", i.args).group(1)) for i in params if re.match(r"\s*(\d+)", i.args)}
+    users: dict[str, list[Instruction]] = collections.defaultdict(list)
+    for i in body.instructions:
+        for o in i.operands:
+            users[o].append(i)
+    total = 0.0
+    in_place = False
+    for name, position in index.items():
+        if position >= len(ins.operands):
+            continue
+        full = type_bytes(shapes.get(ins.operands[position], ""))
+        uses = users.get(name, [])
+        if uses and all(u.op in _SLICING and u.operands and u.operands[0] == name for u in uses):
+            total += sum(type_bytes(u.type) for u in uses)
+        elif uses and all(u.op in ("dynamic-update-slice", "scatter") and u.operands[0] == name for u in uses):
+            in_place = True  # the buffer is written in place: its update is counted below
+        else:
+            total += full
+    root = body.instructions[-1] if body.instructions else None
+    for r in body.instructions:
+        if r.name == _root_name(body):
+            root = r
+    if in_place and root is not None and root.op in ("dynamic-update-slice", "scatter"):
+        return total + 2.0 * type_bytes(shapes.get(root.operands[-1], ""))
+    return total + out_bytes
+
+
+def _root_name(comp: Computation) -> str:
+    return comp.root or (comp.instructions[-1].name if comp.instructions else "")
+
+
+def kernel_names(text: str) -> dict[str, int]:
+    """Mosaic (Pallas TPU) kernel calls in an HLO text, by kernel name (op_name metadata), counted once each."""
+    out: collections.Counter[str] = collections.Counter()
+    for line in text.splitlines():
+        if 'custom_call_target="tpu_custom_call"' in line:
+            name = re.search(r'op_name="([^"]*)"', line)
+            out[name.group(1).rsplit("/", 1)[-1] if name else "tpu_custom_call"] += 1
+    return dict(out)
+
+
+def summarize(text: str, devices: int) -> HloSummary:
+    """Counts of one compiled program's HLO text, per device and per run (``devices``: the mesh size)."""
+    comps, entry = parse(text)
+    shapes: dict[str, str] = {}
+    for comp in comps.values():
+        shapes.update(comp.params)
+        shapes.update({ins.name: ins.type for ins in comp.instructions})
+    runs: dict[str, float] = collections.defaultdict(float)
+    fused: set[str] = set()
+    loops, unknown = [], 0
+
+    def visit(name: str, times: float, inside_fusion: bool, depth: int = 0) -> None:
+        nonlocal unknown
+        if name not in comps or depth > 64:
+            return
+        runs[name] += times
+        if inside_fusion:
+            fused.add(name)
+        for ins in comps[name].instructions:
+            callees = _callees(ins.attrs)
+            if ins.op == "while":
+                body = next((t for k, t in callees if k == "body"), None)
+                cond = next((t for k, t in callees if k == "condition"), None)
+                trips = _trip_count(comps.get(cond))
+                if trips is None:
+                    unknown += 1
+                    trips = 1
+                loops.append(trips)
+                if body:
+                    visit(body, times * trips, inside_fusion, depth + 1)
+                if cond:
+                    visit(cond, times * (trips + 1), inside_fusion, depth + 1)
+                continue
+            branches = [t for k, t in callees if k in ("branch_computations", "true_computation", "false_computation")]
+            for kind, target in callees:
+                # fusion bodies and reducers run inside their caller's kernel: no HBM traffic of their own
+                inner = inside_fusion or ins.op == "fusion" or kind == "to_apply"
+                share = 1 / len(branches) if target in branches else 1  # one branch of a conditional runs
+                visit(target, times * share, inner, depth + 1)
+
+    visit(entry, 1.0, False)
+    flops = bytes_accessed = 0.0
+    coll: dict[str, dict[str, float]] = {}
+    for name, times in runs.items():
+        for ins in comps[name].instructions:
+            if ins.op in ("dot", "convolution"):
+                flops += times * _dot_flops(ins, shapes)
+            if name in fused or ins.op in _FREE or ins.op.endswith("-done"):
+                continue
+            out_bytes = type_bytes(ins.type)
+            in_bytes = sum(type_bytes(shapes.get(o, "")) for o in ins.operands)
+            bytes_accessed += times * _hbm_bytes(ins, comps, shapes, out_bytes)
+            kind = ins.op.removesuffix("-start")
+            if kind in COLLECTIVES:
+                n = _group_size(ins.attrs, devices)
+                size = max(in_bytes, out_bytes) if ins.op.endswith("-start") else out_bytes
+                if kind == "reduce-scatter":
+                    size = in_bytes
+                share = (n - 1) / n if n > 1 else 0.0
+                wire = {"all-reduce": 2 * share, "collective-permute": 1.0}.get(kind, share) * size
+                entry_ = coll.setdefault(kind, {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
+                entry_["count"] += times
+                entry_["bytes"] += times * size
+                entry_["wire_bytes"] += times * wire
+    return HloSummary(flops, bytes_accessed, coll, kernel_names(text), loops, unknown)
