@@ -423,6 +423,7 @@ def predicted_times(result: dict[str, Any], config: Any, topology: Topology, arg
     out: dict[str, Any] = {"chip": chip.name, "source": chip.source, "programs": {}}
     train, engine = result["train"]["fits"], result["engine"]["fits"]
     phases: dict[str, float] = {}
+    prompt_len = min(args.prompt_len, args.seq_len // 2)  # a row samples at least half its tokens
     if train is not None:
         s = train["settings"]
         times = {name: program_time(p["hlo"], chip) for name, p in train["programs"].items()}
@@ -445,7 +446,7 @@ def predicted_times(result: dict[str, Any], config: Any, topology: Topology, arg
         # Prefill ~ a forward pass over the prompts: a third of the accumulate step's forward + backward per
         # token (no remat; full remat makes it a quarter, so this errs long).
         per_token = times["accumulate"]["seconds"] / (s["micro_rows"] * s["seq_len"])
-        phases["prefill"] = per_token / 3 * s["rows"] * args.prompt_len
+        phases["prefill"] = per_token / 3 * s["rows"] * prompt_len
     if engine is not None:
         s = engine["settings"]
         t = program_time(engine["hlo"], chip)
@@ -461,14 +462,14 @@ def predicted_times(result: dict[str, Any], config: Any, topology: Topology, arg
             "window": s["max_len"],
         }
         if args.rows:
-            phases["decode"] = args.rows * (args.seq_len - args.prompt_len) / rate
+            phases["decode"] = args.rows * (args.seq_len - prompt_len) / rate
     if phases and sum(phases.values()) > 0:
         total = sum(phases.values())
         out["rl_step"] = {
             "seconds": total,
             "phases_s": phases,
             "share": {k: v / total for k, v in phases.items()},
-            "assumes": f"{args.rows} rows of {args.prompt_len} prompt + {args.seq_len - args.prompt_len} sampled "
+            "assumes": f"{args.rows} rows of {prompt_len} prompt + {args.seq_len - prompt_len} sampled "
             "tokens; decode at full slots and the widest window; the update on the train mesh; no host time",
         }
     return out
@@ -587,7 +588,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ppo-epochs", type=int, default=2, help="the update's epochs (UpdateConfig)")
     parser.add_argument("--mini-batches", type=int, default=2, help="optimizer steps an epoch (UpdateConfig)")
-    parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of a row (the RL step's phases)")
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        default=512,
+        help="prompt tokens of a row (the RL step's phases; at most half of --seq-len)",
+    )
     parser.add_argument("--mesh", help="compile only this layout, e.g. data=1,fsdp=-1,tensor=4 (the job's mesh)")
     parser.add_argument("--micro-rows", type=int, default=0, help="with --mesh: rows per forward/backward call")
     parser.add_argument("--remat", choices=REMATS, help="with --mesh: the remat policy (default: the preset's)")

@@ -330,8 +330,9 @@ def generate_memory(
         "cache_dtype": cache_dtype,
         "param_dtype": config.param_dtype,
         "page_size": engine_config.page,
+        "decode_attention": engine.decode_attention,  # the kernel, or the fallback and why
     }
-    host = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout.replicated)
-    # The widest window (a static argument) is the worst case: the loop reads every cache position.
-    args = (params, state, host((slots, engine_config.pages_per_slot)), host((slots + 1,)))
-    return _compile("generate", engine.programs.jitted("generate", static=(max_len,)), args, mesh, settings, by_kind)
+    # The very program the engine runs (traced as the engine traces it), at the widest window (a static
+    # argument): the worst case, the loop reads every cache position.
+    start = time.perf_counter()
+    return _compiled_report("generate", engine.lower_generate(params), mesh, settings, by_kind, start)
