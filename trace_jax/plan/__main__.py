@@ -213,7 +213,9 @@ class Planner:
         self.args = args
         self.devices = jax.devices() if self.backend == "cpu" else []
         self._tpu_devices: dict[str, list[Any]] = {}
-        self.config = ModelConfig.preset(args.model, dtype=args.dtype, param_dtype=args.param_dtype)
+        self.config = ModelConfig.preset(
+            args.model, dtype=args.dtype, param_dtype=args.param_dtype, attention=getattr(args, "attention", "auto")
+        )
         if getattr(args, "expert_dispatch", None):  # MoeConfig.expert_dispatch; dense presets have no such field
             if not hasattr(self.config, "expert_dispatch"):
                 raise SystemExit(f"--expert-dispatch needs a mixture-of-experts preset; {args.model} is dense")
@@ -571,6 +573,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="train compute dtype")
     parser.add_argument("--param-dtype", default="float32", help="train weights (and optimizer state) dtype")
     parser.add_argument("--engine-dtype", default="bfloat16", help="engine weights, compute and KV cache dtype")
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        help="ModelConfig.attention of both programs: auto (the target's kernels) or reference (plain XLA)",
+    )
     parser.add_argument(
         "--expert-dispatch", default=None, help="a mixture of experts' dispatch: gather (the preset's) or all_to_all"
     )
