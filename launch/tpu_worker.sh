@@ -23,24 +23,28 @@ usage() { sed -n '3,8p' "$0" >&2; exit 2; }
 say() { echo "[$HOST] $*"; }
 alive() { [ -f "$PID_FILE" ] && kill -0 -- "-$(cat "$PID_FILE")" 2>/dev/null; }
 
+as_root() {  # sudo for a TPU VM's default user; directly as root or where there is no sudo
+  if [ "$(id -u)" -eq 0 ] || ! command -v sudo >/dev/null; then "$@"; else sudo "$@"; fi
+}
+
 free_accelerator() {
   # Anything else holding the TPU (a run started by hand, a notebook) makes the new job fail at start-up.
   local holders="" dev
   shopt -s nullglob
   for dev in /dev/accel* /dev/vfio/[0-9]*; do
-    holders+=" $(sudo fuser "$dev" 2>/dev/null || true)"
+    holders+=" $(as_root fuser "$dev" 2>/dev/null || true)"
   done
   shopt -u nullglob
   holders="$(echo "$holders" | xargs)"
   if [ -n "$holders" ]; then
     say "processes $holders hold the TPU: stopping them"
     # shellcheck disable=SC2086
-    sudo kill -TERM $holders 2>/dev/null || true
+    as_root kill -TERM $holders 2>/dev/null || true
     sleep 5
     # shellcheck disable=SC2086
-    sudo kill -KILL $holders 2>/dev/null || true
+    as_root kill -KILL $holders 2>/dev/null || true
   fi
-  [ -e /tmp/libtpu_lockfile ] && sudo rm -f /tmp/libtpu_lockfile
+  [ -e /tmp/libtpu_lockfile ] && as_root rm -f /tmp/libtpu_lockfile
   return 0
 }
 
