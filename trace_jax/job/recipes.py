@@ -29,7 +29,7 @@ import jax
 from flax import nnx
 
 from trace_jax import paths
-from trace_jax.checkpoint.hf import load_hf, save_hf
+from trace_jax.checkpoint.hf import HF_SIDE_FILES, load_hf, save_hf
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.configs import RECIPES, Reads, RunConfig
 from trace_jax.data.prompts import PromptStream
@@ -45,18 +45,7 @@ from trace_jax.registry import Registry
 
 EXPORT_DIR = "hf_export"
 # Everything of a HF checkpoint directory that describes its tokenizer and generation defaults.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
+TOKENIZER_FILES = HF_SIDE_FILES
 GENERATION_CONFIG = "generation_config.json"
 # The keys of a checkpoint's config.json that are not architecture but are kept in its export.
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
