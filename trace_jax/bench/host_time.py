@@ -28,24 +28,22 @@ import time
 from typing import Any
 
 import jax
+from flax import nnx
 
-from trace_jax.config_utils import from_config, load_config_file
 from trace_jax.data.prompts import PromptStream
 from trace_jax.job import build
-from trace_jax.job.commands import DEFAULT_CONFIG
-from trace_jax.job.sft import SFTConfig, run_sft
+from trace_jax.job.commands import load_config
+from trace_jax.job.sft import run_sft
+from trace_jax.models import create_model
 from trace_jax.rollout.tree import RolloutTree
 
 
 def _policy(config, world, workdir: pathlib.Path, sft: bool):
     if sft:
-        result = run_sft(from_config(SFTConfig, config.sft), world.world, world.tokenizer, workdir, env=world.env)
+        result = run_sft(config.sft, world.world, world.tokenizer, workdir, env=world.env)
         return result.model_config, result.params, "sft warm start"
-    from flax import nnx
 
-    from trace_jax.models import create_model
-
-    model_config = from_config(SFTConfig, config.sft).model_config(len(world.tokenizer))
+    model_config = config.sft.model_config(len(world.tokenizer))
     params = nnx.split(create_model(model_config, nnx.Rngs(0)), nnx.Param)[1]
     return model_config, params, "random weights"
 
@@ -94,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="bench_results/host_time.json")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    config = load_config_file(str(DEFAULT_CONFIG))
+    config, _ = load_config(["host_time"])  # the default recipe's RunConfig, checked
     workdir = pathlib.Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     world = build.build_world(config, workdir)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import sys
@@ -40,8 +41,6 @@ REMATS = ("none", "save_dots", "full")
 
 def _backend(requested: str, topology: Topology | None) -> str:
     """ "tpu" or "cpu" (see ``Planner``); an explicit "tpu" without libtpu is an error that says how to install it."""
-    import importlib.util
-
     have_libtpu = importlib.util.find_spec("libtpu") is not None
     tpu_slice = topology is None or (topology.is_tpu and topology.grid is not None)
     if requested == "tpu":
@@ -230,6 +229,7 @@ class Planner:
         if not topology.is_tpu or topology.grid is None:
             raise SystemExit(f"--backend tpu needs a TPU slice with a known grid; {topology.name} is not one")
         if topology.libtpu_name not in self._tpu_devices:
+            # imports jax: only once the backend's device flags are set
             from trace_jax.plan.compile import target_devices
 
             self._tpu_devices[topology.libtpu_name] = target_devices(topology)
@@ -249,7 +249,7 @@ class Planner:
         # These import JAX: only after _set_fake_devices (the fake device count is read when JAX starts).
         from trace_jax.models import num_params
         from trace_jax.parallel.mesh import make_mesh
-        from trace_jax.plan import compile as plan_compile
+        from trace_jax.plan import compile as plan_compile  # imports jax: only once the backend's device flags are set
 
         args, config = self.args, self.config
         devices = self.devices_for(topology)
@@ -312,14 +312,14 @@ class Planner:
         return out
 
     def update_config(self) -> Any:
-        from trace_jax.rl.trainer import UpdateConfig
+        from trace_jax.rl.trainer import UpdateConfig  # imports jax: only once the backend's device flags are set
 
         return UpdateConfig(ppo_epochs=self.args.ppo_epochs, mini_batches=self.args.mini_batches)
 
     def engine(self, topology: Topology, budget: int) -> dict[str, Any]:
         # These import JAX: only after _set_fake_devices (the fake device count is read when JAX starts).
         from trace_jax.parallel.mesh import make_mesh
-        from trace_jax.plan import compile as plan_compile
+        from trace_jax.plan import compile as plan_compile  # imports jax: only once the backend's device flags are set
 
         args = self.args
         devices = self.devices_for(topology)
@@ -417,7 +417,11 @@ def predicted_times(result: dict[str, Any], config: Any, topology: Topology, arg
     """The step-time model (``trace_jax.plan.timing``) applied to the chosen programs: each program's bounds,
     the update's time and MFU, decode tokens/s, and one RL step split by phase. None for a slice without a
     chip in the table (GPUs)."""
-    from trace_jax.plan.timing import CHIPS, model_flops_per_token, program_time
+    from trace_jax.plan.timing import (  # imports jax: only once the backend's device flags are set
+        CHIPS,
+        model_flops_per_token,
+        program_time,
+    )
 
     chip = CHIPS.get(topology.family.name)
     if chip is None:
@@ -620,7 +624,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.hlo_dir:
-        from trace_jax.plan import compile as plan_compile
+        from trace_jax.plan import compile as plan_compile  # imports jax: only once the backend's device flags are set
 
         plan_compile.HLO_DIR = args.hlo_dir
     result = plan(args)

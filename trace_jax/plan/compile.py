@@ -19,6 +19,8 @@ kernels, collectives, FLOPs and bytes, from which ``timing`` predicts its time.
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import hashlib
 import importlib.util
 import math
 import os
@@ -93,7 +95,7 @@ def libtpu_available() -> bool:
 def target_devices(topology: Topology) -> list[Any]:
     """Abstract devices of a TPU slice (``jax.experimental.topologies``, needs libtpu; no TPU needed): a mesh
     over them is compiled by the TPU compiler for that slice, on any host."""
-    from jax.experimental import topologies
+    from jax.experimental import topologies  # answers only where libtpu is installed
 
     # Compiling only: several processes may load libtpu at once (it otherwise takes a lock for the chips).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -154,9 +156,6 @@ def _compiled_report(program, lowered, mesh: Mesh, settings: dict, by_kind: dict
     )
     text = compiled.as_text()
     if HLO_DIR:
-        import gzip
-        import hashlib
-
         os.makedirs(HLO_DIR, exist_ok=True)
         digest = hashlib.sha1(text.encode()).hexdigest()[:12]
         with gzip.open(os.path.join(HLO_DIR, f"{program}_{digest}.hlo.txt.gz"), "wt") as f:
