@@ -70,8 +70,13 @@ def _run(max_staleness, steps, monkeypatch):
     )
     run.step, run.state = 0, State(params=0)
     run.trainer = types.SimpleNamespace(
-        update=lambda state, *a: (State(params=state.params + 1), {}), loss_config=None, micro_rows=1
+        prepare=lambda state, batch, behaviour_params=None: batch,
+        recomputes_behaviour=False,
+        update=lambda state, *a, **k: (State(params=state.params + 1), {}),
+        loss_config=None,
+        micro_rows=1,
     )
+    run.sampling_params = None
     run.batch_config = None
     run.sampler = Recorder()
     run.placement = types.SimpleNamespace(to_engine=lambda weights, layout: weights)
