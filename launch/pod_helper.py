@@ -49,7 +49,8 @@ def check(config_spec: str, overrides: list[str]) -> int:
 
 
 def plan_command(accelerator: str, config_spec: str, overrides: list[str], extra: list[str]) -> list[str]:
-    """The planner's command line for this job on ``accelerator``: the model preset (``sft.model``), the job's
+    """The planner's command line for this job on ``accelerator``: the model preset (``sft.model``, or the real
+    recipe's variant, e.g. ``qwen3-8b``), the job's
     mesh, micro-batch rows (``ppo.micro_rows``; 0 is one row per batch shard), its longest training row (the
     largest ``batch.length_buckets`` or ``batch.pack_length``), the engine's slots, window and dtypes, and
     ``--require-fit``; ``extra`` (planner options) is appended, so it can override any of them."""
@@ -73,7 +74,7 @@ def plan_command(accelerator: str, config_spec: str, overrides: list[str], extra
     seq_len = batch.get("pack_length") or max(batch.length_buckets)
     return [
         "-m", "trace_jax.plan",
-        "--model", config.sft.model,
+        "--model", config.sft.model if "sft" in config else config.recipe.variant,  # a synthetic or real recipe
         "--topology", accelerator,
         "--mesh", ",".join(f"{k}={v}" for k, v in axes.items()),
         "--micro-rows", str(ppo.micro_rows),

@@ -259,13 +259,19 @@ def test_bad_options_fail_with_a_message(script, args, message):
 def test_the_readme_pod_example_passes_the_launchers_own_checks():
     readme = (ROOT / "README.md").read_text()
     start = readme.index("launch/tpu_pod.sh --dry-run --project")
-    line = readme[start : readme.index("\n# ", start)].replace("\\\n", " ")
+    parts = []  # the command's lines, up to the first that does not continue with a backslash
+    for text in readme[start:].splitlines():
+        parts.append(text.strip().removesuffix("\\"))
+        if not text.rstrip().endswith("\\"):
+            break
+    line = " ".join(parts)
     for name, value in {"PROJECT": "p", "ZONE": "us-east5-a", "TPU_NAME": "t", "BUCKET": "b"}.items():
         line = line.replace(f"${name}", value)
     done = launch("tpu_pod.sh", *shlex.split(line)[1:])
     assert done.returncode == 0, done.stderr
     job = shlex.split(flag(gcloud(commands(done.stdout), "ssh")[1], "command"))
-    assert "--config.sft.model=qwen3-8b" in job and "--workdir=gs://b/runs/qwen3-8b" in job
+    assert "--config.model.hf_dir=/tmp/Qwen3-8B" in job and "--workdir=gs://b/runs/qwen3-8b" in job
+    assert any(arg.startswith("--config=") and arg.endswith("configs/search_r1.py:qwen3-8b") for arg in job), job
 
 
 # ------------------------------------------------------------------------------------------ the plan step
@@ -290,7 +296,7 @@ def test_the_plan_step_compiles_the_configs_own_layout():
     sys.path.insert(0, str(ROOT / "launch"))
     import pod_helper
 
-    overrides = ["--config.sft.model=qwen3-8b", "--config.mesh.fsdp=8", "--config.ppo.micro_rows=16"]
+    overrides = ["--config.mesh.fsdp=8", "--config.ppo.micro_rows=16"]
     argv = pod_helper.plan_command("v5p-64", "configs/search_r1.py:qwen3-8b", overrides, ["--margin", "0.2"])
     value = lambda name: argv[argv.index(name) + 1]
     assert value("--model") == "qwen3-8b" and value("--topology") == "v5p-64"
