@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from trace_jax.bench.report import machine
 from trace_jax.checkpoint.hf import save_hf
 from trace_jax.models import KVCache, ModelConfig, abstract_model, create_model, num_params
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
@@ -296,14 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "throughput": rows,
         "tree_vs_flat": tree,
-        "machine": {
-            "jax": jax.__version__,
-            "backend": jax.default_backend(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average_1m_at_end": round(os.getloadavg()[0], 2),
-            "python": platform.python_version(),
-        },
+        "machine": machine(torch_threads=torch.get_num_threads()),
         "bench_wall_s": round(time.perf_counter() - start, 1),
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

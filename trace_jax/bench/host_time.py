@@ -22,14 +22,13 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import statistics
 import time
 from typing import Any
 
-import jax
 from flax import nnx
 
+from trace_jax.bench.report import emit, machine
 from trace_jax.data.prompts import PromptStream
 from trace_jax.job import build
 from trace_jax.job.commands import load_config
@@ -130,19 +129,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "host_s_per_round": per_call,
                 "predicted_idle_fraction_in_series": per_call / (per_call + device),
             }
-    result["machine"] = {
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "cpu_count": os.cpu_count(),
-        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
-        "python": platform.python_version(),
-    }
+    result["machine"] = machine()
     result["bench_wall_s"] = round(time.perf_counter() - start, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

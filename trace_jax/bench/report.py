@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import platform
 from typing import Any
+
+import jax
 
 
 def emit(result: Any, out: str | pathlib.Path | None) -> Any:
@@ -16,3 +20,15 @@ def emit(result: Any, out: str | pathlib.Path | None) -> Any:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
     return result
+
+
+def machine(**extra: Any) -> dict[str, Any]:
+    """Where a benchmark ran: jax and its backend, CPU count, the 1-minute load at the end, Python (and ``extra``)."""
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "cpu_count": os.cpu_count(),
+        **extra,
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+        "python": platform.python_version(),
+    }

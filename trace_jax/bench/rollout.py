@@ -32,15 +32,14 @@ import dataclasses
 import json
 import os
 import pathlib
-import platform
 import statistics
 import time
 from typing import Any
 
-import jax
 import numpy as np
 
 from trace_jax.bench.decode import throughput_rows
+from trace_jax.bench.report import machine
 from trace_jax.config_utils import load_config_file
 from trace_jax.data.prompts import PromptStream
 from trace_jax.job import build, validate
@@ -176,13 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.quick:
             rows += throughput_rows("qwen3-20m", [64], [128], args.repeats)
         result["decode"] = rows
-    result["machine"] = {
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "cpu_count": os.cpu_count(),
-        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
-        "python": platform.python_version(),
-    }
+    result["machine"] = machine()
     result["bench_wall_s"] = round(time.perf_counter() - start, 1)
     result["rollout_phase"]["median_step_s"] = round(statistics.median(result["rollout_phase"]["rollout_wall_s"]), 2)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
