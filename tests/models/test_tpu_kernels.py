@@ -13,8 +13,10 @@ from flax import nnx
 from tests.models.tpu_topology import MOSAIC, tpu_devices
 from trace_jax.models import ModelConfig, abstract_model
 from trace_jax.models import attention as attention_lib
+from trace_jax.models import tree_attention
 from trace_jax.models.tree_attention import tree_flash_attention
 from trace_jax.parallel import mesh as mesh_lib
+from trace_jax.plan import hlo
 from trace_jax.rollout.engine.engine import Engine, EngineConfig
 from trace_jax.rollout.engine.layout import SamplingLayout
 
@@ -132,6 +134,13 @@ def test_tpu_training_forward_backward_on_fsdp_runs_the_kernels(tree):
     assert text.count(MOSAIC) >= 3
     assert not [m for m in SCORES.findall(text) if int(m) >= 128], "attention scores reached HBM"
     assert compiled.memory_analysis().temp_size_in_bytes < 96 * 2**20
+    if tree:  # the tree kernels name themselves and state their FLOPs, which the step-time model counts
+        assert hlo.kernel_names(text) == {f"tree_attention_{k}": 1 for k in ("forward", "dq", "dkv")}
+        b, h, e = ROWS // 4, TPU_QWEN.num_heads, TPU_QWEN.head_dim
+        stated = sum(tree_attention.cost(k, b, h, SEQ, SEQ, e, 2).flops for k in ("forward", "dq", "dkv"))
+        without = hlo.summarize(text.replace('"cost_estimate"', '"no_estimate"'), devices=4).flops
+        layers = TPU_QWEN.num_layers
+        assert hlo.summarize(text, devices=4).flops == pytest.approx(without + layers * stated)
 
 
 def _engine(devices, **axes):

@@ -136,3 +136,53 @@ def test_a_buffer_updated_in_place_costs_its_update_not_the_buffer():
     a decode step would look HBM-bound on the cache size instead of the bytes it touches."""
     summary = hlo.summarize(IN_PLACE, devices=1)
     assert summary.bytes_accessed <= 4 * 128 * 2 + 4, summary.bytes_accessed
+
+
+# A layer's slice of a stacked [36, 4096, 4096] activation read through a fusion nested in the fusion that
+# consumes it (how the TPU compiler fuses a remat stack's dynamic-slice into a matmul), and a Mosaic kernel
+# that states its cost (``pl.CostEstimate``) inside a named scope.
+NESTED = """
+HloModule jit_h
+
+%slice_layer (stack.2: bf16[36,4096,4096], i.2: s32[]) -> bf16[4096,4096] {
+  %stack.2 = bf16[36,4096,4096]{2,1,0} parameter(0)
+  %i.2 = s32[] parameter(1)
+  %z.2 = s32[] constant(0)
+  %ds = bf16[1,4096,4096]{2,1,0} dynamic-slice(%stack.2, %i.2, %z.2, %z.2), dynamic_slice_sizes={1,4096,4096}
+  ROOT %b.2 = bf16[4096,4096]{1,0} bitcast(%ds)
+}
+
+%matmul (stack.1: bf16[36,4096,4096], i.1: s32[], w.1: bf16[4096,128]) -> bf16[4096,128] {
+  %stack.1 = bf16[36,4096,4096]{2,1,0} parameter(0)
+  %i.1 = s32[] parameter(1)
+  %w.1 = bf16[4096,128]{1,0} parameter(2)
+  %x.1 = bf16[4096,4096]{1,0} fusion(%stack.1, %i.1), kind=kLoop, calls=%slice_layer
+  ROOT %d.1 = bf16[4096,128]{1,0} convolution(%x.1, %w.1), dim_labels=bf_io->bf
+}
+
+ENTRY %main (stack.0: bf16[36,4096,4096], i.0: s32[], w.0: bf16[4096,128], q.0: bf16[8,128]) -> bf16[4096,128] {
+  %stack.0 = bf16[36,4096,4096]{2,1,0} parameter(0)
+  %i.0 = s32[] parameter(1)
+  %w.0 = bf16[4096,128]{1,0} parameter(2)
+  %q.0 = bf16[8,128]{1,0} parameter(3)
+  %k = bf16[8,128]{1,0} custom-call(%q.0), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/shard_map/tree_attention_dq/pallas_call"}, backend_config={"custom_call_config":{"body":"abc","cost_estimate":{"flops":"1000000","transcendentals":"10","bytes_accessed":"5000","remote_bytes_transferred":"0"}}}
+  ROOT %f = bf16[4096,128]{1,0} fusion(%stack.0, %i.0, %w.0), kind=kOutput, calls=%matmul
+}
+"""
+
+
+def test_a_slice_read_through_a_nested_fusion_costs_the_slice():
+    """Fails if a stacked operand that a nested fusion only slices counts whole: the remat stack of every layer
+    (36 x 32 MiB) per layer's matmul, which made a trained 8B model look HBM-bound on reads it never does."""
+    layer, weight, out = 4096 * 4096 * 2, 4096 * 128 * 2, 4096 * 128 * 2
+    summary = hlo.summarize(NESTED, devices=1)
+    assert summary.bytes_accessed == pytest.approx(layer + weight + out + 5000)
+
+
+def test_a_kernel_counts_the_flops_and_bytes_it_states_and_its_scope_names_it():
+    """Fails if a Mosaic kernel's stated cost is ignored (attention FLOPs missing from the compute bound; its
+    operands counted instead of what it reads) or if the kernel is named ``pallas_call`` instead of its scope."""
+    summary = hlo.summarize(NESTED, devices=1)
+    matmul = 2 * 4096 * 128 * 4096
+    assert summary.flops == pytest.approx(matmul + 1_000_000)
+    assert summary.kernels == {"tree_attention_dq": 1}

@@ -156,7 +156,32 @@ def _specs(b, h, kv, t, s, e):
     return q, kv_spec, end, row
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret):
+# Per kernel: [BLOCK, BLOCK] x E matmuls a computed tile, and the q-side / k-side [BLOCK, E] blocks it reads
+# (q-side: q, and in the backward o, do and the log-sum-exp; k-side: k and v).
+_TILE_WORK = {"forward": (2, 1, 2), "dq": (3, 3, 2), "dkv": (4, 3, 2)}
+
+
+def _causal_tiles(t: int, s: int) -> int:
+    """Tiles (query block, key block) the causal mask leaves live: the most any tree mask computes."""
+    return sum(min(i + 1, s // BLOCK) for i in range(t // BLOCK))
+
+
+def cost(kind: str, b: int, h: int, t: int, s: int, e: int, itemsize: int) -> pl.CostEstimate:
+    """What one call of kernel ``kind`` costs at most: every causally live tile computed (a tree mask skips
+    more), its blocks fetched from HBM per tile, the outputs written once. Handed to the compiler with the
+    kernel, so the compiled program states its FLOPs and bytes (``trace_jax.plan.hlo`` reads them)."""
+    matmuls, q_side, k_side = _TILE_WORK[kind]
+    tiles = b * h * _causal_tiles(t, s)
+    tile_bytes = BLOCK * e * itemsize
+    written = {"forward": b * h * t * (e * itemsize + LANES * 4), "dq": b * h * t * e * itemsize}
+    return pl.CostEstimate(
+        flops=tiles * matmuls * 2 * BLOCK * BLOCK * e,
+        transcendentals=tiles * BLOCK * BLOCK,
+        bytes_accessed=tiles * (q_side + k_side) * tile_bytes + written.get(kind, 2 * b * h * s * e * 4),
+    )
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, estimate):
 
     return pl.pallas_call(
         kernel,
@@ -166,6 +191,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret):
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
+        cost_estimate=estimate,
     )
 
 
@@ -178,8 +204,11 @@ def _forward(q, k, v, end_b1s, interpret):
     scratch = [pltpu.VMEM((BLOCK, LANES), jnp.float32)] * 2 + [pltpu.VMEM((BLOCK, e), jnp.float32)]
     kernel = functools.partial(_forward_kernel, block_q=BLOCK, block_k=BLOCK)
     grid = (b, h, t // BLOCK, s // BLOCK)
-    call = _call(kernel, grid, [end_spec, q_spec, kv_spec, kv_spec], [q_spec, row_spec], out_shape, scratch, interpret)
-    return call(_tile_ends(end_b1s), end_b1s, q, k, v)
+    estimate = cost("forward", b, h, t, s, e, q.dtype.itemsize)
+    in_specs = [end_spec, q_spec, kv_spec, kv_spec]
+    call = _call(kernel, grid, in_specs, [q_spec, row_spec], out_shape, scratch, interpret, estimate)
+    with jax.named_scope("tree_attention_forward"):
+        return call(_tile_ends(end_b1s), end_b1s, q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -200,10 +229,12 @@ def _tree_flash_bwd(interpret, residuals, do):
     g = h // kv
     q_spec, kv_spec, end_spec, row_spec = _specs(b, h, kv, t, s, e)
     dq_kernel = functools.partial(_dq_kernel, block_q=BLOCK, block_k=BLOCK)
-    dq = _call(
-        dq_kernel, (b, h, t // BLOCK, s // BLOCK), [end_spec, q_spec, kv_spec, kv_spec, q_spec, q_spec, row_spec],
-        q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype), [pltpu.VMEM((BLOCK, e), jnp.float32)], interpret,
-    )(_tile_ends(end_b1s), end_b1s, q, k, v, o, do, lse)  # fmt: skip
+    with jax.named_scope("tree_attention_dq"):
+        dq = _call(
+            dq_kernel, (b, h, t // BLOCK, s // BLOCK), [end_spec, q_spec, kv_spec, kv_spec, q_spec, q_spec, row_spec],
+            q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype), [pltpu.VMEM((BLOCK, e), jnp.float32)], interpret,
+            cost("dq", b, h, t, s, e, q.dtype.itemsize),
+        )(_tile_ends(end_b1s), end_b1s, q, k, v, o, do, lse)  # fmt: skip
     # The dk / dv grid runs over (key block j, query block i): query tiles before a key block's first row are
     # clamped to its first visible one (skipped by the kernel).
     first = lambda j: (j * BLOCK) // BLOCK
@@ -215,10 +246,12 @@ def _tree_flash_bwd(interpret, residuals, do):
     out_t = pl.BlockSpec((None, None, BLOCK, e), lambda b_, h_, j, i, _: (b_, h_, j, 0))
     per_head = jax.ShapeDtypeStruct((b, h, s, e), jnp.float32)
     dkv_kernel = functools.partial(_dkv_kernel, block_q=BLOCK, block_k=BLOCK)
-    dk_h, dv_h = _call(
-        dkv_kernel, (b, h, s // BLOCK, t // BLOCK), [end_t, q_t, kv_t, kv_t, q_t, q_t, row_t], [out_t, out_t],
-        (per_head, per_head), [pltpu.VMEM((BLOCK, e), jnp.float32)] * 2, interpret,
-    )(_tile_ends(end_b1s), end_b1s, q, k, v, o, do, lse)  # fmt: skip
+    with jax.named_scope("tree_attention_dkv"):
+        dk_h, dv_h = _call(
+            dkv_kernel, (b, h, s // BLOCK, t // BLOCK), [end_t, q_t, kv_t, kv_t, q_t, q_t, row_t], [out_t, out_t],
+            (per_head, per_head), [pltpu.VMEM((BLOCK, e), jnp.float32)] * 2, interpret,
+            cost("dkv", b, h, t, s, e, q.dtype.itemsize),
+        )(_tile_ends(end_b1s), end_b1s, q, k, v, o, do, lse)  # fmt: skip
     group = lambda x: x.reshape(b, kv, g, s, e).sum(axis=2).astype(k.dtype)
     return dq, group(dk_h), group(dv_h), None
 

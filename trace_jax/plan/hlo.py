@@ -9,9 +9,13 @@ with, the form ``lax.scan`` / ``fori_loop`` lower to; a loop whose count cannot 
 listed in ``unknown_loops``; each branch of a conditional counts as 1/branches of a run, the mean of a
 ``lax.switch`` over equal branches). Per execution:
 
-* FLOPs: 2 x output elements x contracted elements of every ``dot`` / ``convolution`` (fusions included);
+* FLOPs: 2 x output elements x contracted elements of every ``dot`` / ``convolution`` (fusions included),
+  plus what each Mosaic kernel states in its cost estimate (``pl.CostEstimate``; a kernel that states none,
+  such as jax's splash and paged attention, adds none);
 * bytes: operands + output of every instruction that runs as its own kernel (a fusion, a copy, a
-  collective, a custom call; not the tuple plumbing), as XLA's cost analysis counts HBM traffic;
+  collective, a custom call; not the tuple plumbing), as XLA's cost analysis counts HBM traffic, except an
+  operand read only through slices (the slices' bytes, through nested fusions too) and a Mosaic kernel that
+  states its bytes;
 * collectives: all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute (and their async
   ``-start`` forms) with their bytes and the number of devices in each group.
 
@@ -233,25 +237,24 @@ def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str
         return 2.0 * update + sum(type_bytes(shapes.get(o, "")) for o in ins.operands[1:-1])
     if ins.op in _SLICING:
         return 2.0 * out_bytes
+    stated = _kernel_cost(ins).get("bytes_accessed")
+    if stated is not None:
+        return stated
     callee = next((t for k, t in _callees(ins.attrs) if k == "calls"), None) if ins.op == "fusion" else None
     if callee is None or callee not in comps:
         return out_bytes + sum(type_bytes(shapes.get(o, "")) for o in ins.operands)
     body = comps[callee]
-    params = [i for i in body.instructions if i.op == "parameter"]
-    index = {i.name: int(re.match(r"\s*(\d+)", i.args).group(1)) for i in params if re.match(r"\s*(\d+)", i.args)}
-    users: dict[str, list[Instruction]] = collections.defaultdict(list)
-    for i in body.instructions:
-        for o in i.operands:
-            users[o].append(i)
+    users = _users(body)
     total = 0.0
     in_place = False
-    for name, position in index.items():
+    for name, position in _param_positions(body).items():
         if position >= len(ins.operands):
             continue
         full = type_bytes(shapes.get(ins.operands[position], ""))
         uses = users.get(name, [])
-        if uses and all(u.op in _SLICING and u.operands and u.operands[0] == name for u in uses):
-            total += sum(type_bytes(u.type) for u in uses)
+        sliced = _sliced_bytes(name, body, comps)
+        if sliced is not None:
+            total += min(sliced, full)
         elif uses and all(u.op in ("dynamic-update-slice", "scatter") and u.operands[0] == name for u in uses):
             in_place = True  # the buffer is written in place: its update is counted below
         else:
@@ -265,6 +268,57 @@ def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str
     return total + out_bytes
 
 
+def _param_positions(body: Computation) -> dict[str, int]:
+    """A fused computation's parameters by name -> operand position."""
+    params = [i for i in body.instructions if i.op == "parameter"]
+    return {i.name: int(m.group(1)) for i in params if (m := re.match(r"\s*(\d+)", i.args))}
+
+
+def _users(body: Computation) -> dict[str, list[Instruction]]:
+    users: dict[str, list[Instruction]] = collections.defaultdict(list)
+    for i in body.instructions:
+        for o in i.operands:
+            users[o].append(i)
+    return users
+
+
+def _sliced_bytes(name: str, body: Computation, comps: dict[str, Computation], depth: int = 0) -> float | None:
+    """The bytes a fused computation reads of its parameter ``name`` when it reads it only through slices /
+    gathers, directly or through the parameters of fusions nested in it (a layer's slice of a stacked array
+    read inside a nested fusion); None when some use reads it whole."""
+    uses = _users(body).get(name, [])
+    if not uses or depth > 8:
+        return None
+    total = 0.0
+    for use in uses:
+        if use.op in _SLICING and use.operands and use.operands[0] == name:
+            total += type_bytes(use.type)
+            continue
+        inner = next((t for k, t in _callees(use.attrs) if k == "calls"), None) if use.op == "fusion" else None
+        if inner not in comps:
+            return None
+        positions = _param_positions(comps[inner])
+        for param, position in positions.items():
+            if position < len(use.operands) and use.operands[position] == name:
+                part = _sliced_bytes(param, comps[inner], comps, depth + 1)
+                if part is None:
+                    return None
+                total += part
+    return total
+
+
+_COST = re.compile(r'"cost_estimate":\{([^}]*)\}')
+
+
+def _kernel_cost(ins: Instruction) -> dict[str, float]:
+    """The FLOPs / bytes a Mosaic kernel states for itself (``pl.CostEstimate``), or {} where it states none."""
+    if ins.op != "custom-call" or "tpu_custom_call" not in ins.attrs:
+        return {}
+    found = _COST.search(ins.attrs)
+    pairs = re.findall(r'"(\w+)":"?([\d.e+]+)"?', found.group(1)) if found else []
+    return {key: float(value) for key, value in pairs}
+
+
 def _root_name(comp: Computation) -> str:
     return comp.root or (comp.instructions[-1].name if comp.instructions else "")
 
@@ -275,7 +329,9 @@ def kernel_names(text: str) -> dict[str, int]:
     for line in text.splitlines():
         if 'custom_call_target="tpu_custom_call"' in line:
             name = re.search(r'op_name="([^"]*)"', line)
-            out[name.group(1).rsplit("/", 1)[-1] if name else "tpu_custom_call"] += 1
+            parts = name.group(1).split("/") if name else ["tpu_custom_call"]
+            # a kernel called inside ``jax.named_scope(NAME)`` is named by the scope: .../NAME/pallas_call
+            out[parts[-2] if parts[-1] == "pallas_call" and len(parts) > 1 else parts[-1]] += 1
     return dict(out)
 
 
@@ -326,6 +382,7 @@ def summarize(text: str, devices: int) -> HloSummary:
         for ins in comps[name].instructions:
             if ins.op in ("dot", "convolution"):
                 flops += times * _dot_flops(ins, shapes)
+            flops += times * _kernel_cost(ins).get("flops", 0.0)
             if name in fused or ins.op in _FREE or ins.op.endswith("-done"):
                 continue
             out_bytes = type_bytes(ins.type)
