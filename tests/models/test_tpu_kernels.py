@@ -11,9 +11,8 @@ import pytest
 from flax import nnx
 
 from tests.models.tpu_topology import MOSAIC, tpu_devices
-from trace_jax.models import ModelConfig, abstract_model
+from trace_jax.models import ModelConfig, abstract_model, tree_attention
 from trace_jax.models import attention as attention_lib
-from trace_jax.models import tree_attention
 from trace_jax.models.tree_attention import tree_flash_attention
 from trace_jax.parallel import mesh as mesh_lib
 from trace_jax.plan import hlo

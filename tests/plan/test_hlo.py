@@ -165,10 +165,15 @@ ENTRY %main (stack.0: bf16[36,4096,4096], i.0: s32[], w.0: bf16[4096,128], q.0: 
   %i.0 = s32[] parameter(1)
   %w.0 = bf16[4096,128]{1,0} parameter(2)
   %q.0 = bf16[8,128]{1,0} parameter(3)
-  %k = bf16[8,128]{1,0} custom-call(%q.0), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/shard_map/tree_attention_dq/pallas_call"}, backend_config={"custom_call_config":{"body":"abc","cost_estimate":{"flops":"1000000","transcendentals":"10","bytes_accessed":"5000","remote_bytes_transferred":"0"}}}
+  %k = bf16[8,128]{1,0} KERNEL
   ROOT %f = bf16[4096,128]{1,0} fusion(%stack.0, %i.0, %w.0), kind=kOutput, calls=%matmul
 }
-"""
+""".replace(
+    "KERNEL",
+    'custom-call(%q.0), custom_call_target="tpu_custom_call", '
+    'metadata={op_name="jit(f)/shard_map/tree_attention_dq/pallas_call"}, backend_config={"custom_call_config":'
+    '{"body":"abc","cost_estimate":{"flops":"1000000","transcendentals":"10","bytes_accessed":"5000"}}}',
+)
 
 
 def test_a_slice_read_through_a_nested_fusion_costs_the_slice():
