@@ -57,7 +57,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm
 
 from trace_jax.models.expert_dispatch import EXPERT_DISPATCH
 from trace_jax.models.qwen import (
@@ -301,6 +300,8 @@ def grouped_weight_grad(x_md, d_out_mf, sizes_e, dtype, interpret: bool = False)
     (``tgmm``, a Mosaic kernel; ``interpret`` runs it in Pallas interpret mode). Rows after the last group
     (padding) are outside every group and ignored; an empty group's gradient is zero. The rows are padded with
     zeros to a multiple of the row tile, which the kernel needs."""
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm  # TPU kernel, lazy import (as attention's)
+
     pad = -x_md.shape[0] % _TGMM_ROW_TILE
     if pad:
         x_md = jnp.pad(x_md, ((0, pad), (0, 0)))
@@ -313,8 +314,8 @@ def grouped_weight_grad(x_md, d_out_mf, sizes_e, dtype, interpret: bool = False)
 def grouped_matmul_tpu(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array, interpret: bool = False) -> jax.Array:
     """``jax.lax.ragged_dot`` with its weight gradient from ``grouped_weight_grad``. The TPU compiler lowers
     ragged_dot's value and input gradient to grouped kernels, but its weight gradient (ragged contracting
-    rows) to a dense contraction of every expert over all rows under a group mask: e / top-k times the
-    model's FLOPs (measured 95% of the FLOPs of the Qwen3-30B-A3B update on v5p-64)."""
+    rows) to a dense contraction of every expert over all rows under a group mask, e / top-k times the work of
+    a grouped one (measured: 95% of the FLOPs of the Qwen3-30B-A3B update on v5p-64)."""
     return jax.lax.ragged_dot(x_md, w_edf, sizes_e)
 
 
