@@ -95,18 +95,45 @@ def test_the_update_calls_a_mosaic_attention_kernel_and_writes_no_scores(compile
     assert not blocks, "attention scores reached HBM"
 
 
-def test_a_mixture_of_experts_update_compiles_for_tpu_on_an_expert_axis():
-    """Fails if the expert-parallel dispatch or the grouped matmul (``ragged_dot``) stops compiling for TPU
-    with the experts split over ``expert``=2 (x fsdp=2), for either dispatch; the all_to_all dispatch must
-    move rows with an all-to-all collective (the mutant: experts gathered instead)."""
+def _expert_weight_products(text: str, experts: int, dims: tuple[int, int]) -> dict[str, list[str]]:
+    """Instructions of an HLO text whose output is an [experts, d, f] or [experts, f, d] array (an expert weight's
+    shape), by kind: ``mosaic`` (Mosaic kernel calls) and ``contraction`` (dot or convolution)."""
+    d, f = dims
+    found: dict[str, list[str]] = {"mosaic": [], "contraction": []}
+    for line in text.splitlines():
+        shape = re.search(r"= \w+\[(\d+),(\d+),(\d+)\]\S* (\S+)\(", line)
+        if shape is None or int(shape.group(1)) != experts or {int(shape.group(2)), int(shape.group(3))} != {d, f}:
+            continue
+        if 'custom_call_target="tpu_custom_call"' in line:
+            found["mosaic"].append(line.strip()[:160])
+        elif shape.group(4) in ("dot", "convolution"):
+            found["contraction"].append(line.strip()[:160])
+    return found
+
+
+def test_a_mixture_of_experts_update_compiles_for_tpu_on_an_expert_axis(tmp_path, monkeypatch):
+    """Fails if the expert-parallel dispatch or the grouped matmul stops compiling for TPU with the experts split
+    over ``expert``=2 (x fsdp=2), for either dispatch; the all_to_all dispatch must move rows with an all-to-all
+    collective (the mutant: experts gathered instead). In both, the experts' weight gradients must come from
+    a grouped Mosaic kernel (``tgmm``, an [experts, d, f] output) and no dot or convolution may produce an
+    [experts, d, f] array: the mutant, ``jax.lax.ragged_dot`` differentiated as is on TPU, gives its weight
+    gradient as a dense contraction of every expert over all (token, expert) rows under a group mask."""
     mesh = _tpu_mesh(fsdp=2, expert=2)
-    for dispatch in ("gather", "all_to_all"):
+    dims = (MOE.hidden_size, MOE.moe_intermediate_size)
+    for dispatch, local_experts in (("gather", MOE.num_experts), ("all_to_all", MOE.num_experts // 2)):
         config = dataclasses.replace(MOE, expert_dispatch=dispatch, dtype="bfloat16")
+        monkeypatch.setattr(plan_compile, "HLO_DIR", str(tmp_path / dispatch))
         report = plan_compile.update_programs(config, mesh, micro_rows=4, seq_len=256)
         assert report.platform == "tpu"
         hlo = report.programs["accumulate"]["hlo"]
         if dispatch == "all_to_all":
             assert hlo["collectives"].get("all-to-all", {}).get("count", 0) > 0, hlo["collectives"]
+        (path,) = (tmp_path / dispatch).glob("accumulate_*.hlo.txt.gz")
+        text = gzip.decompress(path.read_bytes()).decode()
+        assert "ragged-dot" in str(hlo["kernels"]), hlo["kernels"]  # premise: the grouped forward, on TPU
+        products = _expert_weight_products(text, local_experts, dims)
+        assert not products["contraction"], (dispatch, products["contraction"])
+        assert len(products["mosaic"]) >= 3, (dispatch, products)  # gate, up and down projections' gradients
 
 
 ENGINE_AXES = pytest.mark.parametrize("axes", [{"data": 4}, {"data": 2, "tensor": 2}], ids=["data4", "data2xtensor2"])
