@@ -156,9 +156,7 @@ def _specs(b, h, kv, t, s, e):
     return q, kv_spec, end, row
 
 
-# Per kernel: [BLOCK, BLOCK] x E matmuls a computed tile, and the q-side / k-side [BLOCK, E] blocks it reads
-# (q-side: q, and in the backward o, do and the log-sum-exp; k-side: k and v).
-_TILE_WORK = {"forward": (2, 1, 2), "dq": (3, 3, 2), "dkv": (4, 3, 2)}
+_MATMULS = {"forward": 2, "dq": 3, "dkv": 4}  # [BLOCK, BLOCK] x E matmuls a computed tile
 
 
 def _causal_tiles(t: int, s: int) -> int:
@@ -166,18 +164,28 @@ def _causal_tiles(t: int, s: int) -> int:
     return sum(min(i + 1, s // BLOCK) for i in range(t // BLOCK))
 
 
+def _bytes(kind: str, t: int, s: int, e: int, itemsize: int) -> int:
+    """HBM bytes of one (row, head) of kernel ``kind``: a block whose index does not change along the inner
+    grid axis is fetched once per outer block (the pipeline keeps it), a streamed one once per live tile."""
+    block, lse = BLOCK * e * itemsize, BLOCK * LANES * 4
+    live, n_q, n_k = _causal_tiles(t, s), t // BLOCK, s // BLOCK
+    if kind == "forward":  # streams k, v; keeps q; writes o and the log-sum-exp
+        return live * 2 * block + n_q * (2 * block + lse)
+    if kind == "dq":  # streams k, v; keeps q, o, do, lse; writes dq
+        return live * 2 * block + n_q * (4 * block + lse)
+    # dkv: streams q, o, do, lse; keeps k, v; writes dk and dv per query head in float32
+    return live * (3 * block + lse) + n_k * (2 * block + 2 * BLOCK * e * 4)
+
+
 def cost(kind: str, b: int, h: int, t: int, s: int, e: int, itemsize: int) -> pl.CostEstimate:
     """What one call of kernel ``kind`` costs at most: every causally live tile computed (a tree mask skips
-    more), its blocks fetched from HBM per tile, the outputs written once. Handed to the compiler with the
-    kernel, so the compiled program states its FLOPs and bytes (``trace_jax.plan.hlo`` reads them)."""
-    matmuls, q_side, k_side = _TILE_WORK[kind]
+    more). Handed to the compiler with the kernel, so the compiled program states its FLOPs and bytes
+    (``trace_jax.plan.hlo`` reads them)."""
     tiles = b * h * _causal_tiles(t, s)
-    tile_bytes = BLOCK * e * itemsize
-    written = {"forward": b * h * t * (e * itemsize + LANES * 4), "dq": b * h * t * e * itemsize}
     return pl.CostEstimate(
-        flops=tiles * matmuls * 2 * BLOCK * BLOCK * e,
+        flops=tiles * _MATMULS[kind] * 2 * BLOCK * BLOCK * e,
         transcendentals=tiles * BLOCK * BLOCK,
-        bytes_accessed=tiles * (q_side + k_side) * tile_bytes + written.get(kind, 2 * b * h * s * e * 4),
+        bytes_accessed=b * h * _bytes(kind, t, s, e, itemsize),
     )
 
 
