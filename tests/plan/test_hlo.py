@@ -191,3 +191,12 @@ def test_a_kernel_counts_the_flops_and_bytes_it_states_and_its_scope_names_it():
     matmul = 2 * 4096 * 128 * 4096
     assert summary.flops == pytest.approx(matmul + 1_000_000)
     assert summary.kernels == {"tree_attention_dq": 1}
+
+
+def test_kernels_are_named_by_their_scope_not_by_jaxs_transformations():
+    """Fails if a jitted kernel is named ``jit(tgmm)`` or an unnamed one by a transformation's scope (a plan
+    listing ``shard_map`` or ``checkpoint`` as the kernels a program runs)."""
+    assert hlo._kernel_name("jit(f)/transpose(jvp())/shard_map/cond/branch_0_fun/jit(tgmm)/pallas_call") == "tgmm"
+    assert hlo._kernel_name("jit(f)/jvp()/while/body/closed_call/checkpoint/shard_map/pallas_call") == "pallas_call"
+    assert hlo._kernel_name("jit(f)/shard_map/splash_attention/pallas_call") == "splash_attention"
+    assert hlo._kernel_name("jit(f)/shard_map/ragged_dot_general/ragged-dot-none") == "ragged-dot-none"

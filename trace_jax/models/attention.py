@@ -227,7 +227,8 @@ def _splash_causal(q_bthe, k_bske, v_bske, kv_end_bs=None):
     kernel = splash.make_splash_mqa_single_device(mask=mask, interpret=SPLASH_INTERPRET)
     q_bkgte = (q_bthe / math.sqrt(e)).reshape(b, t, kv, g, e).transpose(0, 2, 3, 1, 4)
     k_bkse, v_bkse = k_bske.transpose(0, 2, 1, 3), v_bske.transpose(0, 2, 1, 3)
-    out_bkgte = jax.vmap(jax.vmap(kernel))(q_bkgte, k_bkse, v_bkse)
+    with jax.named_scope("splash_attention"):  # names the kernels in the compiled HLO (trace_jax.plan.hlo)
+        out_bkgte = jax.vmap(jax.vmap(kernel))(q_bkgte, k_bkse, v_bkse)
     return out_bkgte.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e).astype(q_bthe.dtype)
 
 

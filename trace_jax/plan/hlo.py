@@ -323,15 +323,29 @@ def _root_name(comp: Computation) -> str:
     return comp.root or (comp.instructions[-1].name if comp.instructions else "")
 
 
+# Scopes jax's transformations add around a call: they say nothing of which kernel it is.
+_TRANSFORM_SCOPES = re.compile(r"shard_map|checkpoint|rematted_computation|closed_call|body|while|cond|branch_\w*")
+
+
+def _kernel_name(op_name: str) -> str:
+    """A Mosaic call's name from its op_name: a Pallas kernel (``.../pallas_call``) is named by the scope
+    around it, ``jax.named_scope(NAME)`` or ``jax.jit``'s ``jit(NAME)``; an XLA-emitted one by its op."""
+    parts = op_name.split("/")
+    if parts[-1] != "pallas_call" or len(parts) < 2:
+        return parts[-1]
+    scope = re.fullmatch(r"jit\((\w+)\)", parts[-2])
+    if scope:
+        return scope.group(1)
+    return "pallas_call" if _TRANSFORM_SCOPES.fullmatch(parts[-2]) or "(" in parts[-2] else parts[-2]
+
+
 def kernel_names(text: str) -> dict[str, int]:
     """Mosaic (Pallas TPU) kernel calls in an HLO text, by kernel name (op_name metadata), counted once each."""
     out: collections.Counter[str] = collections.Counter()
     for line in text.splitlines():
         if 'custom_call_target="tpu_custom_call"' in line:
             name = re.search(r'op_name="([^"]*)"', line)
-            parts = name.group(1).split("/") if name else ["tpu_custom_call"]
-            # a kernel called inside ``jax.named_scope(NAME)`` is named by the scope: .../NAME/pallas_call
-            out[parts[-2] if parts[-1] == "pallas_call" and len(parts) > 1 else parts[-1]] += 1
+            out[_kernel_name(name.group(1)) if name else "tpu_custom_call"] += 1
     return dict(out)
 
 
