@@ -11,7 +11,10 @@ listed in ``unknown_loops``; each branch of a conditional counts as 1/branches o
 
 * FLOPs: 2 x output elements x contracted elements of every ``dot`` / ``convolution`` (fusions included);
 * bytes: operands + output of every instruction that runs as its own kernel (a fusion, a copy, a
-  collective, a custom call; not the tuple plumbing), as XLA's cost analysis counts HBM traffic;
+  collective, a custom call; not the tuple plumbing), as XLA's cost analysis counts HBM traffic, except what
+  it does not touch: an operand only sliced (in the fusion or in fusions nested in it: a layer of a scanned
+  weight stack) costs its slices, a buffer updated in place its update, the paged-attention kernel the pages
+  its table names (``_hbm_bytes``); ``byte_consumers`` lists them per instruction, largest first;
 * collectives: all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute (and their async
   ``-start`` forms) with their bytes and the number of devices in each group.
 
