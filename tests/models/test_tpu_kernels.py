@@ -164,6 +164,47 @@ def test_tpu_engine_decode_runs_the_paged_kernel_under_the_mesh(axes):
     assert compiled.memory_analysis().temp_size_in_bytes < 32 * 2**20
 
 
+def _producer(comps, name):
+    """The instruction defining ``name`` in any computation of a parsed HLO module."""
+    return next(i for c in comps.values() for i in c.instructions if i.name == name)
+
+
+@pytest.mark.parametrize("axes", [dict(data=4, tensor=1), dict(data=2, tensor=2)], ids=["data4", "data2_tensor2"])
+def test_tpu_engine_decode_hands_the_kernel_the_pool_in_place(axes):
+    """The decode program compiled for v5p:2x2x1 gives the paged-attention kernel each shard's whole pool (every
+    layer's pages, ``[kv_heads, layers * pages, page, head_dim]``), straight from the in-place write of the new
+    token's keys / values (through bitcasts only), and nothing in the program has the shape of one layer's pages
+    of a shard: no copy of a layer's slice per layer and step. Mutants caught: the kernel handed ``pool[layer]``
+    (a dynamic-slice fusion of that shape feeds it), a pool kept as bits on TPU and viewed with
+    ``bitcast_convert_type`` (a bitcast-convert copy of the whole pool feeds it)."""
+    engine = _engine(tpu_devices(), **axes)
+    mc, cfg = engine.model_config, engine.config
+    kv_heads, pages = mc.num_kv_heads // axes["tensor"], cfg.pool_pages // axes["data"]
+    text = engine.lower_generate().compile().as_text()
+    comps, _ = hlo.parse(text)
+    calls = [i for c in comps.values() for i in c.instructions if i.op == "custom-call" and MOSAIC in i.attrs]
+    assert len(calls) == 1, f"premise: one Mosaic call (the kernel in the layer scan), got {len(calls)}"
+    shapes = {i.name: i.type for c in comps.values() for i in c.instructions}
+    page_operand = lambda dims: len(dims) == 4 and dims[::2] == [kv_heads, cfg.page] and dims[3] == mc.head_dim
+    operands = [o for o in calls[0].operands if page_operand(hlo._dims(shapes.get(o, "")))]
+    assert len(operands) == 2, "premise: the kernel reads keys and values, [kv_heads, pages, page, head_dim] each"
+    for operand in operands:
+        assert hlo._dims(shapes[operand])[1] == mc.num_layers * pages, f"{operand}: not every layer's pages"
+        source = _producer(comps, operand)
+        while source.op == "bitcast":
+            source = _producer(comps, source.operands[0])
+        root = None
+        if source.op == "fusion":
+            body = comps[next(t for k, t in hlo._callees(source.attrs) if k == "calls")]
+            root = next(i for i in body.instructions if i.name == hlo._root_name(body)).op
+        assert source.op in ("parameter", "get-tuple-element") or root in ("scatter", "dynamic-update-slice"), (
+            f"the kernel's pages come from a {source.op} ({root}), not from the pool in place"
+        )
+    layer = [kv_heads, pages, cfg.page, mc.head_dim]
+    sliced = [i.name for c in comps.values() for i in c.instructions if hlo._dims(i.type) == layer]
+    assert not sliced, f"one layer's pages of a shard, {layer}, are materialised: {sliced[:4]}"
+
+
 def test_the_cpu_program_keeps_the_cpu_path():
     """The same engine on this host's CPU device: no Mosaic call, the reference decode and the layer switch
     (``conditional``) kept; the training program has no Mosaic call either. Paired with the TPU tests above it

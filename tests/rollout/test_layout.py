@@ -39,8 +39,8 @@ def test_weights_are_bf16_split_over_tensor_and_never_over_fsdp(layout_run):
 
 def test_slots_and_pages_are_split_over_data_and_fsdp_and_heads_over_tensor(layout_run):
     cache = layout_run["cache"]
-    pool = cache["k_pages"]  # [layers, kv heads, pages, page, head dim]
-    assert pool["shard"] == [pool["shape"][0], 1, pool["shape"][2] // 4, 8, 16]
+    pool = cache["k_pages"]  # [kv heads, layers, pages, page, head dim]
+    assert pool["shard"] == [1, pool["shape"][1], pool["shape"][2] // 4, 8, 16]
     for name in ("lengths_b", "logits_bv", "hidden_bd", "stop_reason_b", "bank_logits_rv"):
         assert cache[name]["shard"][0] == cache[name]["shape"][0] // 4, name
 

@@ -13,9 +13,11 @@ listed in ``unknown_loops``; each branch of a conditional counts as 1/branches o
   plus what each Mosaic kernel states in its cost estimate (``pl.CostEstimate``; a kernel that states none,
   such as jax's splash and paged attention, adds none);
 * bytes: operands + output of every instruction that runs as its own kernel (a fusion, a copy, a
-  collective, a custom call; not the tuple plumbing), as XLA's cost analysis counts HBM traffic, except an
-  operand read only through slices (the slices' bytes, through nested fusions too) and a Mosaic kernel that
-  states its bytes;
+  collective, a custom call; not the tuple plumbing), as XLA's cost analysis counts HBM traffic, except what
+  it does not touch: an operand only sliced (in the fusion or in fusions nested in it: a layer of a scanned
+  weight stack) costs its slices, a buffer updated in place its update, the paged-attention kernel the pages
+  its table names, a Mosaic kernel that states its bytes those (``_hbm_bytes``); ``byte_consumers`` lists
+  them per instruction, largest first;
 * collectives: all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute (and their async
   ``-start`` forms) with their bytes and the number of devices in each group.
 
@@ -225,13 +227,73 @@ class HloSummary:
 
 
 _SLICING = ("dynamic-slice", "gather", "slice")
+# Mosaic kernels that read pages of a pool through a page table (jax's Pallas TPU paged attention): such a
+# call reads the pages its table names, not its whole page operands.
+_PAGED_KERNELS = ("paged_attention",)
+
+
+def _sliced_bytes(comp: Computation, name: str, comps: dict[str, Computation], depth: int = 0) -> float | None:
+    """Bytes of ``name`` (a value of ``comp``) that ``comp`` reads where every use of it only slices it (directly,
+    through bitcasts, or as the operand of a nested fusion that only slices it); None where a use reads it all."""
+    uses = [i for i in comp.instructions if name in i.operands]
+    if not uses or depth > 8:
+        return None
+    total = 0.0
+    for use in uses:
+        if use.op in _SLICING and use.operands[0] == name and name not in use.operands[1:]:
+            total += type_bytes(use.type)
+            continue
+        if use.op == "bitcast":
+            inner = _sliced_bytes(comp, use.name, comps, depth + 1)
+        elif use.op == "fusion":
+            callee = comps.get(next((t for k, t in _callees(use.attrs) if k == "calls"), ""))
+            params = _parameters(callee) if callee else {}
+            names = [params.get(i) for i, o in enumerate(use.operands) if o == name]
+            parts = [_sliced_bytes(callee, n, comps, depth + 1) if n else None for n in names]
+            inner = None if any(p is None for p in parts) else sum(parts)
+        else:
+            inner = None
+        if inner is None:
+            return None
+        total += inner
+    return total
+
+
+def _parameters(comp: Computation) -> dict[int, str]:
+    """Parameter number -> instruction name of ``comp``."""
+    out = {}
+    for i in comp.instructions:
+        number = re.match(r"\s*(\d+)", i.args) if i.op == "parameter" else None
+        if number:
+            out[int(number.group(1))] = i.name
+    return out
+
+
+def _paged_kernel_bytes(ins: Instruction, shapes: dict[str, str], out_bytes: int) -> float:
+    """HBM bytes of a paged-attention kernel call: its output and operands, its page operands (rank 4, ``[kv
+    heads, pages, page_size, head_dim]``) counted as the pages its page table (the int32 operand with the most
+    entries) names, every entry once (every slot reading its whole table: the widest window)."""
+    types = [shapes.get(o, "") for o in ins.operands]
+    tables = [math.prod(_dims(t)) for t in types if t.lstrip().startswith("s32[")]
+    entries = max(tables, default=0)
+    total = float(out_bytes)
+    for t in types:
+        dims = _dims(t)
+        if len(dims) == 4 and entries and dims[1] > entries:
+            total += type_bytes(t) * entries / dims[1]
+        else:
+            total += type_bytes(t)
+    return total
 
 
 def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str, str], out_bytes: int) -> float:
     """HBM bytes one kernel moves: its operands and output, except what it does not touch. An operand read only
-    by slices / gathers costs the slices' bytes; a buffer updated in place (``dynamic-update-slice`` /
-    ``scatter`` on it) costs its update's bytes, read and written, not the whole buffer (a KV pool updated one
-    token at a time, a layer's slice of a stack)."""
+    by slices / gathers (in the fusion or in fusions nested in it) costs the slices' bytes; a buffer updated in
+    place (``dynamic-update-slice`` / ``scatter`` on it) costs its update's bytes, read and written, not the
+    whole buffer (a KV pool updated one token at a time, a layer's slice of a stack); a paged-attention kernel
+    costs the pages its table names (``_paged_kernel_bytes``)."""
+    if ins.op == "custom-call" and any(k in n for n in kernel_ops(ins.attrs) for k in _PAGED_KERNELS):
+        return _paged_kernel_bytes(ins, shapes, out_bytes)
     if ins.op in ("dynamic-update-slice", "scatter") and len(ins.operands) >= 2:
         update = type_bytes(shapes.get(ins.operands[-1], ""))
         return 2.0 * update + sum(type_bytes(shapes.get(o, "")) for o in ins.operands[1:-1])
@@ -247,12 +309,12 @@ def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str
     users = _users(body)
     total = 0.0
     in_place = False
-    for name, position in _param_positions(body).items():
+    for position, name in _parameters(body).items():
         if position >= len(ins.operands):
             continue
         full = type_bytes(shapes.get(ins.operands[position], ""))
         uses = users.get(name, [])
-        sliced = _sliced_bytes(name, body, comps)
+        sliced = _sliced_bytes(body, name, comps)
         if sliced is not None:
             total += min(sliced, full)
         elif uses and all(u.op in ("dynamic-update-slice", "scatter") and u.operands[0] == name for u in uses):
@@ -268,43 +330,12 @@ def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str
     return total + out_bytes
 
 
-def _param_positions(body: Computation) -> dict[str, int]:
-    """A fused computation's parameters by name -> operand position."""
-    params = [i for i in body.instructions if i.op == "parameter"]
-    return {i.name: int(m.group(1)) for i in params if (m := re.match(r"\s*(\d+)", i.args))}
-
-
 def _users(body: Computation) -> dict[str, list[Instruction]]:
     users: dict[str, list[Instruction]] = collections.defaultdict(list)
     for i in body.instructions:
         for o in i.operands:
             users[o].append(i)
     return users
-
-
-def _sliced_bytes(name: str, body: Computation, comps: dict[str, Computation], depth: int = 0) -> float | None:
-    """The bytes a fused computation reads of its parameter ``name`` when it reads it only through slices /
-    gathers, directly or through the parameters of fusions nested in it (a layer's slice of a stacked array
-    read inside a nested fusion); None when some use reads it whole."""
-    uses = _users(body).get(name, [])
-    if not uses or depth > 8:
-        return None
-    total = 0.0
-    for use in uses:
-        if use.op in _SLICING and use.operands and use.operands[0] == name:
-            total += type_bytes(use.type)
-            continue
-        inner = next((t for k, t in _callees(use.attrs) if k == "calls"), None) if use.op == "fusion" else None
-        if inner not in comps:
-            return None
-        positions = _param_positions(comps[inner])
-        for param, position in positions.items():
-            if position < len(use.operands) and use.operands[position] == name:
-                part = _sliced_bytes(param, comps[inner], comps, depth + 1)
-                if part is None:
-                    return None
-                total += part
-    return total
 
 
 _COST = re.compile(r'"cost_estimate":\{([^}]*)\}')
@@ -339,6 +370,16 @@ def _kernel_name(op_name: str) -> str:
     return "pallas_call" if _TRANSFORM_SCOPES.fullmatch(parts[-2]) or "(" in parts[-2] else parts[-2]
 
 
+def kernel_ops(text: str) -> list[str]:
+    """The full op names (``op_name`` metadata) of the Mosaic kernel calls in an HLO text."""
+    out = []
+    for line in text.splitlines():
+        if 'custom_call_target="tpu_custom_call"' in line:
+            name = re.search(r'op_name="([^"]*)"', line)
+            out.append(name.group(1) if name else "tpu_custom_call")
+    return out
+
+
 def kernel_names(text: str) -> dict[str, int]:
     """Mosaic (Pallas TPU) kernel calls in an HLO text, by kernel name (op_name metadata), counted once each."""
     out: collections.Counter[str] = collections.Counter()
@@ -349,16 +390,30 @@ def kernel_names(text: str) -> dict[str, int]:
     return dict(out)
 
 
-def summarize(text: str, devices: int) -> HloSummary:
-    """Counts of one compiled program's HLO text, per device and per run (``devices``: the mesh size)."""
-    comps, entry = parse(text)
-    shapes: dict[str, str] = {}
-    for comp in comps.values():
-        shapes.update(comp.params)
-        shapes.update({ins.name: ins.type for ins in comp.instructions})
+@dataclasses.dataclass
+class ByteConsumer:
+    """One instruction that runs as its own kernel: its HBM bytes per execution and executions per run."""
+
+    computation: str
+    name: str
+    op: str
+    type: str
+    executions: float
+    bytes: float  # per execution
+    kernel: str = ""  # a fusion's called computation, a custom call's target / Mosaic kernel name
+
+    @property
+    def total(self) -> float:
+        return self.executions * self.bytes
+
+
+def _runs(comps: dict[str, Computation], entry: str) -> tuple[dict[str, float], set[str], list[int], int]:
+    """Executions per program run of every computation reached from ``entry``, the computations that run
+    inside a fusion (or as a reducer), the trip counts of the loops met and the number whose count is unknown."""
     runs: dict[str, float] = collections.defaultdict(float)
     fused: set[str] = set()
-    loops, unknown = [], 0
+    loops: list[int] = []
+    unknown = 0
 
     def visit(name: str, times: float, inside_fusion: bool, depth: int = 0) -> None:
         nonlocal unknown
@@ -390,6 +445,48 @@ def summarize(text: str, devices: int) -> HloSummary:
                 visit(target, times * share, inner, depth + 1)
 
     visit(entry, 1.0, False)
+    return runs, fused, loops, unknown
+
+
+def byte_consumers(text: str) -> list[ByteConsumer]:
+    """Every instruction of a compiled program that moves HBM bytes of its own (as ``summarize`` counts them),
+    largest total per run first: where a program's ``bytes_accessed`` goes."""
+    comps, entry = parse(text)
+    shapes = _shapes(comps)
+    runs, fused, _, _ = _runs(comps, entry)
+    out = []
+    for name, times in runs.items():
+        if name in fused:
+            continue
+        for ins in comps[name].instructions:
+            if ins.op in _FREE or ins.op.endswith("-done"):
+                continue
+            kernel = next((t for k, t in _callees(ins.attrs) if k == "calls"), "")
+            if ins.op == "custom-call":
+                kernel = next(iter(kernel_names(ins.attrs)), "") or _custom_call_target(ins.attrs)
+            size = _hbm_bytes(ins, comps, shapes, type_bytes(ins.type))
+            out.append(ByteConsumer(name, ins.name, ins.op, ins.type.strip(), times, size, kernel))
+    return sorted(out, key=lambda c: -c.total)
+
+
+def _custom_call_target(attrs: str) -> str:
+    found = re.search(r'custom_call_target="([^"]*)"', attrs)
+    return found.group(1) if found else ""
+
+
+def _shapes(comps: dict[str, Computation]) -> dict[str, str]:
+    shapes: dict[str, str] = {}
+    for comp in comps.values():
+        shapes.update(comp.params)
+        shapes.update({ins.name: ins.type for ins in comp.instructions})
+    return shapes
+
+
+def summarize(text: str, devices: int) -> HloSummary:
+    """Counts of one compiled program's HLO text, per device and per run (``devices``: the mesh size)."""
+    comps, entry = parse(text)
+    shapes = _shapes(comps)
+    runs, fused, loops, unknown = _runs(comps, entry)
     flops = bytes_accessed = 0.0
     coll: dict[str, dict[str, float]] = {}
     for name, times in runs.items():

@@ -52,7 +52,6 @@ import numpy as np
 from flax import nnx
 
 from trace_jax.models import ModelConfig, abstract_model
-from trace_jax.models import attention as attention_lib
 from trace_jax.parallel.mesh import make_mesh, traced_under
 from trace_jax.rollout.engine import pages
 from trace_jax.rollout.engine.append import APPEND_FIELDS, append_program, pack_append
@@ -219,11 +218,11 @@ class Engine:
     def _build_state(self, stops: np.ndarray, stop_len: np.ndarray, eos: np.ndarray) -> DecodeState:
         cfg, mc = self.config, self.model_config
         b, width = cfg.max_slots, cfg.max_stop_len
-        pool_shape = (mc.num_layers, mc.num_kv_heads, cfg.pool_pages, cfg.page, mc.head_dim)
-        bits = attention_lib.bits_dtype(cfg.kv_dtype(mc.compute_dtype))  # the pools hold the values' bits
+        pool_shape = (mc.num_kv_heads, mc.num_layers, cfg.pool_pages, cfg.page, mc.head_dim)
+        stored = pages.pool_dtype(cfg.kv_dtype(mc.compute_dtype), self.platform)  # values or their bits
         return DecodeState(
-            k_pages=jnp.zeros(pool_shape, bits),
-            v_pages=jnp.zeros(pool_shape, bits),
+            k_pages=jnp.zeros(pool_shape, stored),
+            v_pages=jnp.zeros(pool_shape, stored),
             lengths_b=jnp.zeros((b,), jnp.int32),
             logits_bv=jnp.zeros((b, mc.vocab_size), jnp.float32),
             hidden_bd=jnp.zeros((b, mc.hidden_size), jnp.float32),

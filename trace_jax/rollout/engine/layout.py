@@ -35,8 +35,8 @@ REPLICATED_FOR_SAMPLING = frozenset({"embed"})
 
 # Logical axes of the engine's device state (see ``trace_jax.rollout.engine.engine.DecodeState``).
 STATE_AXES: dict[str, tuple[str | None, ...]] = {
-    "k_pages": ("layers", "kv_heads", "batch", "cache_length", "head_dim"),
-    "v_pages": ("layers", "kv_heads", "batch", "cache_length", "head_dim"),
+    "k_pages": ("kv_heads", "layers", "batch", "cache_length", "head_dim"),
+    "v_pages": ("kv_heads", "layers", "batch", "cache_length", "head_dim"),
     "lengths_b": ("batch",),
     "logits_bv": ("batch", None),
     "hidden_bd": ("batch", None),

@@ -1,9 +1,9 @@
 """Paged KV: a pool of fixed-size pages, a page table per slot, shared prefix pages and copy-on-write forks.
 
-The engine's keys and values live in a pool ``[layers, kv_heads, num_pages, page_size, head_dim]``. Slot b's
-position p is page ``table[b, p // page_size]`` at offset ``p % page_size``. Page 0 is the *trash page*:
-table entries a slot does not own point at it, so writes of padding rows and of idle slots land there and
-nothing reads them as valid (a slot attends only below its length).
+The engine's keys and values live in a pool ``[kv_heads, layers, num_pages, page_size, head_dim]``. Slot b's
+position p is page ``table[b, p // page_size]`` at offset ``p % page_size``, in every layer. Page 0 is the
+*trash page*: table entries a slot does not own point at it, so writes of padding rows and of idle slots land
+there and nothing reads them as valid (a slot attends only below its length).
 
 Host side (``PagePool``, numpy): the table, a reference count per page and a free list. A prefix to fork
 from is *held* (its pages referenced, so they outlive the slot that computed them). A fork points the
@@ -17,10 +17,12 @@ Device side: ``PagedKVCache`` is the cache type the model runs on (``write_layer
 ``trace_jax.models.attention.attend_cached``): a layer's new keys and values are scattered straight into
 their pages, and attention reads a slot's positions through its table, one layer at a time (the gather-
 based reference path, every backend), or with the TPU Pallas paged-attention kernel where it applies. Any
-page size, contiguous included, is the same code. The pools hold the values' bits (an unsigned integer of
-the cache dtype's width, ``attention.as_bits``): the scatter of new keys and values then runs in place on
-every backend (XLA:CPU has no bf16 scatter and would scatter into a float32 copy of the whole pool at every
-layer of every step), and a layer's window is viewed in the cache dtype after its gather.
+page size, contiguous included, is the same code. Off TPU the pools hold the values' bits (an unsigned integer
+of the cache dtype's width, ``attention.as_bits``): the scatter of new keys and values then runs in place
+(XLA:CPU has no bf16 scatter and would scatter into a float32 copy of the whole pool at every layer of every
+step), and a layer's window is viewed in the cache dtype after its gather. On TPU they hold the values
+themselves (``pool_dtype``): XLA:TPU scatters bf16 in place, and the paged-attention kernel reads the pool
+as it lies (a ``bitcast_convert_type`` of the whole pool compiles to a copy of it on TPU).
 """
 
 from __future__ import annotations
@@ -188,6 +190,18 @@ class PagePool:
 
 
 # ------------------------------------------------------------------------------------------- device
+def pool_dtype(dtype: Any, platform: str) -> jnp.dtype:
+    """The element type of a pool of ``dtype`` values on ``platform``'s devices: the values on TPU, their bits
+    (``attention.bits_dtype``) elsewhere (see the module docstring)."""
+    dtype = jnp.dtype(dtype)
+    return dtype if platform == "tpu" else attention_lib.bits_dtype(dtype)
+
+
+def as_dtype(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x``'s bits viewed as ``dtype`` (of the same width); ``x`` itself where it already is ``dtype``."""
+    return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def position_index(table_bp: jax.Array, positions_bs: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
     """Page and offset int32 [b, s] of each slot's positions; positions outside the table map to page
     ``int32 max`` (out of bounds: a scatter drops them; a gather clamps and attention masks them)."""
@@ -197,10 +211,10 @@ def position_index(table_bp: jax.Array, positions_bs: jax.Array, page_size: int)
     return jnp.where(inside_bs, pages_bs, jnp.iinfo(jnp.int32).max), positions_bs % page_size
 
 
-def copy_pages(pool_lkpze: jax.Array, source_n: jax.Array, dest_n: jax.Array) -> jax.Array:
-    """Copies pages ``source_n[i] -> dest_n[i]`` in every layer (the fork's copy of a partly filled page; the
-    pool holds bits, so the scatter runs in place)."""
-    return pool_lkpze.at[:, :, dest_n].set(pool_lkpze[:, :, source_n])
+def copy_pages(pool_klpze: jax.Array, source_n: jax.Array, dest_n: jax.Array) -> jax.Array:
+    """Copies pages ``source_n[i] -> dest_n[i]`` in every layer (the fork's copy of a partly filled page; a
+    scatter in place)."""
+    return pool_klpze.at[:, :, dest_n].set(pool_klpze[:, :, source_n])
 
 
 @jax.tree_util.register_dataclass
@@ -208,9 +222,10 @@ def copy_pages(pool_lkpze: jax.Array, source_n: jax.Array, dest_n: jax.Array) ->
 class PagedKVCache:
     """The KV cache the model sees when it runs on engine slots: the page pools plus the slots' page tables.
 
-    k_pages / v_pages: [layers, kv_heads, pages, page_size, head_dim] (the layout of the Pallas paged-
-    attention kernel), the bits of ``dtype`` values (``attention.bits_dtype``); table_bp: int32 [B, pages per
-    slot]; lengths: int32 [B] valid positions per slot; window_w: int32 [W] = 0..W-1, the positions attention
+    k_pages / v_pages: [kv_heads, layers, pages, page_size, head_dim], ``dtype`` values or their bits
+    (``pool_dtype``); a shard's block of it, reshaped to ``[kv_heads, layers * pages, page_size, head_dim]`` (a
+    bitcast), is the page operand of the Pallas paged-attention kernel, every layer at once; table_bp: int32 [B,
+    pages per slot]; lengths: int32 [B] valid positions per slot; window_w: int32 [W] = 0..W-1, the positions attention
     reads (its length is the static window); dtype (static): the cache's value dtype.
 
     It has the two methods ``trace_jax.models.attention.attend_cached`` needs (``write_layer``,
@@ -245,10 +260,10 @@ class PagedKVCache:
         pages_bt, offsets_bt = position_index(self.table_bp, positions_bt, self.page_size)
         # Every index an array broadcasting to [B, T, K]: the written block is [B, T, K, E] whether ``layer``
         # is a traced scalar or a Python int.
-        heads_11k = jnp.arange(self.k_pages.shape[1])[None, None, :]
-        index = (layer, heads_11k, pages_bt[..., None], offsets_bt[..., None])
-        bits = lambda new_btke: attention_lib.as_bits(new_btke.astype(self.dtype))
-        write = lambda pool, new_btke: pool.at[index].set(bits(new_btke), mode="drop")
+        heads_11k = jnp.arange(self.k_pages.shape[0])[None, None, :]
+        index = (heads_11k, layer, pages_bt[..., None], offsets_bt[..., None])
+        stored = lambda pool, new_btke: as_dtype(new_btke.astype(self.dtype), pool.dtype)
+        write = lambda pool, new_btke: pool.at[index].set(stored(pool, new_btke), mode="drop")
         return self._replace(k_pages=write(self.k_pages, k_btke), v_pages=write(self.v_pages, v_btke))
 
     def read_layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -260,13 +275,13 @@ class PagedKVCache:
         columns = min(-(-window // self.page_size), self.table_bp.shape[1])
         table_bn = constrain(self.table_bp[:, :columns], ("batch", None))
 
-        def read(pool_lkpze):
+        def read(pool_klpze):
             # The layer's pool whole on each slot shard, then the shard's own slots (see ``layout``'s limit).
-            blocks_kbnze = constrain(pool_lkpze[layer], (None, None, None, None))[:, table_bn]
+            blocks_kbnze = constrain(pool_klpze[:, layer], (None, None, None, None))[:, table_bn]
             blocks_kbnze = constrain(blocks_kbnze, (None, "batch", None, None, None))
             k, _, _, z, e = blocks_kbnze.shape
             bits_bwke = jnp.moveaxis(blocks_kbnze.reshape(k, b, columns * z, e)[:, :, :window], 0, 2)
-            return jax.lax.bitcast_convert_type(bits_bwke, self.dtype)
+            return as_dtype(bits_bwke, self.dtype)
 
         return read(self.k_pages), read(self.v_pages)
 
@@ -301,11 +316,11 @@ class DecodeKernel:
     """``generate``'s single-token attention through jax's Pallas TPU paged-attention kernel on the engine's mesh.
 
     Why that kernel (``jax.experimental.pallas.ops.tpu.paged_attention``) and not the ragged paged attention
-    jax also ships: ours reads pages laid out ``[kv_heads, pages, page_size, head_dim]`` per layer, the pool's
-    own layout (one layer of ``PagedKVCache.k_pages``), and decoding runs one query per slot, its case. The
-    ragged kernel wants keys and values interleaved in one ``[pages, page_size, 2 * kv_heads, head_dim]``
-    pool, a relayout of every program that touches the pool (append, fork), for mixed prefill + decode
-    batches ``generate`` does not have.
+    jax also ships: ours reads pages laid out ``[kv_heads, pages, page_size, head_dim]``, the pool's own layout
+    (``PagedKVCache.k_pages`` with its layers and pages axes merged), and decoding runs one query per slot, its
+    case. The ragged kernel wants keys and values interleaved in one ``[pages, page_size, 2 * kv_heads,
+    head_dim]`` pool, a relayout of every program that touches the pool (append, fork), for mixed prefill +
+    decode batches ``generate`` does not have.
 
     Mosaic kernels cannot be partitioned by XLA, so the call runs in ``jax.shard_map`` with every mesh axis
     manual: slots (and the pool's pages) over ``slot_axes``, KV heads over ``head_axis``. Each shard reads
@@ -318,8 +333,11 @@ class DecodeKernel:
     (``MultiPageAsyncCopyDescriptor._maybe_dequantize`` defaults to bf16), so a float32 cache matches the
     float32 reference only to bf16 rounding (~3e-2 at unit-scale values; tests/rollout/test_decode_kernel.py).
 
-    Cost not hidden: the kernel takes one layer's pool as an operand, so ``k_pages[layer]`` (the shard's
-    whole layer of pages) is sliced out once per layer and step.
+    The kernel reads the pool in place: each shard's block ``[kv_heads, layers, pages, page_size, head_dim]`` is
+    handed over whole as ``[kv_heads, layers * pages, page_size, head_dim]`` (merging two major axes: a bitcast,
+    no copy), where layer ``l``'s page ``p`` is page ``l * pages + p``: the page tables are offset by the layer.
+    (A layer's slice ``pool[:, l]`` as the operand would be a copy of the shard's layer of the pool at every
+    layer and step: ``tests/models/test_tpu_kernels.py``.)
     """
 
     mesh: Any
@@ -339,12 +357,12 @@ class DecodeKernel:
         b, _, h, e = q_bthe.shape
         slots = self.slot_axes or None
         heads = self.head_axis
-        pool_spec = P(None, heads, slots, None, None)
+        pool_spec = P(heads, None, slots, None, None)
         block = self.pages_per_compute_block
         dtype, page_size, scale = cache.dtype, cache.page_size, 1.0 / float(np.sqrt(e))
 
         def local(k_pool, v_pool, table_bp, q_bhe, k_bke, v_bke, position_b, layer):
-            num_local_pages = k_pool.shape[2]
+            heads_here, layers, num_local_pages = k_pool.shape[:3]
             shard = jnp.int32(0)
             for axis in self.slot_axes:  # major to minor, as a NamedSharding splits over an axis tuple
                 shard = shard * self.mesh.shape[axis] + jax.lax.axis_index(axis)
@@ -352,12 +370,14 @@ class DecodeKernel:
             table_bp = jnp.where((table_bp >= 0) & (table_bp < num_local_pages), table_bp, TRASH_PAGE)
             pages_b, offsets_b = position_index(table_bp, position_b[:, None], page_size)
             pages_b = jnp.minimum(pages_b[:, 0], num_local_pages)  # past the table: out of bounds, dropped
-            heads_1k = jnp.arange(k_pool.shape[1])[None, :]
-            index = (layer, heads_1k, pages_b[:, None], offsets_b)
-            bits = lambda new_bke: attention_lib.as_bits(new_bke.astype(dtype))
-            k_pool = k_pool.at[index].set(bits(k_bke), mode="drop")
-            v_pool = v_pool.at[index].set(bits(v_bke), mode="drop")
-            view = lambda pool: jax.lax.bitcast_convert_type(pool[layer], dtype)
+            heads_1k = jnp.arange(heads_here)[None, :]
+            index = (heads_1k, layer, pages_b[:, None], offsets_b)
+            stored = lambda new_bke: as_dtype(new_bke.astype(dtype), k_pool.dtype)
+            k_pool = k_pool.at[index].set(stored(k_bke), mode="drop")
+            v_pool = v_pool.at[index].set(stored(v_bke), mode="drop")
+            # Every layer's pages in one page axis (layer-major): layer ``layer``'s page p is page
+            # ``layer * num_local_pages + p``.
+            view = lambda pool: as_dtype(pool.reshape(heads_here, layers * num_local_pages, *pool.shape[3:]), dtype)
             call = lambda: paged_attention(
                 (q_bhe * scale).astype(q_bhe.dtype),
                 view(k_pool),
@@ -365,7 +385,7 @@ class DecodeKernel:
                 # The new token sees itself and every earlier position; a slot past its table (a full one
                 # that is not running) reads no column beyond it.
                 jnp.minimum(position_b + 1, table_bp.shape[1] * page_size),
-                table_bp,
+                table_bp + layer * num_local_pages,
                 pages_per_compute_block=block,
             )
             if self.interpret:
@@ -431,6 +451,6 @@ def choose_decode_kernel(
         if model_config.attention == "splash":
             raise ValueError("the Pallas paged-attention kernel cannot decode this engine: " + "; ".join(problems))
         return None, "reference: " + "; ".join(problems)
-    head_axes = as_axes(pool_spec[1])
+    head_axes = as_axes(pool_spec[0])
     kernel = DecodeKernel(mesh, as_axes(slot_spec[0]), head_axes[0] if head_axes else None, block, interpret)
     return kernel, "pallas_paged"

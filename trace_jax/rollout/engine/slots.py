@@ -28,8 +28,8 @@ class StopReason(enum.IntEnum):
 class DecodeState(NamedTuple):
     """Everything the decode slots carry between calls (device pytree; donated by every program).
 
-    k_pages / v_pages: the KV page pool [layers, kv_heads, pages, page_size, head_dim], the bits of the cache
-      dtype's values (``trace_jax.rollout.engine.pages``).
+    k_pages / v_pages: the KV page pool [kv_heads, layers, pages, page_size, head_dim], the cache dtype's
+      values or their bits (``trace_jax.rollout.engine.pages.pool_dtype``).
     lengths_b: int32 [B] valid cache positions of each slot.
     logits_bv: float32 [B, V] next-token logits of each slot (from its last forward).
     hidden_bd: float32 [B, D] final hidden state at each slot's last token.
