@@ -23,6 +23,9 @@ refill is queued on the device behind that call. The host syncs with the device 
 Turn nodes carry the sampled ids with their untempered / sampling log-probabilities and entropies, the
 observation ids (loss mask 0) and, as anchor feature, the policy's final hidden state at the last token of
 the history that ends with the node (after its observation). The root's feature is set when it is started.
+With ``EngineConfig.routing_replay`` every token's experts go on its node (``Node.routed_experts``): sampled
+tokens' from ``generate``, prompt and observation tokens' from the ``append`` that first computed them
+(fetched with the features); a token computed again (a restart, a held prefix's last id) keeps its first.
 
 Seeds: the i-th continuation this runner starts (counting across calls, in request order) samples with
 seed ``RunnerConfig.seed + i``; the engine derives each sequence's randomness from its seed alone.
