@@ -51,8 +51,8 @@ VARIANTS = {
     "qwen3-30b-a3b": ("bfloat16", 1, 128, 4096, 500, 64, 5.0, 1e-6),
 }
 # Mixture-of-experts variants: expert-parallel ways (``mesh.expert``; 128 experts split 8 ways, fsdp inside).
-# Their sampler (bf16) and trainer (fp32 weights) may route a token differently, so the engine records each
-# sampled token's experts and the trainer replays them (``engine.routing_replay``).
+# Their sampler (bf16) and trainer (fp32 weights) may route a token differently, so the engine records every
+# token's experts (sampled, prompt and observation tokens) and the trainer replays them (``engine.routing_replay``).
 EXPERT_WAYS = {"qwen3-30b-a3b": 8}
 
 

@@ -21,7 +21,7 @@ from trace_jax.rl.logprobs import policy_logprobs
 from trace_jax.rl.losses import LossConfig, LossInputs, compute_loss, finalize_metrics
 from trace_jax.rl.trainer import RLTrainer, _pooled_router_aux_loss
 from trace_jax.rollout.backend import ContinuationRequest
-from trace_jax.rollout.engine.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.engine import AppendItem, Engine, EngineConfig
 from trace_jax.rollout.engine.mock import ToyEnv
 from trace_jax.rollout.runner import RolloutRunner, RunnerConfig
 from trace_jax.rollout.tree import ROOT, RolloutTree
@@ -209,9 +209,9 @@ def test_the_runner_puts_each_turns_record_on_its_node_across_calls_and_forks():
             node = tree[node_id]
             n = len(node.token_ids)
             if node.parent is not None:
-                assert node.routed_experts.shape == (n, *config.routing_shape)
+                assert node.routed_experts.shape == (node.num_tokens, *config.routing_shape)  # with its observation
                 want = np.sort(experts[start : start + n], -1)
-                np.testing.assert_array_equal(np.sort(node.routed_experts, -1), want)
+                np.testing.assert_array_equal(np.sort(node.routed_experts[:n], -1), want)
                 longest = max(longest, n)
             start += node.num_tokens
     assert len(tree.leaves()) == 3 and longest > engine_config.steps_per_call  # premise: a turn spans calls
@@ -238,3 +238,115 @@ def test_replayed_experts_take_the_gate_values_of_the_recorded_experts():
         np.testing.assert_allclose(np.asarray(top_w[token]), chosen / chosen.sum(), rtol=1e-6)
         assert np.abs(np.asarray(top_w[token]) - np.asarray(own_w[token])).max() > 1e-3  # premise: gates differ
     np.testing.assert_allclose(np.asarray(top_w[2]), np.asarray(own_w[2]), rtol=1e-6)
+
+
+def _context_engine(routing_replay=True, **overrides):
+    """A tiny fp32 Qwen3-MoE engine (vocab 32) with 4-id append chunks, so a prompt spans several rows."""
+    config = dataclasses.replace(CONFIG, vocab_size=32)
+    engine_config = EngineConfig(
+        max_slots=2, max_len=48, steps_per_call=3, max_turn_tokens=5, length_buckets=(48,), row_buckets=(2,),
+        weight_dtype=None, page_size=8, append_chunk=4, routing_replay=routing_replay, **overrides,
+    )  # fmt: skip
+    return config, Engine(abstract_model(config)[0], config, engine_config)
+
+
+@functools.cache
+def _context_trees(routing_replay=True):
+    """(config, params, tree): a prompt's roots featurized (prefill, held), two continuations (an append that
+    starts from the held prompt, a fork), then one more from an inner anchor (started from its held history);
+    observations appended between turns."""
+    config, engine = _context_engine(routing_replay)
+    params = routing.fresh_params(config, seed=0)
+    env = ToyEnv(max_turns=2, truncation_ends=False)
+    runner = RolloutRunner(engine, params, env, RunnerConfig(seed=3))
+    tree = RolloutTree(np.arange(3, 14, dtype=np.int32), task=1)  # 11 ids: three 4-id append chunks
+    runner.featurize_roots([tree])
+    runner.continue_anchors([ContinuationRequest(tree, ROOT, 2)])
+    inner = [a for a in tree.anchors() if a != ROOT]
+    runner.continue_anchors([ContinuationRequest(tree, inner[0] if inner else ROOT, 1)])
+    return config, params, tree
+
+
+def _teacher_forced(config, params, ids, length=48):
+    """int32 [len(ids), sparse layers, top-k]: the experts of a plain fp32 forward of ``ids`` (no cache)."""
+    model = nnx.merge(abstract_model(config)[0], params)
+    padded = jnp.asarray(np.pad(ids, (0, length - len(ids))))[None]
+    return np.asarray(model.forward_hidden(padded, record_routing=True)[2].experts_btlk[0, : len(ids)])
+
+
+def test_the_engine_records_the_routing_of_every_context_token():
+    """Every token of the tree (prompt, sampled, observation) has one routing row, and it is the routing of a
+    forward of its history with the same weights, whichever call computed it: the prompt's prefill (in 4-id
+    chunks), appends started from held pages, forks, observation appends. Mutants this fails: context rows
+    left unrecorded (the runner keeps the sampled tokens' records only: -1 rows on prompt / observations);
+    an observation's (or a chunk's) routing taken from the wrong offset (rows of other tokens)."""
+    config, params, tree = _context_trees()
+    assert len(tree.leaves()) == 3 and any(len(tree[n].observation_ids) for n in range(len(tree)))  # premise
+    for leaf in tree.leaves():
+        ids = tree.prefix_ids(leaf)
+        want = np.sort(_teacher_forced(config, params, ids), -1)
+        got = np.concatenate([tree[n].routed_experts for n in tree.path(leaf)])
+        assert got.shape == (len(ids), *config.routing_shape)  # a row for every token of the path
+        assert (got >= 0).all()  # none unrecorded
+        np.testing.assert_array_equal(np.sort(got, -1), want)
+
+
+def test_the_trainers_rows_replay_every_token_as_the_engine_routed_it():
+    """The packed rows' replay array has a record on every real token (no -1 sentinel outside padding), and
+    the trainer's forward of those rows without replay, under the same weights, routes every token, context
+    included, as recorded (fails if packing drops the context rows or shifts them by an offset); the tree
+    saved and loaded (``to_dict`` / ``from_dict``) packs to the same array."""
+    config, params, tree = _context_trees()
+    batch_config = BatchConfig(length_buckets=(64,), row_buckets=None)
+    for trees in ([tree], [RolloutTree.from_dict(tree.to_dict())]):
+        batch, _ = build_batch(trees, compute_advantages("grpo", trees), batch_config)
+        record = np.asarray(batch.routing)
+        real = np.arange(record.shape[1])[None] < np.asarray(batch.lengths)[:, None]
+        assert (record[real] >= 0).all() and (record[~real] == -1).all()
+        assert (np.asarray(batch.weights)[real] == 0).sum() > 11  # premise: rows hold context tokens
+        own = routing._trainer_fns(abstract_model(config)[0])[0](
+            params, jax.tree.map(jnp.asarray, batch._replace(routing=None))
+        )
+        np.testing.assert_array_equal(np.sort(np.asarray(own)[real], -1), np.sort(record[real], -1))
+
+
+def test_records_of_sampled_tokens_only_still_load_and_leave_the_context_unrecorded():
+    """A tree saved with sampled-token records only (no observation rows) loads; packing replays its sampled
+    tokens and marks the prompt and observations unrecorded (-1), so the trainer routes them itself. A
+    record of any other length is refused."""
+    k = CONFIG.routing_shape
+    tree = RolloutTree([1, 2, 3])
+    a = tree.add_turn(ROOT, [4, 5], sample_logprobs=[-1.0, -1.0], observation_ids=[6], routed_experts=np.ones((2, *k)))
+    tree.add_turn(a, [7], sample_logprobs=[-1.0], reward=1.0, routed_experts=np.full((1, *k), 2))
+    loaded = RolloutTree.from_dict(tree.to_dict())
+    config = BatchConfig(layout="paths", length_buckets=(8,), row_buckets=None)
+    batch, _ = build_batch([loaded], compute_advantages("grpo", [loaded]), config)
+    np.testing.assert_array_equal(np.asarray(batch.routing)[0, :7, 0, 0], [-1, -1, -1, 1, 1, -1, 2])
+    with pytest.raises(ValueError, match="routed_experts"):
+        tree.add_turn(a, [8], observation_ids=[9], routed_experts=np.ones((3, *k)))
+    # A later record of the observation fills its row; rows already recorded keep their first record.
+    loaded.record_routing(a, np.full((3, *k), 5), start=4)
+    np.testing.assert_array_equal(loaded[a].routed_experts[:, 0, 0], [1, 1, 5])
+
+
+def test_without_routing_replay_the_engine_and_trees_are_as_before():
+    """Routing replay off: the append program returns no record (two outputs, so it is the program a dense
+    model runs), the trees carry none, and the sampler's tokens and log-probs are bit-identical to those of
+    the recording engine (recording changes nothing the sampler computes). Mutant this fails: the append
+    program returns the record whatever ``routing_replay`` says (an extra output and transfer when off)."""
+    _, params, on = _context_trees()
+    _, engine = _context_engine(routing_replay=False)
+    state = engine.init_decode_state()
+    engine.set_params(params)
+    state, result = engine.append(None, state, [AppendItem(0, [3, 4, 5, 6, 7], reset=True)])
+    assert result.routing is None and result.routing_spans is None
+    args, window = (engine.params, state.device, np.zeros((8, 6), np.int32), np.zeros((8, 16), np.int32)), 16
+    shapes = jax.eval_shape(engine.programs.jitted("append", static=(window,)), *args)
+    assert len(shapes) == 2
+    engine.free_resource(state, [0])
+    _, _, off = _context_trees(routing_replay=False)
+    assert all(node.routed_experts is None for node in off)
+    assert [tuple(n.token_ids) for n in off] == [tuple(n.token_ids) for n in on]
+    for a, b in zip(off, on, strict=True):
+        np.testing.assert_array_equal(a.sample_logprobs, b.sample_logprobs)
+        np.testing.assert_array_equal(a.observation_ids, b.observation_ids)

@@ -13,9 +13,10 @@ without the record and once replaying it. Reported per setting (median over seed
 * ``mean_abs_logprob_gap`` / ``max_abs_logprob_gap``: |behaviour - train| log-prob over sampled tokens;
 * ``max_ratio``: the largest importance ratio ``exp(train - behaviour)`` at the first PPO step.
 
-Replay fixes the sampled tokens' routing only: prompt tokens are routed by the trainer in both settings, and
-the bf16 rounding of everything else (attention, experts, LM head) stays, so the log-prob gap does not reach
-zero. ``measure`` is also what the tests call (with a perturbed router instead of bf16).
+This bench replays the sampled tokens' routing only: prompt tokens are routed by the trainer in both settings
+(``trace_jax.bench.routing_context`` adds the engine's record of the prompt), and the bf16 rounding of everything
+else (attention, experts, LM head) stays, so the log-prob gap does not reach zero. ``measure`` is also what the
+tests call (with a perturbed router instead of bf16).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from trace_jax.models import MoeConfig, abstract_model, create_model
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batch import BatchConfig, TrainBatch, build_batch
 from trace_jax.rl.logprobs import policy_logprobs
-from trace_jax.rollout.engine.engine import Engine, EngineConfig
+from trace_jax.rollout.engine.engine import AppendResult, Engine, EngineConfig
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 
@@ -57,15 +58,19 @@ def recording_engine(sampler_config: MoeConfig, *, prompts: int, tokens: int, pr
     return Engine(abstract_model(sampler_config)[0], sampler_config, engine_config)
 
 
-def sample_trees(engine: Engine, params: Any, seed: int, prompt_len: int = 8) -> list[RolloutTree]:
+def sample_trees(
+    engine: Engine, params: Any, seed: int, prompt_len: int = 8, context: bool = False
+) -> list[RolloutTree]:
     """One single-turn tree per slot of ``engine`` (``recording_engine``), sampled with ``params`` from random
-    prompts, each turn with its behaviour log-probs and routing record."""
+    prompts, each turn with its behaviour log-probs and routing record; ``context``: each root also keeps the
+    prompt's routing as the engine's prefill recorded it (else the prompt has no record)."""
     prompts, vocab = engine.config.max_slots, engine.model_config.vocab_size
     engine.set_params(params)
     rng = np.random.default_rng(seed)
     ids = rng.integers(1, vocab, (prompts, prompt_len))
-    state, _ = engine.insert(None, engine.init_decode_state(), ids.tolist(), range(prompts), range(prompts))
+    state, prefill = engine.insert(None, engine.init_decode_state(), ids.tolist(), range(prompts), range(prompts))
     _, out = engine.generate(None, state)
+    prefill_routing = np.asarray(prefill.routing) if context else None
     trees = []
     for slot in range(prompts):
         n = int(out.num_tokens[slot])
@@ -79,6 +84,9 @@ def sample_trees(engine: Engine, params: Any, seed: int, prompt_len: int = 8) ->
             reward=float(slot % 2),
             routed_experts=out.routing[slot, :n],
         )
+        if context:
+            first, experts = AppendResult.item_routing(prefill_routing, prefill.routing_spans[slot])
+            tree.record_routing(ROOT, experts, first)
         trees.append(tree)
     return trees
 

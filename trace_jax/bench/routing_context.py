@@ -1,15 +1,20 @@
-"""Routing replay over the context measured: what replaying prompt tokens' routing too would change.
+"""Routing replay over the context measured: the engine's record of the prompt's routing, replayed or not.
 
 ``python -m trace_jax.bench.routing_context [--seeds 5] [--prompt-len 32] [--tokens 16]`` prints JSON. The setup
 of ``trace_jax.bench.routing`` (``qwen3-moe-tiny``, a bf16 engine sampling 8 random prompts and recording the
-sampled tokens' experts, an fp32 trainer's forward of the same rows), with longer prompts so that most of a row
-is context, and three settings: replay off, the sampled tokens replayed (what the trainer does), and the context
-replayed too. The engine records no prefill routing, so the context's record is the routing of a bf16 forward of
-the rows (the sampler's numerics, replaying the engine's record on sampled tokens), a stand-in for the prefill's.
+routing, an fp32 trainer's forward of the same rows), with longer prompts so that most of a row is context. The
+engine records the experts of every token it computes: the sampled tokens as it decodes them and the prompt as
+its prefill (``append``) runs it (``EngineConfig.routing_replay``); the trees keep both. Four settings of the
+trainer's forward: replay off; the sampled tokens' record replayed (the prompt's rows left unrecorded, -1);
+the whole record replayed (``replay_context``: what the trainer does with trees from the engine); and the
+sampled tokens' record with the routing of a bf16 forward of the rows standing in for the prompt's
+(``replay_context_bf16_forward``, the stand-in measured before the engine recorded its prefill).
 
 Per setting, per seed: ``tokens_differ`` (sampled tokens whose trainer top-k differs from the record in some
-sparse layer), ``ctx_decisions_differ`` (context (token, layer) decisions that differ from the stand-in
-record), ``mean_abs_gap`` / ``max_abs_gap`` (|behaviour − train| log-prob over sampled tokens).
+sparse layer), ``ctx_decisions_differ`` (context (token, layer) decisions of the trainer that differ from the
+engine's prefill record), ``mean_abs_gap`` / ``max_abs_gap`` (|behaviour − train| log-prob over sampled tokens,
+behaviour = the engine's sampling log-probs). ``engine_vs_bf16_forward`` (per seed): context (token, layer)
+decisions where the engine's prefill record and the bf16 forward of the rows differ.
 """
 
 from __future__ import annotations
@@ -40,24 +45,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine = routing.recording_engine(sampler, prompts=args.prompts, tokens=args.tokens, prompt_len=args.prompt_len)
     route_t, logprobs_t = routing._trainer_fns(abstract_model(trainer)[0])
     route_s, _ = routing._trainer_fns(abstract_model(sampler)[0])
-    runs: dict[str, list[dict[str, float]]] = {"replay_off": [], "replay_sampled": [], "replay_context": []}
+    names = ("replay_off", "replay_sampled", "replay_context", "replay_context_bf16_forward")
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    engine_vs_forward = []
     for seed in range(args.seeds):
         params = routing.fresh_params(trainer, seed)
-        trees = routing.sample_trees(engine, params, seed, prompt_len=args.prompt_len)
+        trees = routing.sample_trees(engine, params, seed, prompt_len=args.prompt_len, context=True)
         batch = routing.replay_batch(trees, length=engine.config.max_len)
         record = np.asarray(batch.routing)
-        sampled = record[..., 0, 0] >= 0
+        sampled = batch.loss_mask > 0
         real = np.arange(record.shape[1])[None] < np.asarray(batch.lengths)[:, None]
         context = real & ~sampled
+        assert sampled.sum() == sum(t.num_sampled_tokens() for t in trees)
+        assert (record[real] >= 0).all()  # the engine recorded every token: prompt (prefill) and sampled
+        only_sampled = np.where(sampled[..., None, None], record, -1)
         bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-        prefill = np.asarray(route_s(bf16, jax.tree.map(jnp.asarray, batch)))
-        whole = np.where(real[..., None, None], np.where(sampled[..., None, None], record, prefill), -1)
-        for name, replayed in (("replay_off", None), ("replay_sampled", record), ("replay_context", whole)):
-            rows = jax.tree.map(jnp.asarray, batch._replace(routing=None if replayed is None else replayed))
+        forward = np.asarray(route_s(bf16, jax.tree.map(jnp.asarray, batch._replace(routing=only_sampled))))
+        standin = np.where(real[..., None, None], np.where(sampled[..., None, None], record, forward), -1)
+        prefill = np.sort(record[context], -1)
+        engine_vs_forward.append(float(np.any(np.sort(forward[context], -1) != prefill, -1).mean()))
+        settings = (None, only_sampled, record, standin)
+        for name, replayed in zip(names, settings, strict=True):
+            rows = jax.tree.map(jnp.asarray, batch._replace(routing=replayed))
             own = np.sort(np.asarray(route_t(params, rows)), -1)
             gap = (np.asarray(logprobs_t(params, rows)) - np.asarray(batch.old_logprobs))[sampled]
             differ = np.any(own[sampled] != np.sort(record[sampled], -1), -1)
-            ctx_differ = np.any(own[context] != np.sort(prefill[context], -1), -1)
+            ctx_differ = np.any(own[context] != prefill, -1)
             runs[name].append(
                 {
                     "tokens_differ": float(differ.any(-1).mean()),
@@ -75,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "prompt_len": args.prompt_len,
         "tokens_per_prompt": args.tokens,
         "backend": jax.default_backend(),
+        "engine_vs_bf16_forward": engine_vs_forward,
     }
     for name, per_seed in runs.items():
         results[name] = {

@@ -86,9 +86,11 @@ class ProcessShardedBackend:
         if mine:
             featurize(mine)
         by_index = {tree.prompt_index: tree for tree in trees}
-        for features in multihost.exchange({t.prompt_index: t.root.feature for t in mine}):
-            for index, feature in features.items():
+        # The prompt's routing record (``EngineConfig.routing_replay``) travels with its feature.
+        for roots in multihost.exchange({t.prompt_index: (t.root.feature, t.root.routed_experts) for t in mine}):
+            for index, (feature, experts) in roots.items():
                 by_index[index].root.feature = feature
+                by_index[index].root.routed_experts = experts
 
     def _globally_seeded(self, requests: Sequence[ContinuationRequest]) -> list[ContinuationRequest]:
         """Each request with the seeds a one-process runner would draw for it (the running count advances by
@@ -109,8 +111,8 @@ class ProcessShardedBackend:
         mine = [r for r in requests if owner(r.tree) == jax.process_index()]
         stats = self.inner.continue_anchors(mine) if mine else RolloutStats()
         self.sampled |= {r.tree.prompt_index for r in mine}
-        added = {
-            tree.prompt_index: [_turn(node) for node in tree.nodes[sizes[id(tree)] :]]
+        added = {  # the new turns, and the prompt's routing record (set by the root's first prefill)
+            tree.prompt_index: (tree.root.routed_experts, [_turn(node) for node in tree.nodes[sizes[id(tree)] :]])
             for tree in trees
             if owner(tree) == jax.process_index()
         }
@@ -118,8 +120,9 @@ class ProcessShardedBackend:
         for process, turns_by_tree in enumerate(multihost.exchange(added)):
             if process == jax.process_index():
                 continue
-            for index, turns in turns_by_tree.items():
+            for index, (root_experts, turns) in turns_by_tree.items():
                 tree = by_index[index]
+                tree.root.routed_experts = root_experts
                 for turn in turns:
                     tree.add_turn(**turn)
         totals = multihost.allgather_rows(np.asarray([[getattr(stats, k) for k in _STATS]], np.int64))[0].sum(0)

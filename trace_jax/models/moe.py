@@ -396,11 +396,12 @@ class MoeBlock(nnx.Module):
         recorded experts instead of its own top-k; its gate weights are still this router's probabilities of
         those experts (renormalised likewise), so the router keeps its gradient.
 
-        The engine records sampled tokens only: prompt and observation tokens have no record and are routed
-        here, so a context token that routes otherwise than in the sampler's prefill still changes the hidden
-        states feeding later sampled tokens. Measured (``docs/benchmarks.md``, routing replay over the
-        context): such flips are rare (0.2-0.6% of context decisions, bf16 sampler vs fp32 trainer) but carry
-        the largest log-prob gaps that sampled-token replay leaves."""
+        The engine records every token it computes (``EngineConfig.routing_replay``): sampled tokens as it
+        decodes them, prompt and observation tokens as its prefill appends them, so the context feeding a
+        sampled token is routed as in the sampler too. Tokens without a record (trees recorded before the
+        engine kept the context, a dense sampler's trees) are routed here. Measured (``docs/benchmarks.md``,
+        routing replay over the context): context flips are rare (0.2-0.6% of context decisions, bf16 sampler
+        vs fp32 trainer) but carry the largest log-prob gaps that sampled-token replay alone leaves."""
         logits_ne = x_nd.astype(jnp.float32) @ self.router.value.astype(jnp.float32)
         probs_ne = jax.nn.softmax(logits_ne, axis=-1)
         top_w_nk, top_i_nk = jax.lax.top_k(probs_ne, self.config.num_experts_per_tok)

@@ -54,9 +54,10 @@ class TrainBatch(NamedTuple):
     ref_logprobs: float32 reference-policy log-probs, or None until filled in by the trainer.
     seq_loss / seq_grad: float32 sequence-level GSPO terms (``trace_jax.rl.sequences.sequence_terms``), filled
       in by the trainer before each optimizer step; None otherwise.
-    routing: int32 [B, T, sparse layers, top-k] the sampler's expert selection of each sampled token, -1
-      elsewhere (``trace_jax.rl.packing.routing_rows``), which the trainer's forward replays; None when the
-      rollouts recorded none (a dense policy, or ``EngineConfig.routing_replay`` off).
+    routing: int32 [B, T, sparse layers, top-k] the sampler's expert selection of each token the rollouts
+      recorded (sampled, prompt and observation tokens), -1 on tokens without a record and on padding
+      (``trace_jax.rl.packing.routing_rows``), which the trainer's forward replays; None when the rollouts
+      recorded none (a dense policy, or ``EngineConfig.routing_replay`` off).
     """
 
     tokens: np.ndarray

@@ -64,9 +64,11 @@ class RowLayout:
 
 
 def routing_rows(trees: Sequence[RolloutTree], layout: RowLayout) -> np.ndarray | None:
-    """int32 [R, T, sparse layers, top-k]: the recorded experts (``Node.routed_experts``) of every sampled
-    token at each of its places in the rows, context copies included (each is a forward input); -1 on prompt,
-    observation and padding tokens and on turns without a record. None when no node holds a record."""
+    """int32 [R, T, sparse layers, top-k]: the recorded experts (``Node.routed_experts``) of every token at each
+    of its places in the rows, context copies included (each is a forward input): sampled tokens, and the
+    prompt and observation tokens the engine appended; -1 on padding and on tokens without a record (a node
+    without one, a record of the sampled tokens only, rows the engine never filled). None when no node holds
+    a record."""
     records = [node.routed_experts for tree in trees for node in tree if node.routed_experts is not None]
     if not records:
         return None

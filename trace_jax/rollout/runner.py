@@ -23,6 +23,9 @@ refill is queued on the device behind that call. The host syncs with the device 
 Turn nodes carry the sampled ids with their untempered / sampling log-probabilities and entropies, the
 observation ids (loss mask 0) and, as anchor feature, the policy's final hidden state at the last token of
 the history that ends with the node (after its observation). The root's feature is set when it is started.
+With ``EngineConfig.routing_replay`` every token's experts go on its node (``Node.routed_experts``): sampled
+tokens' from ``generate``, prompt and observation tokens' from the ``append`` that first computed them
+(fetched with the features); a token computed again (a restart, a held prefix's last id) keeps its first.
 
 Seeds: the i-th continuation this runner starts (counting across calls, in request order) samples with
 seed ``RunnerConfig.seed + i``; the engine derives each sequence's randomness from its seed alone.
@@ -41,7 +44,7 @@ import numpy as np
 from trace_jax.envs.base import AgentEnv
 from trace_jax.envs.stops import TextStops
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
-from trace_jax.rollout.engine.engine import AppendItem, EngineConfig, GenerateOutput, StopReason
+from trace_jax.rollout.engine.engine import AppendItem, AppendResult, EngineConfig, GenerateOutput, StopReason
 from trace_jax.rollout.engine.prefix_cache import PrefixCache
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
@@ -156,6 +159,9 @@ class _Batch:
     stopping: list[int] = dataclasses.field(default_factory=list)  # slots freed once their observation is appended
     # (device hidden [rows >= k, D] of one append, [(tree, node id, row)]): anchor features fetched at the end
     features: list[tuple[Any, list[tuple[RolloutTree, int, int]]]] = dataclasses.field(default_factory=list)
+    # (device routing record of one append, its spans, [(tree, node id, history position of the item's first
+    # id)]): the appended ids' experts (``EngineConfig.routing_replay``), fetched with the features
+    routing: list[tuple[Any, list, list[tuple[RolloutTree, int, int]]]] = dataclasses.field(default_factory=list)
     stats: RolloutStats = dataclasses.field(default_factory=RolloutStats)
 
 
@@ -232,10 +238,13 @@ class RolloutRunner:
             for tree, prefix in zip(batch, result.held or (), strict=False):
                 self._held.put(tree, ROOT, prefix)
             state = self.engine.free_resource(state, slots)
-            fetched.append((batch, result.padded_hidden))
-        for batch, hidden in jax.device_get(fetched):
+            fetched.append((batch, result.padded_hidden, result.routing, result.routing_spans))
+        for batch, hidden, routing, spans in jax.device_get(fetched):
             for row, tree in enumerate(batch):
                 tree.root.feature = np.asarray(hidden[row], np.float32)
+                if routing is not None:  # the prompt's experts (EngineConfig.routing_replay)
+                    first, experts = AppendResult.item_routing(routing, spans[row])
+                    tree.record_routing(ROOT, experts, first)
         self.engine.release_state(state)
 
     def continue_anchors(self, requests: Sequence[ContinuationRequest]) -> RolloutStats:
@@ -318,6 +327,7 @@ class RolloutRunner:
             for slot, ids in batch.observations.items()
         ]
         targets = [(batch.live[s].tree, batch.live[s].parent) for s in batch.observations]
+        owners = list(targets)  # per item: the tree node whose history its ids end
         batch.stats.forward_tokens += sum(len(ids) for ids in batch.observations.values())
         batch.observations = {}
         started: dict[tuple[int, int], int] = {}  # new anchor key -> its append row
@@ -339,12 +349,19 @@ class RolloutRunner:
             if start is not None:
                 item, starts[len(items)] = dataclasses.replace(item, start=start), start
             items.append(item)
+            owners.append((tree, node_id))
             targets.append((tree, node_id) if tree[node_id].feature is None else (None, 0))
             batch.stats.forward_tokens += len(history) - (0 if start is None else start.length - 1)
         if items:
             state, result = self.engine.append(None, state, items)
             rows = [(tree, node, row) for row, (tree, node) in enumerate(targets) if tree is not None]
             batch.features.append((result.padded_hidden, rows))
+            if result.routing is not None:  # the appended ids' experts: where each item's ids sit in its history
+                starts_at = [
+                    tree.prefix_length(node) - len(item.ids) for (tree, node), item in zip(owners, items, strict=True)
+                ]
+                places = [(tree, node, at) for (tree, node), at in zip(owners, starts_at, strict=True)]
+                batch.routing.append((result.routing, result.routing_spans, places))
             for key, row in started.items():
                 if result.prefixes[row] is not None:
                     batch.prefixes[key] = result.prefixes[row]
@@ -446,8 +463,13 @@ class RolloutRunner:
 
     @staticmethod
     def _resolve_features(batch: _Batch) -> None:
-        """Anchor features of every appended history, fetched from the device in one copy."""
-        fetched = jax.device_get([hidden for hidden, _ in batch.features])
+        """Anchor features of every appended history, and the appended ids' routing records when the engine
+        keeps them, fetched from the device in one copy."""
+        fetched, routing = jax.device_get(([hidden for hidden, _ in batch.features], [r for r, _, _ in batch.routing]))
         for rows, (_, targets) in zip(fetched, batch.features, strict=True):
             for tree, node_id, row in targets:
                 tree[node_id].feature = np.asarray(rows[row], np.float32)
+        for record, (_, spans, places) in zip(routing, batch.routing, strict=True):
+            for span, (tree, node_id, at) in zip(spans, places, strict=True):
+                first, experts = AppendResult.item_routing(record, span)
+                tree.record_routing(node_id, experts, at + first)

@@ -35,12 +35,16 @@ def _floats(values: Sequence[float] | np.ndarray | None, length: int, name: str)
     return out
 
 
-def _routing(values: Any, length: int) -> np.ndarray | None:
+def _routing(values: Any, sampled: int, total: int) -> np.ndarray | None:
+    """A node's routing record: [total tokens (sampled + observation), sparse layers, top-k], or [sampled, ...]
+    (the sampled tokens only: a record taken before the observation was appended, or from a sampler that
+    recorded no context; the observation's rows then count as unrecorded)."""
     if values is None:
         return None
     out = np.asarray(values, np.int32)
-    if out.ndim != 3 or out.shape[0] != length:
-        raise ValueError(f"routed_experts has shape {out.shape}; want [{length} tokens, sparse layers, top-k]")
+    if out.ndim != 3 or out.shape[0] not in (sampled, total):
+        want = f"{sampled}" if sampled == total else f"{sampled} or {total}"
+        raise ValueError(f"routed_experts has shape {out.shape}; want [{want} tokens, sparse layers, top-k]")
     return out
 
 
@@ -64,9 +68,12 @@ class Node:
       reward: terminal reward for leaves, None for inner nodes.
       info: free-form facts from the environment (format error, search query, retrieval failure...).
       children: ids of child nodes, in creation order.
-      routed_experts: int32 [n, sparse layers, top-k] the experts each of ``token_ids`` went to in the
-        sampler's forward (a mixture-of-experts policy with ``EngineConfig.routing_replay``), replayed by the
-        trainer's forward; None when not recorded.
+      routed_experts: int32 [n + o, sparse layers, top-k] the experts each of ``token_ids + observation_ids``
+        went to in the sampler's forward (a mixture-of-experts policy with ``EngineConfig.routing_replay``):
+        sampled tokens as decoded, the prompt (root) and observation tokens as the engine appended them; -1
+        rows are tokens without a record. The trainer's forward replays every recorded row. A record of the
+        n sampled tokens only (observation not appended yet, or a sampler without context records) is
+        accepted; its observation counts as unrecorded. None when nothing was recorded.
     """
 
     node_id: int
@@ -159,11 +166,33 @@ class RolloutTree:
             feature=None if feature is None else np.asarray(feature, np.float32),
             reward=None if reward is None else float(reward),
             info=dict(info or {}),
-            routed_experts=_routing(routed_experts, n),
+            routed_experts=_routing(routed_experts, n, n + _ids(observation_ids).shape[0]),
         )
         self.nodes.append(node)
         parent_node.children.append(node.node_id)
         return node.node_id
+
+    def record_routing(self, node_id: int, experts: np.ndarray, start: int) -> None:
+        """Keeps the engine's routing of positions ``start .. start + len(experts)`` of the history that ends
+        with ``node_id`` (``prefix_ids``), int32 [ids, sparse layers, top-k], on the nodes that hold them. A
+        token keeps its first record: a later forward of the same positions (a history appended again, a
+        prefix's last id recomputed) leaves it, so every token has one row whichever call filled the cache."""
+        experts = np.asarray(experts, np.int32)
+        begin = 0
+        for i in self.path(node_id):
+            node = self.nodes[i]
+            lo, hi = max(start - begin, 0), min(start + len(experts) - begin, node.num_tokens)
+            if lo < hi:
+                rows = experts[begin + lo - start : begin + hi - start]
+                record = node.routed_experts
+                if record is None or record.shape[0] < node.num_tokens:
+                    full = np.full((node.num_tokens, *experts.shape[1:]), -1, np.int32)
+                    if record is not None:
+                        full[: record.shape[0]] = record
+                    record = node.routed_experts = full
+                unset = record[lo:hi, 0, 0] < 0
+                record[lo:hi][unset] = rows[unset]
+            begin += node.num_tokens
 
     # ------------------------------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -273,6 +302,9 @@ class RolloutTree:
                 raw[key] = np.asarray(raw[key], np.float32)
             if raw["feature"] is not None:
                 raw["feature"] = np.asarray(raw["feature"], np.float32)
-            raw["routed_experts"] = _routing(raw.get("routed_experts"), raw["token_ids"].shape[0])
+            sampled = raw["token_ids"].shape[0]
+            raw["routed_experts"] = _routing(
+                raw.get("routed_experts"), sampled, sampled + raw["observation_ids"].shape[0]
+            )
             tree.nodes.append(Node(**raw))
         return tree

@@ -19,6 +19,11 @@ this many positions), the page to copy for that prefix's partly filled last page
 offset in the item's ids and whether it is the item's last chunk. Row i < len(items) is item i's last chunk
 (the only row that sets the slot's state); earlier chunks follow. Padding rows name slot ``B`` (every
 scatter drops them) and their page tables point at the trash page.
+
+Routing record (``EngineConfig.routing_replay``): the program also returns the experts every appended id went
+to in each sparse layer, per row and column (``[rows, width, sparse layers, top-k]``); ``routing_spans`` says
+which rows and columns hold each item's ids, so the host reads them after one fetch. Without the record the
+program and its outputs are what they are for a dense model.
 """
 
 from __future__ import annotations
@@ -108,6 +113,20 @@ def pack_append(
     return table, packed, window, kept, held
 
 
+def routing_spans(packed: np.ndarray, items: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Where an append's routing record (``append_program``'s third output) holds each item's ids, read from the
+    packed call (``pack_append``): per item, (index in ``item.ids`` of its first computed id, [(row, ids in that
+    row)] in id order). A started item (``AppendItem.start``) computes its ids from its prefix's last one on;
+    the ids before it were computed (and recorded) by the append that filled the shared pages."""
+    width = packed.shape[1] - APPEND_FIELDS
+    slot, num_new, skip, offset = (packed[:, width + i] for i in (0, 1, 7, 10))
+    spans = []
+    for i in range(items):
+        rows = sorted(np.flatnonzero(slot == slot[i]).tolist(), key=lambda r: offset[r])
+        spans.append((int(skip[i]), [(r, int(num_new[r])) for r in rows]))
+    return spans
+
+
 def seed_keys(seed_k: jax.Array) -> jax.Array:
     """uint32 [k, key_size] raw PRNG key data of each seed (a sequence's whole randomness)."""
     return jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(seed_k.astype(jnp.uint32))
@@ -115,10 +134,11 @@ def seed_keys(seed_k: jax.Array) -> jax.Array:
 
 def append_program(
     graphdef: nnx.GraphDef, config: EngineConfig, window: int, params, state: DecodeState, table_kp, packed_kc
-) -> tuple[DecodeState, jax.Array]:
+) -> tuple[DecodeState, jax.Array] | tuple[DecodeState, jax.Array, jax.Array]:
     """Device half of ``append`` (the state is donated); attention reads each row's first ``window`` positions
     (static). Returns the new state and float32 [h, D], the final hidden state at the last id of rows
-    ``0..h-1`` (``h = min(rows, max_slots)``: row i < len(items) is item i's)."""
+    ``0..h-1`` (``h = min(rows, max_slots)``: row i < len(items) is item i's); with ``routing_replay``, also
+    int32 [rows, width, sparse layers, top-k], the experts of every row's ids (``routing_spans``)."""
     model = nnx.merge(graphdef, params)
     cfg = config
     width = packed_kc.shape[1] - APPEND_FIELDS
@@ -135,7 +155,10 @@ def append_program(
     v_pages = pages.copy_pages(state.v_pages, copy_from_k, copy_to_k)
     dtype = cfg.kv_dtype(model.config.compute_dtype)
     cache = pages.PagedKVCache(k_pages, v_pages, table_kp, lengths_k, jnp.arange(window), dtype)
-    hidden_ktd, cache = model.hidden(tokens_kt, cache, num_new_k)
+    if cfg.routing_replay:
+        hidden_ktd, cache, extra = model.forward_hidden(tokens_kt, cache, num_new_k, record_routing=True)
+    else:
+        hidden_ktd, cache = model.hidden(tokens_kt, cache, num_new_k)
     # Only the first h rows can be an item's last chunk (items <= slots): the slot state is set from them.
     h = min(tokens_kt.shape[0], cfg.max_slots)
     last_k = packed_kc[:h, -1] > 0
@@ -164,4 +187,6 @@ def append_program(
         bank_logits_rv=state.bank_logits_rv.at[bank_k[:h]].set(logits_hv, mode="drop"),
         bank_hidden_rd=state.bank_hidden_rd.at[bank_k[:h]].set(hidden_hd, mode="drop"),
     )
+    if cfg.routing_replay:
+        return state, hidden_hd, extra.experts_btlk
     return state, hidden_hd

@@ -36,10 +36,13 @@ class EngineConfig:
     sampling: temperature / top-k / top-p (``SamplingConfig.make_greedy()`` for greedy).
     weight_dtype: dtype of the engine's copy of the weights (``None``: as given).
     cache_dtype: KV cache dtype name; ``None`` = the model's compute dtype.
-    routing_replay: a mixture-of-experts policy only: ``generate`` records the experts each sampled token went
-      to in every sparse layer (``GenerateOutput.routing``), the rollout trees keep them and the trainer's
-      forward replays them (``trace_jax.models.moe``); costs tokens x sparse layers x top-k int32 on the host
-      (1.5 KiB a token for Qwen3-30B-A3B). A dense policy has no router: the engine refuses it.
+    routing_replay: a mixture-of-experts policy only: the engine records the experts every token it computes
+      went to in every sparse layer: ``generate`` each sampled token's (``GenerateOutput.routing``), ``append``
+      each prompt and observation id's (``AppendResult.routing``). The rollout trees keep one record per token
+      (``Node.routed_experts``) and the trainer's forward replays them all (``trace_jax.models.moe``), context
+      included; costs tokens x sparse layers x top-k int32 on the host (1.5 KiB a token for Qwen3-30B-A3B).
+      Off, the programs are those of a dense model's engine (no record, no extra output). A dense policy has
+      no router: the engine refuses it.
     """
 
     max_slots: int = 16

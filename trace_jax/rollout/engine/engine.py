@@ -54,7 +54,7 @@ from flax import nnx
 from trace_jax.models import ModelConfig, abstract_model
 from trace_jax.parallel.mesh import make_mesh, traced_under
 from trace_jax.rollout.engine import pages
-from trace_jax.rollout.engine.append import APPEND_FIELDS, append_program, pack_append
+from trace_jax.rollout.engine.append import APPEND_FIELDS, append_program, pack_append, routing_spans
 from trace_jax.rollout.engine.config import EngineConfig
 from trace_jax.rollout.engine.decode_loop import decode_program
 from trace_jax.rollout.engine.fork import fork_program, pack_fork
@@ -152,7 +152,9 @@ class Engine:
         # The state is born with its shardings (each device allocates only its shards, never all on one).
         self.programs.define("init", self._build_state, **out(state_out))
         prefill = functools.partial(append_program, graphdef, self.config)
-        self.programs.define("append", under(prefill), donate_argnums=(1,), **out(state_out, replicated))
+        # With the routing record, append also returns each appended id's experts (a third output).
+        appended = (replicated,) * (2 if self.config.routing_replay else 1)
+        self.programs.define("append", under(prefill), donate_argnums=(1,), **out(state_out, *appended))
         self.programs.define("fork", under(fork_program), donate_argnums=(0,), **out(state_out))
         self.programs.define("copy", under(_copy_program), donate_argnums=(0,), **out(state_out))
         decode = functools.partial(decode_program, graphdef, self.config, kernel=self.decode_kernel)
@@ -174,7 +176,7 @@ class Engine:
 
     @property
     def routing_shape(self) -> tuple[int, int] | None:
-        """(sparse layers, top-k) of each sampled token's routing record; None when not recording."""
+        """(sparse layers, top-k) of each token's routing record (sampled and appended); None when not recording."""
         return self.model_config.routing_shape if self.config.routing_replay else None
 
     @property
@@ -301,18 +303,20 @@ class Engine:
         """Appends each item's ids to its slot in one program (see ``AppendItem``); donates the device state.
 
         Every named slot starts a new turn (a slot named with no ids just starts one). Returns the state and
-        an ``AppendResult`` (hidden states, kept prefixes).
+        an ``AppendResult`` (hidden states, kept prefixes; with ``routing_replay``, the appended ids' experts).
         """
         table, packed, window, kept, held = pack_append(self.config, state, items)
         self._copy_pending(state)
         self.counters["append_calls"] += 1
         self.counters["append_tokens"] += int(packed[:, -APPEND_FIELDS + 1].sum())  # ids the model runs
         self.counters["append_padded_tokens"] += packed.shape[0] * (packed.shape[1] - APPEND_FIELDS)  # rows x width
-        device, hidden_kd = self.programs(
+        device, hidden_kd, *routing = self.programs(
             "append", self._weights(params), state.device, *self._put(table, packed), static=(window,)
         )
         state.device = device
-        return state, AppendResult(hidden_kd, kept, held)
+        if not routing:
+            return state, AppendResult(hidden_kd, kept, held)
+        return state, AppendResult(hidden_kd, kept, held, routing[0], routing_spans(packed, len(items)))
 
     def drop_prefix(self, state: SlotState, prefix: Prefix) -> SlotState:
         """Gives a kept prefix's pages and bank row back (host only)."""

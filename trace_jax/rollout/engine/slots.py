@@ -95,11 +95,24 @@ class AppendResult(NamedTuple):
     """padded_hidden: float32 [rows >= k, D] device array, row i (< k) the final hidden state at ``items[i]``'s
     last id (rows past k are padding; index it on the host after one fetch, not on the device per call);
     prefixes: the ``Prefix`` of each item appended with ``keep=True`` (``None`` for the others);
-    held: the pages-only ``Prefix`` of each item appended with ``hold=True`` (``None`` for the others)."""
+    held: the pages-only ``Prefix`` of each item appended with ``hold=True`` (``None`` for the others);
+    routing: with ``EngineConfig.routing_replay``, int32 [rows, width, sparse layers, top-k] device array, the
+    experts each appended id went to in every sparse layer (None without); routing_spans: where it holds each
+    item's ids (``trace_jax.rollout.engine.append.routing_spans``; read with ``item_routing`` after one fetch)."""
 
     padded_hidden: jax.Array
     prefixes: list[Prefix | None]
     held: list[Prefix | None] | None = None
+    routing: jax.Array | None = None
+    routing_spans: list[tuple[int, list[tuple[int, int]]]] | None = None
+
+    @staticmethod
+    def item_routing(routing: np.ndarray, span: tuple[int, list[tuple[int, int]]]) -> tuple[int, np.ndarray]:
+        """(index in the item's ids of its first computed id, int32 [computed ids, sparse layers, top-k]) from
+        a host copy of ``routing`` and the item's entry of ``routing_spans``."""
+        first, rows = span
+        parts = [routing[row, :count] for row, count in rows]
+        return first, np.concatenate(parts, axis=0) if parts else np.zeros((0, *routing.shape[2:]), np.int32)
 
     @property
     def hidden(self) -> jax.Array:
