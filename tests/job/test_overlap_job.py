@@ -62,6 +62,43 @@ train_and_exit()
 """
 # The same notice, with rollouts that then finish (in whatever time the load gives them).
 SIGTERM_WHILE_SAMPLING_AHEAD_THEN_FINISH = SIGTERM_WHILE_SAMPLING_AHEAD.replace("threading.Event().wait()", "pass")
+# The main job with step 2's rollouts sampled ahead (the sampling side's prompt stream, seeds and predictor moved
+# past them) that then never come back: the SIGTERM is sent from the sampling thread once they are sampled, step 1
+# waits for the notice before it returns (so the stop always finds them in flight), and the stop waits for them not
+# at all (a drain with no time left): they are always dropped, whatever the load.
+SIGTERM_AND_ROLLOUTS_THAT_MISS_THE_GRACE = """
+import os, signal, sys, threading
+from trace_jax.job.cli import TERMINATION
+from trace_jax.job.sampling import SamplingSide
+from trace_jax.job.training import Training
+from trace_jax.job.commands import train_and_exit
+
+sample, rl_step, drain_and_save = SamplingSide.sample, Training.rl_step, Training.drain_and_save
+sent = threading.Event()
+
+def sample_then_hang_after_a_notice(self, step, version):
+    sampled = sample(self, step, version)
+    if step == 2 and threading.current_thread() is not threading.main_thread():
+        print("SIGTERM sent once step 2 was sampled ahead", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        sent.set()
+        threading.Event().wait()
+    return sampled
+
+def rl_step_then_wait_for_the_notice(self):
+    metrics = rl_step(self)
+    if self.step == 1:
+        sent.wait()
+        while not TERMINATION.requested:
+            sent.wait(0.01)
+    return metrics
+
+SamplingSide.sample = sample_then_hang_after_a_notice
+Training.rl_step = rl_step_then_wait_for_the_notice
+Training.drain_and_save = lambda self, abandon_after_s: drain_and_save(self, 0.0)
+sys.argv = ["trace_jax.train", *sys.argv[1:]]
+train_and_exit()
+"""
 
 
 def _env(devices, compiled):
@@ -204,6 +241,44 @@ def test_sigterm_with_rollouts_in_flight_checkpoints_them_and_the_rerun_equals_t
     by_step = {r["step"]: r for r in records_without_timings(reference)}
     assert by_step[2]["rollout/staleness_max"] == 1.0  # premise: step 2 trained on trees one version old
     assert records_without_timings(workdir) == records_without_timings(reference)
+    assert without_run_facts(_summary(workdir)) == without_run_facts(_summary(reference))
+    assert _summary(workdir)["run"]["resumes"] == 1
+    _assert_same_params(workdir, reference, step=2)
+
+
+def test_sigterm_with_rollouts_that_miss_the_grace_drops_them_and_the_rerun_samples_them_again_bit_for_bit(
+    runs, shared, tmp_path
+):
+    """k = 1, a SIGTERM while step 2's trees are sampled ahead (during step 1), the rollouts then not done when the
+    grace has no time left for them: step 1 finishes, the stop drops the rollouts and checkpoints step 1 with the
+    sampling side's state from before they began and the weights that sampled them (the policy of step 0) beside
+    it (exit 143); the rerun resumes at step 1, samples step 2 again with those weights from that state (the same
+    trees, lag 1) and ends as the uninterrupted k = 1 run: records, summary, params. Fails if the stop drops the
+    completed step 1 (step 0 stays the resume point), if the dropped rollouts are sampled again with the trainer's
+    newer weights (the policy of step 1: lag 0, another run), if the sampling side's state saved is the one at the
+    stop instead of at the launch (step 2 samples the prompts after the dropped ones), or if the rollouts' seeds
+    or prompts are not restored at all."""
+    from trace_jax.job.cli import ExitCode
+
+    cache, compiled = shared
+    workdir = tmp_path / "dropped"
+    flags = [*OVERLAP, *AHEAD, "--config.rl.preemption_grace_s=1200"]  # step 1 always finishes
+    command = main_job_command(workdir, cache, flags)
+    driver = [sys.executable, "-c", SIGTERM_AND_ROLLOUTS_THAT_MISS_THE_GRACE, *command[3:]]
+    stopped = _run(driver, 2, compiled, ExitCode.PREEMPTED, timeout=600)
+    assert "SIGTERM sent once step 2 was sampled ahead" in stopped.stderr  # premise: the rollouts moved the state
+    assert "the next step's rollouts dropped" in stopped.stderr
+    assert [r["step"] for r in records_without_timings(workdir)] == [0, 1]  # step 2 never trained
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1]
+    assert (workdir / "dropped_ahead" / "1.pkl").is_file() and not (workdir / "sampled_ahead").exists()
+    assert not (workdir / "summary.json").exists()
+
+    resumed = _run(command, 2, compiled)
+    assert "resuming at RL step 1 of 2" in resumed.stderr
+    reference = runs["ahead"]
+    records = records_without_timings(workdir)
+    assert records[2]["rollout/staleness_max"] == 1.0  # sampled again with the policy of step 0
+    assert records == records_without_timings(reference)
     assert without_run_facts(_summary(workdir)) == without_run_facts(_summary(reference))
     assert _summary(workdir)["run"]["resumes"] == 1
     _assert_same_params(workdir, reference, step=2)
