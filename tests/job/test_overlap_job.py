@@ -99,6 +99,28 @@ Training.drain_and_save = lambda self, abandon_after_s: drain_and_save(self, 0.0
 sys.argv = ["trace_jax.train", *sys.argv[1:]]
 train_and_exit()
 """
+# The main job with a SIGTERM sent as step 2 builds its batch (its trees were sampled ahead, during step 1), which
+# then never finishes: with no grace the step is abandoned before its update, whatever the load.
+SIGTERM_WHILE_STEP_2_BUILDS_ITS_BATCH = """
+import os, signal, sys, time
+from trace_jax.job import training
+from trace_jax.job.commands import train_and_exit
+
+build_batch, calls = training.build_batch, []
+
+def build_batch_then_hang_at_step_2(*args, **kwargs):
+    calls.append(None)
+    if len(calls) == 2:
+        print("SIGTERM sent as step 2 builds its batch", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        while True:
+            time.sleep(0.01)
+    return build_batch(*args, **kwargs)
+
+training.build_batch = build_batch_then_hang_at_step_2
+sys.argv = ["trace_jax.train", *sys.argv[1:]]
+train_and_exit()
+"""
 
 
 def _env(devices, compiled):
@@ -305,3 +327,33 @@ def test_a_grace_that_runs_out_during_step_1_abandons_it_and_leaves_the_rollouts
     assert [r["step"] for r in records_without_timings(workdir)] == [0]
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0]
     assert not (workdir / "summary.json").exists()
+
+
+def test_a_step_abandoned_after_training_on_trees_sampled_ahead_keeps_the_step_before_it_with_them(
+    runs, shared, tmp_path
+):
+    """k = 1, a SIGTERM while step 2 (its trees sampled ahead during step 1) builds its batch, with no grace: step 2
+    is abandoned before its update, and the completed step 1, not checkpointed yet, is checkpointed with step 2's
+    trees beside it and the sampling side's state after them (exit 143); the rerun resumes at step 1, trains step 2
+    on those trees and ends as the uninterrupted k = 1 run. Fails if the abandoned step loses step 1 too (step 0
+    stays the resume point) or if step 1 is checkpointed without the trees (the rerun samples step 2 with the
+    policy of step 1: lag 0, another run)."""
+    from trace_jax.job.cli import ExitCode
+
+    cache, compiled = shared
+    workdir = tmp_path / "abandoned_step_2"
+    command = main_job_command(workdir, cache, [*OVERLAP, *AHEAD, "--config.rl.preemption_grace_s=0"])
+    driver = [sys.executable, "-c", SIGTERM_WHILE_STEP_2_BUILDS_ITS_BATCH, *command[3:]]
+    stopped = _run(driver, 2, compiled, ExitCode.PREEMPTED, timeout=600)
+    assert "SIGTERM sent as step 2 builds its batch" in stopped.stderr  # premise: the notice came in step 2
+    assert "stopped by SIGTERM before the step under way ended" in stopped.stderr
+    assert [r["step"] for r in records_without_timings(workdir)] == [0, 1]
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1]
+    assert (workdir / "sampled_ahead" / "1.pkl").is_file()
+
+    resumed = _run(command, 2, compiled)
+    assert "resuming at RL step 1 of 2" in resumed.stderr
+    reference = runs["ahead"]
+    assert records_without_timings(workdir) == records_without_timings(reference)
+    assert without_run_facts(_summary(workdir)) == without_run_facts(_summary(reference))
+    _assert_same_params(workdir, reference, step=2)

@@ -124,9 +124,11 @@ class Training:
         self.resumes = 0
         self.slowest_save_s = 0.0  # wall-clock seconds of the slowest checkpoint so far (the SIGTERM grace)
         self.saved_step = -1  # the newest step checkpointed
-        # (step, sampling state) of the completed step ``self.step`` while it is not checkpointed, from the start of
-        # the next step to its update (which donates the state): what a SIGTERM then checkpoints (``keep_last_step``).
-        self._completed: tuple[int, dict[str, Any]] | None = None
+        # (step, sampling state, None) of the completed step ``self.step`` while it is not checkpointed, from the
+        # start of the next step to its update (which donates the state): what a SIGTERM then checkpoints
+        # (``keep_last_step``). (step, None, trees) when the next step's trees were sampled ahead: those trees go
+        # beside it, with the sampling side's state after them.
+        self._completed: tuple[int, dict[str, Any] | None, Any] | None = None
         self._primed: Any = None  # the next step's rollouts, kept by a SIGTERM's checkpoint (``drain_and_save``)
         # The sampling side's state from before the rollouts in flight began, while they are: what a SIGTERM's
         # checkpoint that drops them saves (``drop_and_save``).
@@ -170,21 +172,28 @@ class Training:
 
     def keep_last_step(self, abandoned: bool = False) -> None:
         """Checkpoints the last completed step when it is not yet and a SIGTERM came (any process's), so a stop
-        loses at most the step under way. Called before a step's update (it donates that state) and, with
+        loses at most the step under way; when the step under way trains on trees sampled ahead, with those trees
+        beside it (as ``drain_and_save``). Called before a step's update (it donates that state) and, with
         ``abandoned``, when the grace ran out during the step before its update (one process only: the others
         may not have stopped where this one did, and a checkpoint is collective)."""
         completed, self._completed = self._completed, None
         if completed is None:
             return
+        step, sampling, sampled = completed
         if abandoned:
             if not TERMINATION.requested or self.processes.multi:
                 return
         elif not self.processes.reduce({"stop": float(TERMINATION.requested)})["stop"]:
             return
         with TERMINATION.grace(float("inf")):  # a second notice does not interrupt the checkpoint
-            self._write(*completed, force=True)
+            if sampled is None:
+                self._write(step, sampling, force=True)
+            else:  # as ``drain_and_save`` keeps them; the state from before any rollouts launched since
+                self._keep_sampled_ahead(step, sampled, None)
+                sampling = self._launched if self._launched is not None else self.sampler.state_dict()
+                self._write(step, sampling, force=True, sampled_ahead=True)
             self.checkpointer.wait()
-        self.console.info(f"SIGTERM: checkpointed the completed RL step {completed[0]}")
+        self.console.info(f"SIGTERM: checkpointed the completed RL step {step}")
 
     def drain_and_save(self, abandon_after_s: float) -> bool:
         """A SIGTERM after a step that sampled the next one ahead (``rl.max_staleness >= 1``): waits for those
@@ -203,14 +212,19 @@ class Training:
                 return False
             kept = (self.sampling_params[0], jax.device_get(self.sampling_params[1]))
         sampled = self.pipeline.take(self.step + 1, self.engine_version)  # done: no wait
-        if self.processes.is_main:  # written before the checkpoint that names it
-            path = self.workdir / SAMPLED_AHEAD_DIR / f"{self.step}.pkl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(pickle.dumps((sampled, kept)))
-        self.processes.barrier("sampled ahead: written")
+        self._keep_sampled_ahead(self.step, sampled, kept)
         self._write(self.step, self.sampler.state_dict(), force=True, sampled_ahead=True)
         self.checkpointer.wait()
         return True
+
+    def _keep_sampled_ahead(self, step: int, sampled: Any, kept: Any) -> None:
+        """Writes the trees step ``step + 1`` trains on (and the params that sampled them, or None) beside
+        checkpoint ``step``, before the checkpoint that names them."""
+        if self.processes.is_main:
+            path = self.workdir / SAMPLED_AHEAD_DIR / f"{step}.pkl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(pickle.dumps((sampled, kept)))
+        self.processes.barrier("sampled ahead: written")
 
     def drop_and_save(self) -> bool:
         """A SIGTERM after a step whose next step's rollouts, sampled ahead, were not done within the grace
@@ -301,12 +315,17 @@ class Training:
         start = time.perf_counter()
         step = self.step + 1
         if not self.pipeline.in_flight and self.saved_step != self.step:  # what a SIGTERM would checkpoint
-            self._completed = (self.step, copy.deepcopy(self.sampler.state_dict()))
+            self._completed = (self.step, copy.deepcopy(self.sampler.state_dict()), None)
         if self._primed is not None:  # sampled ahead before a SIGTERM's checkpoint (``drain_and_save``)
             sampled, self._primed = self._primed, None
         else:
+            ahead = self.pipeline.in_flight
             sampled = self.pipeline.take(step, self.engine_version)  # sampled ahead, or now
             self._launched = None
+            # Trees of older weights: a SIGTERM checkpoints the completed step with them (their recomputed behaviour
+            # log-probs would need the params that sampled them kept too: not then).
+            if ahead and self.saved_step != self.step and not self.trainer.recomputes_behaviour:
+                self._completed = (self.step, None, sampled)
         waited = time.perf_counter() - start
         sync_seconds = 0.0
         if self.engine_version != self.step:  # the engine sampled ahead with older weights; it is idle now
