@@ -37,6 +37,7 @@ SAMPLE_AHEAD = ["--config.rl.max_staleness=1"]
 AHEAD = [*APART, *SAMPLE_AHEAD]
 # Sampling in a process of its own on one core, the trainer on the others (one host device each).
 OWN_PROCESS = ["--config.mesh.rollout_cpus=1"]
+OWN_PROCESS_AHEAD = [*OWN_PROCESS, *SAMPLE_AHEAD]
 LAG_KEYS = ("rollout/staleness_mean", "rollout/staleness_max")
 
 # The main job with a SIGTERM sent from the sampling thread as it starts sampling step 2 ahead (while step 1
@@ -63,27 +64,31 @@ train_and_exit()
 # The same notice, with rollouts that then finish (in whatever time the load gives them).
 SIGTERM_WHILE_SAMPLING_AHEAD_THEN_FINISH = SIGTERM_WHILE_SAMPLING_AHEAD.replace("threading.Event().wait()", "pass")
 # The main job with step 2's rollouts sampled ahead (the sampling side's prompt stream, seeds and predictor moved
-# past them) that then never come back: the SIGTERM is sent from the sampling thread once they are sampled, step 1
-# waits for the notice before it returns (so the stop always finds them in flight), and the stop waits for them not
-# at all (a drain with no time left): they are always dropped, whatever the load.
+# past them; in this process or in the sampling process) that then never come back: the SIGTERM is sent from the
+# sampling thread once they are sampled, step 1 waits for the notice before it returns (so the stop always finds
+# them in flight), and the stop waits for them not at all (a drain with no time left): they are always dropped,
+# whatever the load.
 SIGTERM_AND_ROLLOUTS_THAT_MISS_THE_GRACE = """
 import os, signal, sys, threading
 from trace_jax.job.cli import TERMINATION
 from trace_jax.job.sampling import SamplingSide
+from trace_jax.job.sampling_process import SamplingProcess
 from trace_jax.job.training import Training
 from trace_jax.job.commands import train_and_exit
 
-sample, rl_step, drain_and_save = SamplingSide.sample, Training.rl_step, Training.drain_and_save
+rl_step, drain_and_save = Training.rl_step, Training.drain_and_save
 sent = threading.Event()
 
-def sample_then_hang_after_a_notice(self, step, version):
-    sampled = sample(self, step, version)
-    if step == 2 and threading.current_thread() is not threading.main_thread():
-        print("SIGTERM sent once step 2 was sampled ahead", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
-        sent.set()
-        threading.Event().wait()
-    return sampled
+def hanging(sample):
+    def sample_then_hang_after_a_notice(self, step, version):
+        sampled = sample(self, step, version)
+        if step == 2 and threading.current_thread() is not threading.main_thread():
+            print("SIGTERM sent once step 2 was sampled ahead", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            sent.set()
+            threading.Event().wait()
+        return sampled
+    return sample_then_hang_after_a_notice
 
 def rl_step_then_wait_for_the_notice(self):
     metrics = rl_step(self)
@@ -93,7 +98,8 @@ def rl_step_then_wait_for_the_notice(self):
             sent.wait(0.01)
     return metrics
 
-SamplingSide.sample = sample_then_hang_after_a_notice
+SamplingSide.sample = hanging(SamplingSide.sample)
+SamplingProcess.sample = hanging(SamplingProcess.sample)
 Training.rl_step = rl_step_then_wait_for_the_notice
 Training.drain_and_save = lambda self, abandon_after_s: drain_and_save(self, 0.0)
 sys.argv = ["trace_jax.train", *sys.argv[1:]]
@@ -156,7 +162,7 @@ def runs(tmp_path_factory, shared):
     workdirs = {}
     runs = [("colocated", [], 1), ("apart", APART, 2), ("ahead", AHEAD, 2)]
     if len(os.sched_getaffinity(0)) >= 2:  # a core to sample on and one to train on
-        runs += [("own_process", OWN_PROCESS, 1), ("own_process_ahead", [*OWN_PROCESS, *SAMPLE_AHEAD], 1)]
+        runs += [("own_process", OWN_PROCESS, 1), ("own_process_ahead", OWN_PROCESS_AHEAD, 1)]
     for name, flags, devices in runs:
         workdirs[name] = base / name
         _run(main_job_command(workdirs[name], cache, [*OVERLAP, *flags]), devices, compiled)
@@ -268,8 +274,9 @@ def test_sigterm_with_rollouts_in_flight_checkpoints_them_and_the_rerun_equals_t
     _assert_same_params(workdir, reference, step=2)
 
 
+@pytest.mark.parametrize("mode, flags, devices", [("ahead", AHEAD, 2), ("own_process_ahead", OWN_PROCESS_AHEAD, 1)])
 def test_sigterm_with_rollouts_that_miss_the_grace_drops_them_and_the_rerun_samples_them_again_bit_for_bit(
-    runs, shared, tmp_path
+    runs, shared, tmp_path, mode, flags, devices
 ):
     """k = 1, a SIGTERM while step 2's trees are sampled ahead (during step 1), the rollouts then not done when the
     grace has no time left for them: step 1 finishes, the stop drops the rollouts and checkpoints step 1 with the
@@ -279,15 +286,17 @@ def test_sigterm_with_rollouts_that_miss_the_grace_drops_them_and_the_rerun_samp
     completed step 1 (step 0 stays the resume point), if the dropped rollouts are sampled again with the trainer's
     newer weights (the policy of step 1: lag 0, another run), if the sampling side's state saved is the one at the
     stop instead of at the launch (step 2 samples the prompts after the dropped ones), or if the rollouts' seeds
-    or prompts are not restored at all."""
+    or prompts are not restored at all. With the sampling side in a process of its own (``own_process_ahead``),
+    the weights saved are the host copy last sent to it (the process is not asked while it may be sampling)."""
     from trace_jax.job.cli import ExitCode
 
+    if mode not in runs:
+        pytest.skip("needs 2 cores: one to sample on, one to train on")
     cache, compiled = shared
     workdir = tmp_path / "dropped"
-    flags = [*OVERLAP, *AHEAD, "--config.rl.preemption_grace_s=1200"]  # step 1 always finishes
-    command = main_job_command(workdir, cache, flags)
+    command = main_job_command(workdir, cache, [*OVERLAP, *flags, "--config.rl.preemption_grace_s=1200"])
     driver = [sys.executable, "-c", SIGTERM_AND_ROLLOUTS_THAT_MISS_THE_GRACE, *command[3:]]
-    stopped = _run(driver, 2, compiled, ExitCode.PREEMPTED, timeout=600)
+    stopped = _run(driver, devices, compiled, ExitCode.PREEMPTED, timeout=600)
     assert "SIGTERM sent once step 2 was sampled ahead" in stopped.stderr  # premise: the rollouts moved the state
     assert "the next step's rollouts dropped" in stopped.stderr
     assert [r["step"] for r in records_without_timings(workdir)] == [0, 1]  # step 2 never trained
@@ -295,9 +304,9 @@ def test_sigterm_with_rollouts_that_miss_the_grace_drops_them_and_the_rerun_samp
     assert (workdir / "dropped_ahead" / "1.pkl").is_file() and not (workdir / "sampled_ahead").exists()
     assert not (workdir / "summary.json").exists()
 
-    resumed = _run(command, 2, compiled)
+    resumed = _run(command, devices, compiled)
     assert "resuming at RL step 1 of 2" in resumed.stderr
-    reference = runs["ahead"]
+    reference = runs[mode]
     records = records_without_timings(workdir)
     assert records[2]["rollout/staleness_max"] == 1.0  # sampled again with the policy of step 0
     assert records == records_without_timings(reference)
