@@ -37,6 +37,7 @@ SAMPLE_AHEAD = ["--config.rl.max_staleness=1"]
 AHEAD = [*APART, *SAMPLE_AHEAD]
 # Sampling in a process of its own on one core, the trainer on the others (one host device each).
 OWN_PROCESS = ["--config.mesh.rollout_cpus=1"]
+OWN_PROCESS_AHEAD = [*OWN_PROCESS, *SAMPLE_AHEAD]
 LAG_KEYS = ("rollout/staleness_mean", "rollout/staleness_max")
 
 # The main job with a SIGTERM sent from the sampling thread as it starts sampling step 2 ahead (while step 1
@@ -62,6 +63,70 @@ train_and_exit()
 """
 # The same notice, with rollouts that then finish (in whatever time the load gives them).
 SIGTERM_WHILE_SAMPLING_AHEAD_THEN_FINISH = SIGTERM_WHILE_SAMPLING_AHEAD.replace("threading.Event().wait()", "pass")
+# The main job with step 2's rollouts sampled ahead (the sampling side's prompt stream, seeds and predictor moved
+# past them; in this process or in the sampling process) that then never come back: the SIGTERM is sent from the
+# sampling thread once they are sampled, step 1 waits for the notice before it returns (so the stop always finds
+# them in flight), and the stop waits for them not at all (a drain with no time left): they are always dropped,
+# whatever the load.
+SIGTERM_AND_ROLLOUTS_THAT_MISS_THE_GRACE = """
+import os, signal, sys, threading
+from trace_jax.job.cli import TERMINATION
+from trace_jax.job.sampling import SamplingSide
+from trace_jax.job.sampling_process import SamplingProcess
+from trace_jax.job.training import Training
+from trace_jax.job.commands import train_and_exit
+
+rl_step, drain_and_save = Training.rl_step, Training.drain_and_save
+sent = threading.Event()
+
+def hanging(sample):
+    def sample_then_hang_after_a_notice(self, step, version):
+        sampled = sample(self, step, version)
+        if step == 2 and threading.current_thread() is not threading.main_thread():
+            print("SIGTERM sent once step 2 was sampled ahead", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            sent.set()
+            threading.Event().wait()
+        return sampled
+    return sample_then_hang_after_a_notice
+
+def rl_step_then_wait_for_the_notice(self):
+    metrics = rl_step(self)
+    if self.step == 1:
+        sent.wait()
+        while not TERMINATION.requested:
+            sent.wait(0.01)
+    return metrics
+
+SamplingSide.sample = hanging(SamplingSide.sample)
+SamplingProcess.sample = hanging(SamplingProcess.sample)
+Training.rl_step = rl_step_then_wait_for_the_notice
+Training.drain_and_save = lambda self, abandon_after_s: drain_and_save(self, 0.0)
+sys.argv = ["trace_jax.train", *sys.argv[1:]]
+train_and_exit()
+"""
+# The main job with a SIGTERM sent as step 2 builds its batch (its trees were sampled ahead, during step 1), which
+# then never finishes: with no grace the step is abandoned before its update, whatever the load.
+SIGTERM_WHILE_STEP_2_BUILDS_ITS_BATCH = """
+import os, signal, sys, time
+from trace_jax.job import training
+from trace_jax.job.commands import train_and_exit
+
+build_batch, calls = training.build_batch, []
+
+def build_batch_then_hang_at_step_2(*args, **kwargs):
+    calls.append(None)
+    if len(calls) == 2:
+        print("SIGTERM sent as step 2 builds its batch", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        while True:
+            time.sleep(0.01)
+    return build_batch(*args, **kwargs)
+
+training.build_batch = build_batch_then_hang_at_step_2
+sys.argv = ["trace_jax.train", *sys.argv[1:]]
+train_and_exit()
+"""
 
 
 def _env(devices, compiled):
@@ -97,7 +162,7 @@ def runs(tmp_path_factory, shared):
     workdirs = {}
     runs = [("colocated", [], 1), ("apart", APART, 2), ("ahead", AHEAD, 2)]
     if len(os.sched_getaffinity(0)) >= 2:  # a core to sample on and one to train on
-        runs += [("own_process", OWN_PROCESS, 1), ("own_process_ahead", [*OWN_PROCESS, *SAMPLE_AHEAD], 1)]
+        runs += [("own_process", OWN_PROCESS, 1), ("own_process_ahead", OWN_PROCESS_AHEAD, 1)]
     for name, flags, devices in runs:
         workdirs[name] = base / name
         _run(main_job_command(workdirs[name], cache, [*OVERLAP, *flags]), devices, compiled)
@@ -209,6 +274,47 @@ def test_sigterm_with_rollouts_in_flight_checkpoints_them_and_the_rerun_equals_t
     _assert_same_params(workdir, reference, step=2)
 
 
+@pytest.mark.parametrize("mode, flags, devices", [("ahead", AHEAD, 2), ("own_process_ahead", OWN_PROCESS_AHEAD, 1)])
+def test_sigterm_with_rollouts_that_miss_the_grace_drops_them_and_the_rerun_samples_them_again_bit_for_bit(
+    runs, shared, tmp_path, mode, flags, devices
+):
+    """k = 1, a SIGTERM while step 2's trees are sampled ahead (during step 1), the rollouts then not done when the
+    grace has no time left for them: step 1 finishes, the stop drops the rollouts and checkpoints step 1 with the
+    sampling side's state from before they began and the weights that sampled them (the policy of step 0) beside
+    it (exit 143); the rerun resumes at step 1, samples step 2 again with those weights from that state (the same
+    trees, lag 1) and ends as the uninterrupted k = 1 run: records, summary, params. Fails if the stop drops the
+    completed step 1 (step 0 stays the resume point), if the dropped rollouts are sampled again with the trainer's
+    newer weights (the policy of step 1: lag 0, another run), if the sampling side's state saved is the one at the
+    stop instead of at the launch (step 2 samples the prompts after the dropped ones), or if the rollouts' seeds
+    or prompts are not restored at all. With the sampling side in a process of its own (``own_process_ahead``),
+    the weights saved are the host copy last sent to it (the process is not asked while it may be sampling)."""
+    from trace_jax.job.cli import ExitCode
+
+    if mode not in runs:
+        pytest.skip("needs 2 cores: one to sample on, one to train on")
+    cache, compiled = shared
+    workdir = tmp_path / "dropped"
+    command = main_job_command(workdir, cache, [*OVERLAP, *flags, "--config.rl.preemption_grace_s=1200"])
+    driver = [sys.executable, "-c", SIGTERM_AND_ROLLOUTS_THAT_MISS_THE_GRACE, *command[3:]]
+    stopped = _run(driver, devices, compiled, ExitCode.PREEMPTED, timeout=600)
+    assert "SIGTERM sent once step 2 was sampled ahead" in stopped.stderr  # premise: the rollouts moved the state
+    assert "the next step's rollouts dropped" in stopped.stderr
+    assert [r["step"] for r in records_without_timings(workdir)] == [0, 1]  # step 2 never trained
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1]
+    assert (workdir / "dropped_ahead" / "1.pkl").is_file() and not (workdir / "sampled_ahead").exists()
+    assert not (workdir / "summary.json").exists()
+
+    resumed = _run(command, devices, compiled)
+    assert "resuming at RL step 1 of 2" in resumed.stderr
+    reference = runs[mode]
+    records = records_without_timings(workdir)
+    assert records[2]["rollout/staleness_max"] == 1.0  # sampled again with the policy of step 0
+    assert records == records_without_timings(reference)
+    assert without_run_facts(_summary(workdir)) == without_run_facts(_summary(reference))
+    assert _summary(workdir)["run"]["resumes"] == 1
+    _assert_same_params(workdir, reference, step=2)
+
+
 def test_a_grace_that_runs_out_during_step_1_abandons_it_and_leaves_the_rollouts_in_flight_behind(
     runs, shared, tmp_path
 ):
@@ -230,3 +336,33 @@ def test_a_grace_that_runs_out_during_step_1_abandons_it_and_leaves_the_rollouts
     assert [r["step"] for r in records_without_timings(workdir)] == [0]
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0]
     assert not (workdir / "summary.json").exists()
+
+
+def test_a_step_abandoned_after_training_on_trees_sampled_ahead_keeps_the_step_before_it_with_them(
+    runs, shared, tmp_path
+):
+    """k = 1, a SIGTERM while step 2 (its trees sampled ahead during step 1) builds its batch, with no grace: step 2
+    is abandoned before its update, and the completed step 1, not checkpointed yet, is checkpointed with step 2's
+    trees beside it and the sampling side's state after them (exit 143); the rerun resumes at step 1, trains step 2
+    on those trees and ends as the uninterrupted k = 1 run. Fails if the abandoned step loses step 1 too (step 0
+    stays the resume point) or if step 1 is checkpointed without the trees (the rerun samples step 2 with the
+    policy of step 1: lag 0, another run)."""
+    from trace_jax.job.cli import ExitCode
+
+    cache, compiled = shared
+    workdir = tmp_path / "abandoned_step_2"
+    command = main_job_command(workdir, cache, [*OVERLAP, *AHEAD, "--config.rl.preemption_grace_s=0"])
+    driver = [sys.executable, "-c", SIGTERM_WHILE_STEP_2_BUILDS_ITS_BATCH, *command[3:]]
+    stopped = _run(driver, 2, compiled, ExitCode.PREEMPTED, timeout=600)
+    assert "SIGTERM sent as step 2 builds its batch" in stopped.stderr  # premise: the notice came in step 2
+    assert "stopped by SIGTERM before the step under way ended" in stopped.stderr
+    assert [r["step"] for r in records_without_timings(workdir)] == [0, 1]
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1]
+    assert (workdir / "sampled_ahead" / "1.pkl").is_file()
+
+    resumed = _run(command, 2, compiled)
+    assert "resuming at RL step 1 of 2" in resumed.stderr
+    reference = runs["ahead"]
+    assert records_without_timings(workdir) == records_without_timings(reference)
+    assert without_run_facts(_summary(workdir)) == without_run_facts(_summary(reference))
+    _assert_same_params(workdir, reference, step=2)

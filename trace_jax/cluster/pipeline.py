@@ -20,8 +20,11 @@ exactly those of the steps done), and a resume is exact. A SIGTERM after a step 
 those rollouts within the grace (:attr:`RolloutPipeline.ready`), then checkpoints the step with the sampling
 side's state after them and their trees beside it, which the rerun's next step trains on
 (``trace_jax.job.training.Training.drain_and_save``): exact, and the completed step is kept. Rollouts not done in
-time are dropped without waiting for them: they only change the sampling side's memory (prompt stream, seeds,
-predictor), which no checkpoint after the last one reads, and the process ends at once (``os._exit``).
+time are dropped without waiting for them (:meth:`RolloutPipeline.abandon`; the process ends at once,
+``os._exit``), and the step is checkpointed with the sampling side's state from before they began (the job keeps a
+host copy of it at each launch) and the weights that sample them, the engine's, one version behind the trainer's:
+the rerun samples the next step's trees again from there, the very trees (``Training.drop_and_save``; one process:
+with several, the last checkpoint stays the resume point).
 
 Timeline. The pipeline records when its background rollouts ran; :meth:`RolloutPipeline.busy_during` is how long
 they ran inside an interval (the trainer's), from which a step logs its overlap. The trainer's intervals come in

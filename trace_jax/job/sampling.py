@@ -64,6 +64,11 @@ class SamplingSide:
         self.eval_runner.set_params(weights)  # the same engine: free
         jax.block_until_ready(self.runner.engine.params)
 
+    def weights(self) -> Any:
+        """A host copy of the engine's weights (its sampling copy, cast to ``engine.weight_dtype``); read while
+        rollouts are in flight too (sampling never replaces them)."""
+        return jax.device_get(self.runner.engine.params)
+
     def drop_held(self) -> None:
         """Each phase that grows trees (a step, the warm-up, an evaluation) starts from an engine that holds
         nothing: prefix pages held for the previous phase's trees would decide, through the pool's evictions,

@@ -79,6 +79,7 @@ class SamplingProcess:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._lock = threading.Lock()
+        self._weights: Any = None  # the host copy of the weights last sent to the child
         self._process = context.Process(
             target=serve,
             args=(child, config, model_config, world_dir, sampling),
@@ -110,7 +111,13 @@ class SamplingProcess:
         return value
 
     def set_weights(self, weights: Any) -> None:
-        self._call("set_weights", jax.device_get(weights))
+        # The host copy sent is kept: ``weights`` answers with it while the child is busy sampling.
+        self._weights = jax.device_get(weights)
+        self._call("set_weights", self._weights)
+
+    def weights(self) -> Any:
+        """A host copy of the weights the child's engine holds (the ones last sent)."""
+        return self._weights
 
     def sample(self, step: int, version: int) -> Sampled:
         return self._call("sample", step, version)

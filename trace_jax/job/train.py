@@ -191,9 +191,16 @@ def _train(config: RunConfig, workdir: epath.Path, console: Console, logs: paths
                     if run.pipeline.in_flight and run.drain_and_save(abandon_after()):
                         console.info(f"SIGTERM: stopped after RL step {run.step} (checkpointed, next step's trees too)")
                         raise Preempted(f"stopped by SIGTERM after RL step {run.step}; {_resume_point(workdir)}")
-                    if run.pipeline.in_flight:  # the next step's trees, not done within the grace: not checkpointed
-                        run.pipeline.abandon()  # not waited for: the process ends next (train_and_exit)
-                        console.info(f"SIGTERM: stopped after RL step {run.step} (it sampled ahead: not checkpointed)")
+                    if run.pipeline.in_flight:  # the next step's trees, not done within the grace: dropped
+                        if run.drop_and_save():
+                            console.info(
+                                f"SIGTERM: stopped after RL step {run.step} (checkpointed; the next step's rollouts "
+                                "dropped, sampled again on resume)"
+                            )
+                        else:
+                            console.info(
+                                f"SIGTERM: stopped after RL step {run.step} (it sampled ahead: not checkpointed)"
+                            )
                         raise Preempted(f"stopped by SIGTERM after RL step {run.step}; {_resume_point(workdir)}")
                     run.save(force=True)  # a no-op when this step is already checkpointed
                     console.info(f"SIGTERM: stopped after RL step {run.step} (checkpointed)")

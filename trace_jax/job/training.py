@@ -38,6 +38,9 @@ from trace_jax.rollout.tree import RolloutTree
 # Rollouts sampled ahead that a SIGTERM's checkpoint kept (``Training.drain_and_save``): ``<dir>/<step>.pkl`` holds
 # the trees step + 1 trains on, beside checkpoint ``step``.
 SAMPLED_AHEAD_DIR = "sampled_ahead"
+# Rollouts sampled ahead that a SIGTERM's checkpoint dropped (``Training.drop_and_save``): ``<dir>/<step>.pkl`` holds
+# what samples them again, beside checkpoint ``step``: (policy version, the engine's weights, the behaviour params).
+DROPPED_AHEAD_DIR = "dropped_ahead"
 
 
 def eval_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -121,10 +124,15 @@ class Training:
         self.resumes = 0
         self.slowest_save_s = 0.0  # wall-clock seconds of the slowest checkpoint so far (the SIGTERM grace)
         self.saved_step = -1  # the newest step checkpointed
-        # (step, sampling state) of the completed step ``self.step`` while it is not checkpointed, from the start of
-        # the next step to its update (which donates the state): what a SIGTERM then checkpoints (``keep_last_step``).
-        self._completed: tuple[int, dict[str, Any]] | None = None
+        # (step, sampling state, None) of the completed step ``self.step`` while it is not checkpointed, from the
+        # start of the next step to its update (which donates the state): what a SIGTERM then checkpoints
+        # (``keep_last_step``). (step, None, trees) when the next step's trees were sampled ahead: those trees go
+        # beside it, with the sampling side's state after them.
+        self._completed: tuple[int, dict[str, Any] | None, Any] | None = None
         self._primed: Any = None  # the next step's rollouts, kept by a SIGTERM's checkpoint (``drain_and_save``)
+        # The sampling side's state from before the rollouts in flight began, while they are: what a SIGTERM's
+        # checkpoint that drops them saves (``drop_and_save``).
+        self._launched: dict[str, Any] | None = None
         self.eval_before: list[dict[str, Any]] = []
         self.last_eval: list[dict[str, Any]] = []
         self.sampled_by_process: list[list[str]] = []  # the last step's questions, per process that sampled them
@@ -136,7 +144,9 @@ class Training:
         self._engine_idle("a checkpoint")
         self._write(self.step, self.sampler.state_dict(), force)
 
-    def _write(self, step: int, sampling: dict[str, Any], force: bool, sampled_ahead: bool = False) -> None:
+    def _write(
+        self, step: int, sampling: dict[str, Any], force: bool, sampled_ahead: bool = False, dropped_ahead: bool = False
+    ) -> None:
         """Checkpoints the train state as step ``step`` with the sampling side's state ``sampling``."""
         # The policy is its own entry (evaluation restores just it); "train" holds the rest of the state once.
         state = {
@@ -152,6 +162,7 @@ class Training:
             "timings": self.timer.state_dict(),
             "resumes": self.resumes,
             "sampled_ahead": sampled_ahead,  # the next step's trees are in SAMPLED_AHEAD_DIR/<step>.pkl
+            "dropped_ahead": dropped_ahead,  # what samples them again is in DROPPED_AHEAD_DIR/<step>.pkl
         }
         start = time.perf_counter()
         self.checkpointer.save(step, state, metadata, force=force)
@@ -161,27 +172,35 @@ class Training:
 
     def keep_last_step(self, abandoned: bool = False) -> None:
         """Checkpoints the last completed step when it is not yet and a SIGTERM came (any process's), so a stop
-        loses at most the step under way. Called before a step's update (it donates that state) and, with
+        loses at most the step under way; when the step under way trains on trees sampled ahead, with those trees
+        beside it (as ``drain_and_save``). Called before a step's update (it donates that state) and, with
         ``abandoned``, when the grace ran out during the step before its update (one process only: the others
         may not have stopped where this one did, and a checkpoint is collective)."""
         completed, self._completed = self._completed, None
         if completed is None:
             return
+        step, sampling, sampled = completed
         if abandoned:
             if not TERMINATION.requested or self.processes.multi:
                 return
         elif not self.processes.reduce({"stop": float(TERMINATION.requested)})["stop"]:
             return
         with TERMINATION.grace(float("inf")):  # a second notice does not interrupt the checkpoint
-            self._write(*completed, force=True)
+            if sampled is None:
+                self._write(step, sampling, force=True)
+            else:  # as ``drain_and_save`` keeps them; the state from before any rollouts launched since
+                self._keep_sampled_ahead(step, sampled, None)
+                sampling = self._launched if self._launched is not None else self.sampler.state_dict()
+                self._write(step, sampling, force=True, sampled_ahead=True)
             self.checkpointer.wait()
-        self.console.info(f"SIGTERM: checkpointed the completed RL step {completed[0]}")
+        self.console.info(f"SIGTERM: checkpointed the completed RL step {step}")
 
     def drain_and_save(self, abandon_after_s: float) -> bool:
         """A SIGTERM after a step that sampled the next one ahead (``rl.max_staleness >= 1``): waits for those
         rollouts until ``abandon_after_s`` seconds after the notice, then checkpoints this step with the sampling
         side's state after them and their trees beside it, so the rerun trains the next step on the very trees
-        (exact). Returns False, having saved nothing, when they are not done in time on every process."""
+        (exact). Returns False, having saved nothing, when they are not done in time on every process (then
+        ``drop_and_save``)."""
         deadline = (TERMINATION.received_at or time.monotonic()) + abandon_after_s
         while not self.pipeline.ready and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -193,12 +212,39 @@ class Training:
                 return False
             kept = (self.sampling_params[0], jax.device_get(self.sampling_params[1]))
         sampled = self.pipeline.take(self.step + 1, self.engine_version)  # done: no wait
-        if self.processes.is_main:  # written before the checkpoint that names it
-            path = self.workdir / SAMPLED_AHEAD_DIR / f"{self.step}.pkl"
+        self._keep_sampled_ahead(self.step, sampled, kept)
+        self._write(self.step, self.sampler.state_dict(), force=True, sampled_ahead=True)
+        self.checkpointer.wait()
+        return True
+
+    def _keep_sampled_ahead(self, step: int, sampled: Any, kept: Any) -> None:
+        """Writes the trees step ``step + 1`` trains on (and the params that sampled them, or None) beside
+        checkpoint ``step``, before the checkpoint that names them."""
+        if self.processes.is_main:
+            path = self.workdir / SAMPLED_AHEAD_DIR / f"{step}.pkl"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(pickle.dumps((sampled, kept)))
         self.processes.barrier("sampled ahead: written")
-        self._write(self.step, self.sampler.state_dict(), force=True, sampled_ahead=True)
+
+    def drop_and_save(self) -> bool:
+        """A SIGTERM after a step whose next step's rollouts, sampled ahead, were not done within the grace
+        (``drain_and_save`` returned False): drops them without waiting, and checkpoints this step with the sampling
+        side's state from before they began and, beside it, the weights that sample them (the engine's, policy
+        version ``engine_version``: one behind the trainer's) with the behaviour params kept for them, so the rerun
+        samples the next step again from that state with those weights: the very trees (exact). Returns False,
+        having saved nothing, with several processes (a checkpoint is collective and the weights are sharded
+        across them: the last checkpoint stays the resume point)."""
+        launched, self._launched = self._launched, None
+        self.pipeline.abandon()  # not waited for: the process ends next (``trace_jax.job.commands.train_and_exit``)
+        if launched is None or self.processes.multi:
+            return False
+        kept = None
+        if self.sampling_params is not None:  # recomputed behaviour log-probs: the same weights, in full precision
+            kept = (self.sampling_params[0], jax.device_get(self.sampling_params[1]))
+        path = self.workdir / DROPPED_AHEAD_DIR / f"{self.step}.pkl"
+        path.parent.mkdir(parents=True, exist_ok=True)  # written before the checkpoint that names it
+        path.write_bytes(pickle.dumps((self.engine_version, self.sampler.weights(), kept)))
+        self._write(self.step, launched, force=True, dropped_ahead=True)
         self.checkpointer.wait()
         return True
 
@@ -217,23 +263,34 @@ class Training:
         self.timer.load_state_dict(meta.get("timings", {}))
         self.resumes = meta.get("resumes", 0) + 1
         self.step = self.saved_step = restored.step
+        kept, engine = None, None
         if meta.get("sampled_ahead"):  # a SIGTERM's checkpoint: the next step trains on the trees it kept
             self._primed, kept = pickle.loads((self.workdir / SAMPLED_AHEAD_DIR / f"{self.step}.pkl").read_bytes())
-            if kept is not None:  # the params that sampled them, for their recomputed behaviour log-probs
-                shardings = jax.tree.map(lambda array: array.sharding, self.state.params)
-                self.sampling_params = (kept[0], jax.device_put(kept[1], shardings))
-        self._sync_weights()
+        elif meta.get("dropped_ahead"):  # a SIGTERM's checkpoint: the next step samples its trees again, as before
+            version, weights, kept = pickle.loads((self.workdir / DROPPED_AHEAD_DIR / f"{self.step}.pkl").read_bytes())
+            engine = (version, weights)
+        shardings = jax.tree.map(lambda array: array.sharding, self.state.params)
+        if kept is not None:  # the params that sampled them, for their recomputed behaviour log-probs
+            self.sampling_params = (kept[0], jax.device_put(kept[1], shardings))
+        if engine is None:
+            self._sync_weights()
+        else:  # the engine's older weights, sent as a sync sends the trainer's (its dtypes and layout)
+            version, weights = engine
+            weights = jax.tree.map(lambda saved, own: np.asarray(saved, own.dtype), weights, self.state.params)
+            self._set_engine_weights(jax.device_put(weights, shardings), version)
         return True
 
     def _sync_weights(self) -> float:
         """The trainer's policy (version ``self.step``) as the engine's weights, in its sampling layout on its
         devices; returns the seconds it took (transfer and reshard, waited for)."""
+        return self._set_engine_weights(self.state.params, self.step)
+
+    def _set_engine_weights(self, params: Any, version: int) -> float:
+        """``params`` (policy ``version``, laid out as the trainer's) as the engine's weights; returns the seconds."""
         start = time.perf_counter()
         layout = self.sampler.layout
-        self.sampler.set_weights(
-            self.placement.to_engine(self.processes.engine_weights(self.state.params, layout), layout)
-        )
-        self.engine_version = self.step
+        self.sampler.set_weights(self.placement.to_engine(self.processes.engine_weights(params, layout), layout))
+        self.engine_version = version
         return time.perf_counter() - start
 
     def _sampled_by(self, version: int) -> Any:
@@ -258,16 +315,24 @@ class Training:
         start = time.perf_counter()
         step = self.step + 1
         if not self.pipeline.in_flight and self.saved_step != self.step:  # what a SIGTERM would checkpoint
-            self._completed = (self.step, copy.deepcopy(self.sampler.state_dict()))
+            self._completed = (self.step, copy.deepcopy(self.sampler.state_dict()), None)
         if self._primed is not None:  # sampled ahead before a SIGTERM's checkpoint (``drain_and_save``)
             sampled, self._primed = self._primed, None
         else:
+            ahead = self.pipeline.in_flight
             sampled = self.pipeline.take(step, self.engine_version)  # sampled ahead, or now
+            self._launched = None
+            # Trees of older weights: a SIGTERM checkpoints the completed step with them (their recomputed behaviour
+            # log-probs would need the params that sampled them kept too: not then).
+            if ahead and self.saved_step != self.step and not self.trainer.recomputes_behaviour:
+                self._completed = (self.step, None, sampled)
         waited = time.perf_counter() - start
         sync_seconds = 0.0
         if self.engine_version != self.step:  # the engine sampled ahead with older weights; it is idle now
             sync_seconds += self._sync_weights()
         if self.pipeline.ahead(step):
+            # Host work, before the sampling thread changes it: what a SIGTERM that drops these rollouts saves.
+            self._launched = copy.deepcopy(self.sampler.state_dict())
             self.pipeline.launch(step + 1, self.engine_version)
         scheduled = sampled.result
         train_start = time.perf_counter()
