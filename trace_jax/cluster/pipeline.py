@@ -24,7 +24,10 @@ time are dropped without waiting for them (:meth:`RolloutPipeline.abandon`; the 
 ``os._exit``), and the step is checkpointed with the sampling side's state from before they began (the job keeps a
 host copy of it at each launch) and the weights that sample them, the engine's, one version behind the trainer's:
 the rerun samples the next step's trees again from there, the very trees (``Training.drop_and_save``; one process:
-with several, the last checkpoint stays the resume point).
+with several, the last checkpoint stays the resume point). A step abandoned after it took trees sampled ahead keeps
+the step before it, with those trees beside its checkpoint (``Training.keep_last_step``), except where the trainer
+recomputes the behaviour log-probs: the params that sampled those trees are no longer kept by then, so that step is
+lost unless it was checkpointed.
 
 Timeline. The pipeline records when its background rollouts ran; :meth:`RolloutPipeline.busy_during` is how long
 they ran inside an interval (the trainer's), from which a step logs its overlap. The trainer's intervals come in
