@@ -20,6 +20,17 @@ TINY_MAIN_JOB = [
 ]
 
 
+def fake_cpu_devices(devices: int) -> str:
+    """XLA_FLAGS for ``devices`` CPU devices in one process. XLA:CPU aborts a collective whose devices do not all
+    arrive within 40 s, which a loaded 2-core machine running several such processes can exceed: the limit is
+    raised so that a run's outcome does not depend on the machine's load."""
+    return (
+        f"--xla_force_host_platform_device_count={devices}"
+        " --xla_cpu_collective_call_warn_stuck_timeout_seconds=600"
+        " --xla_cpu_collective_call_terminate_timeout_seconds=3600"
+    )
+
+
 def cpu_fingerprint() -> str:
     """The host CPU as XLA:CPU compiles for it: model name and instruction-set flags (a digest of them)."""
     import hashlib
@@ -108,7 +119,7 @@ def run_with_fake_devices(module: str, timeout: int, devices: int = 8) -> Any:
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=fake_cpu_devices(devices), JAX_PLATFORMS="cpu")
     root = pathlib.Path(__file__).resolve().parents[1]
     done = subprocess.run(
         [sys.executable, "-m", module], cwd=root, env=env, capture_output=True, text=True, timeout=timeout

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import TINY_MAIN_JOB, main_job_command
+from tests.helpers import TINY_MAIN_JOB, fake_cpu_devices, main_job_command
 from trace_jax.checkpoint.state import StateCheckpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ TIMEOUT = 1500
 def _env(devices: int) -> dict[str, str]:
     return dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=fake_cpu_devices(devices),
         JAX_PLATFORMS="cpu",
         JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
     )

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import TINY_MAIN_JOB, main_job_command
+from tests.helpers import TINY_MAIN_JOB, fake_cpu_devices, main_job_command
 from tests.job.test_train import ROOT, final_params, records_without_timings, without_run_facts
 
 pytestmark = pytest.mark.slow
@@ -132,7 +132,7 @@ train_and_exit()
 def _env(devices, compiled):
     return dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=fake_cpu_devices(devices),
         JAX_PLATFORMS="cpu",
         JAX_COMPILATION_CACHE_DIR=str(compiled),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

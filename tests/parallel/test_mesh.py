@@ -9,7 +9,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec
 
-from tests.helpers import build_hf_checkpoint
+from tests.helpers import build_hf_checkpoint, fake_cpu_devices
 from trace_jax.parallel import mesh as mesh_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def eight_device_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf")
     build_hf_checkpoint(path, "qwen3", tie_word_embeddings=False)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=fake_cpu_devices(8), JAX_PLATFORMS="cpu")
     done = subprocess.run(
         [sys.executable, "-m", "tests.parallel.mesh_check", str(path)],
         cwd=ROOT,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from tests.helpers import fake_cpu_devices
 from trace_jax.parallel import distributed, multihost
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,7 +28,7 @@ def _run_pair(workdir, *mode):
     """Two processes of multiprocess_check on a free port; their JSON outputs in process order."""
     env = dict(
         os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=fake_cpu_devices(2),
         JAX_PLATFORMS="cpu",
         JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
     )

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.helpers import fake_cpu_devices
 from trace_jax.models import ModelConfig
 from trace_jax.rollout.engine import pages
 from trace_jax.rollout.engine.engine import Engine, EngineConfig
@@ -23,7 +24,7 @@ def test_the_kernel_engine_on_a_data_tensor_mesh_decodes_like_the_reference_engi
     Mutants caught: tables not made shard-local (another shard's pages read), a fork across shards that shares
     instead of copying, the new token's keys written outside the shard, heads split over ``tensor`` in a
     different order from the pool's."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": fake_cpu_devices(4), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.rollout.decode_kernel_check"], cwd=ROOT, env=env, capture_output=True, text=True
     )

@@ -8,12 +8,14 @@ import sys
 
 import pytest
 
+from tests.helpers import fake_cpu_devices
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def layout_run():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=fake_cpu_devices(8), JAX_PLATFORMS="cpu")
     done = subprocess.run(
         [sys.executable, "-m", "tests.rollout.layout_check"], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=900,
