@@ -36,6 +36,10 @@ EXTRAS = {
         "ruff",
         "tensorboard",
         "fsspec",
+        # gs:// against a local GCS emulator with the real clients (tests/gcs_emulator.py)
+        "gcp-storage-emulator",
+        "gcsfs",
+        "google-cloud-storage",
     ],
     # gs:// workdirs: epath reaches GCS through fsspec (gcsfs); orbax asks the bucket's layout (google-cloud-storage).
     "gcs": ["gcsfs", "google-cloud-storage"],
