@@ -40,7 +40,7 @@ from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend, Rollo
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """Everything a run chooses about allocation (all names are config strings / numbers).
 

@@ -4,10 +4,10 @@ optimizer step whose gradient accumulates over fixed-shape micro-batches.
 Usage (the wiring ``trace_jax.job.training`` does)::
 
     graphdef, params = nnx.split(model, nnx.Param)         # model built with parallel.mesh.create_sharded
-    trainer = RLTrainer(graphdef, make_optimizer(schema.optimizer_config(cfg)), from_config(LossConfig, cfg.loss),
-                        mesh=mesh, update=from_config(UpdateConfig, cfg.ppo), sampling=engine.sampling,
-                        reference_params=params if loss.kl_coef else None)   # the trainer keeps a copy
-    check_objective(cfg.rl.advantage, trainer.loss_config, batch_config)   # at config time
+    trainer = RLTrainer(graphdef, make_optimizer(schema.optimizer_config(run)), run.loss,   # run: a RunConfig
+                        mesh=mesh, update=run.ppo, sampling=engine.sampling,
+                        reference_params=params if run.loss.kl_coef else None)   # the trainer keeps a copy
+    check_objective(run.rl.advantage, trainer.loss_config, batch_config)   # at config time
     state = trainer.init_state(params, jax.random.key(seed))  # takes ownership: params are donated later
     batch, info = build_batch(trees, compute_advantages("grpo", trees),
                               BatchConfig(fixed_length=True), trainer.loss_config)   # no padding rows needed
