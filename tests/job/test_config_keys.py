@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from trace_jax.config_utils import from_config, load_config_file
-from trace_jax.configs import RunConfig
-from trace_jax.job import build, rundir, schema, validate, warm_start
+from trace_jax.config_utils import from_config
+from trace_jax.configs import RunConfig, load_config_file, schema, validate
+from trace_jax.job import build, rundir, warm_start
 from trace_jax.job.cli import ExitCode, WorkdirError
 from trace_jax.job.commands import train_main
 from trace_jax.job.warm_start import fingerprint
@@ -89,7 +89,7 @@ def test_a_retired_key_in_a_config_file_is_refused(capsys, tmp_path):
     path = tmp_path / "old.py"
     path.write_text(
         "import pathlib\n"
-        "from trace_jax.config_utils import load_config_file\n\n\n"
+        "from trace_jax.configs import load_config_file\n\n\n"
         "def get_config():\n"
         f"    config = load_config_file({str(ROOT / 'configs' / 'default.py')!r})\n"
         "    config.rl.micro_batches = 2\n"
@@ -143,7 +143,7 @@ def test_the_default_runs_learning_rates_are_the_ones_it_always_had():
     # configs/default.py held warmup_steps=2 and total_steps=30 under a constant schedule, which ignores the
     # total: the derived 120 gives the very same learning rate at every step.
     new = schema.optimizer_config(typed("default.py"))
-    old = dict(new.__dict__, total_steps=30, warmup_steps=2)
+    old = dataclasses.replace(new, total_steps=30, warmup_steps=2)
     steps = np.arange(200)
     np.testing.assert_array_equal(
         np.asarray(jax.vmap(make_schedule(new))(steps)), np.asarray(jax.vmap(make_schedule(old))(steps))

@@ -46,8 +46,8 @@ from trace_jax.allocation.calibration import calibration_metrics, weighted_auc
 from trace_jax.allocation.predictor import make_predictor
 from trace_jax.allocation.solvers import expected_root_value
 from trace_jax.bench.report import emit
-from trace_jax.config_utils import load_config_file
-from trace_jax.job import build, validate
+from trace_jax.configs import load_config_file, validate
+from trace_jax.job import build
 from trace_jax.job.evaluate import group_of
 from trace_jax.models import num_params
 from trace_jax.rollout.backend import ContinuationRequest

@@ -40,9 +40,9 @@ import numpy as np
 
 from trace_jax.bench.decode import throughput_rows
 from trace_jax.bench.report import machine
-from trace_jax.config_utils import load_config_file
+from trace_jax.configs import load_config_file, validate
 from trace_jax.data.prompts import PromptStream
-from trace_jax.job import build, validate
+from trace_jax.job import build
 from trace_jax.job.commands import DEFAULT_CONFIG
 from trace_jax.job.sft import run_sft
 from trace_jax.rollout.backend import ContinuationRequest

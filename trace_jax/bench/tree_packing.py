@@ -40,7 +40,7 @@ from flax import nnx
 
 from trace_jax.allocation.scheduler import TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
-from trace_jax.job import schema, validate
+from trace_jax.configs import schema, validate
 from trace_jax.models import create_model
 from trace_jax.optim import make_optimizer
 from trace_jax.rl.advantages import compute_advantages

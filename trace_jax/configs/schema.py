@@ -13,17 +13,13 @@ import math
 import re
 from typing import Any
 
-from trace_jax.configs import (
+from trace_jax.configs.run import (
     RECIPES,
     RETIRED,
     SECTIONS,
     TOP_LEVEL_DOCS,
-    EvalConfig,
-    MeshConfig,
     Retired,
-    RLConfig,
     RunConfig,
-    TokenizerConfig,
     leaves,
     retired_message,
     retired_problems,
@@ -31,6 +27,7 @@ from trace_jax.configs import (
     steps_per_rl_step,
     upgrade,
 )
+from trace_jax.configs.sections import EvalConfig, MeshConfig, RLConfig, TokenizerConfig
 from trace_jax.optim import OptimizerConfig
 
 __all__ = [
