@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from trace_jax.config_utils import documented
 from trace_jax.registry import Registry
 
 # ``fn(peak_lr, warmup_steps, decay_steps) -> optax.Schedule`` by name.
@@ -63,31 +64,32 @@ class OptimizerConfig:
     """Fields ``make_optimizer`` reads (any mapping / ConfigDict with a subset of them works).
 
     Attributes:
-      learning_rate: peak learning rate (reached after warmup).
-      warmup_steps: linear warmup from 0 over this many optimizer steps.
-      total_steps: length of the run in optimizer steps; the schedule decays over ``total_steps - warmup``.
-        The main job derives both from ``rl.steps`` and ``rl.warmup_steps`` (``trace_jax.configs.schema.derived``).
-      weight_decay: decoupled AdamW weight decay, applied to params with ndim >= 2 only (not to norms, biases).
-      max_grad_norm: clip gradients to this global norm; 0 or None disables clipping.
-      b1, b2, eps: Adam moments.
-      schedule: a key of ``SCHEDULES`` ("cosine", "constant", "linear").
-      master_dtype: None (the optimizer works in the params' dtype) or "float32": keep a float32 master copy
-        of the params in the optimizer state, with float32 Adam moments, and write each update back rounded
-        to the params' dtype. Use it with ``ModelConfig(param_dtype="bfloat16")`` (bf16 weights, fp32
-        optimizer state: 2 + 4 + 8 = 14 bytes per parameter). ``param_dtype="float32", dtype="bfloat16"``
-        without it (12 bytes per parameter, bf16 compute) is the cheaper choice when weights may stay fp32.
     """
 
-    learning_rate: float = 1e-5
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    schedule: str = "cosine"
-    master_dtype: str | None = None
+    learning_rate: float = documented(1e-5, "peak learning rate (reached after warmup).")
+    warmup_steps: int = documented(0, "linear warmup from 0 over this many optimizer steps.")
+    total_steps: int = documented(
+        1000,
+        "length of the run in optimizer steps; the schedule decays over ``total_steps - warmup``. The main job derives "
+        "both from ``rl.steps`` and ``rl.warmup_steps`` (``trace_jax.configs.schema.derived``).",
+    )
+    weight_decay: float = documented(
+        0.0,
+        "decoupled AdamW weight decay, applied to params with ndim >= 2 only (not to norms, biases).",
+    )
+    max_grad_norm: float | None = documented(1.0, "clip gradients to this global norm; 0 or None disables clipping.")
+    b1: float = documented(0.9, "Adam moments.")
+    b2: float = documented(0.999, "Adam moments.")
+    eps: float = documented(1e-8, "Adam moments.")
+    schedule: str = documented("cosine", 'a key of ``SCHEDULES`` ("cosine", "constant", "linear").')
+    master_dtype: str | None = documented(
+        None,
+        'None (the optimizer works in the params\' dtype) or "float32": keep a float32 master copy of the params in '
+        "the optimizer state, with float32 Adam moments, and write each update back rounded to the params' dtype. "
+        'Use it with ``ModelConfig(param_dtype="bfloat16")`` (bf16 weights, fp32 optimizer state: 2 + 4 + 8 = 14 '
+        'bytes per parameter). ``param_dtype="float32", dtype="bfloat16"`` without it (12 bytes per parameter, bf16 '
+        "compute) is the cheaper choice when weights may stay fp32.",
+    )
 
 
 def _resolve(config: OptimizerConfig | None, fields: dict[str, Any]) -> OptimizerConfig:
