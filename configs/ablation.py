@@ -39,7 +39,7 @@ from typing import Any
 import ml_collections
 
 from trace_jax.allocation.policies import POLICIES
-from trace_jax.config_utils import load_config_file
+from trace_jax.configs import load_config_file
 
 
 @dataclasses.dataclass(frozen=True)

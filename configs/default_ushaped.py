@@ -15,8 +15,7 @@ import pathlib
 
 import ml_collections
 
-from trace_jax.config_utils import load_config_file
-from trace_jax.configs import WorldConfig, section
+from trace_jax.configs import WorldConfig, load_config_file, section
 
 WORLD = WorldConfig(
     questions_per_hop=250,

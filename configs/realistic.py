@@ -23,8 +23,7 @@ import pathlib
 
 import ml_collections
 
-from trace_jax.config_utils import load_config_file
-from trace_jax.configs import WorldConfig, section
+from trace_jax.configs import WorldConfig, load_config_file, section
 
 # ModelConfig overrides of the policy (the tokenizer sets vocab_size); none: the default tiny policy (see above).
 POLICY_OVERRIDES = ()

@@ -13,7 +13,7 @@ import pathlib
 
 import ml_collections
 
-from trace_jax.config_utils import load_config_file
+from trace_jax.configs import load_config_file
 
 POLICY_OVERRIDES = (("hidden_size", 256), ("intermediate_size", 768), ("num_layers", 4), ("head_dim", 64))
 SFT_STEPS = 2000

@@ -21,7 +21,6 @@ import pathlib
 
 import ml_collections
 
-from trace_jax.config_utils import load_config_file
 from trace_jax.configs import (
     BatchConfig,
     EngineConfig,
@@ -32,6 +31,7 @@ from trace_jax.configs import (
     RecipeConfig,
     RetrieverConfig,
     SearchR1DataConfig,
+    load_config_file,
     section,
     trim,
 )

@@ -13,7 +13,6 @@ repository URL, and never the virtual environment, run directories or git histor
 
 from __future__ import annotations
 
-import ast
 import os
 import pathlib
 import subprocess
@@ -30,7 +29,7 @@ def check(config_spec: str, overrides: list[str]) -> int:
     """0 when every ``--config.x=v`` names a key of ``config_spec``'s config, else 2 with one line per bad key."""
     sys.path.insert(0, str(ROOT))
     try:
-        from trace_jax.config_utils import load_config_file, unknown_overrides
+        from trace_jax.configs import load_config_file, unknown_overrides
 
         config = load_config_file(config_spec)
     except Exception as e:  # the user's local environment: say what is missing and how to go on
@@ -55,26 +54,15 @@ def plan_command(accelerator: str, config_spec: str, overrides: list[str], extra
     largest ``batch.length_buckets`` or ``batch.pack_length``), the engine's slots, window and dtypes, and
     ``--require-fit``; ``extra`` (planner options) is appended, so it can override any of them."""
     sys.path.insert(0, str(ROOT))
-    from trace_jax.config_utils import load_config_file
+    from trace_jax.configs import load  # the package: installed or this checkout
 
-    config = load_config_file(config_spec)
-    for override in overrides:  # --config.a.b=value, the value read as a Python literal where it is one
-        key, _, value = override.removeprefix("--config.").partition("=")
-        *path, leaf = key.split(".")
-        section = config
-        for name in path:
-            section = section[name]
-        try:
-            section[leaf] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            section[leaf] = value
-    mesh, batch, engine, ppo = config.mesh, config.batch, config.engine, config.ppo
-    model = config.get("model") or {}
-    axes = {"data": mesh.data, "fsdp": mesh.fsdp, "expert": mesh.get("expert", 1), "tensor": mesh.tensor}
-    seq_len = batch.get("pack_length") or max(batch.length_buckets)
+    run = load(config_spec, overrides)  # the job's own RunConfig: its defaults, overrides and checks
+    axes = {"data": run.mesh.data, "fsdp": run.mesh.fsdp, "expert": run.mesh.expert, "tensor": run.mesh.tensor}
+    seq_len = run.batch.pack_length or max(run.batch.length_buckets)
+    engine, ppo, model = run.engine, run.ppo, run.model
     return [
         "-m", "trace_jax.plan",
-        "--model", config.sft.model if "sft" in config else config.recipe.variant,  # a synthetic or real recipe
+        "--model", run.sft.model if run.recipe.kind == "synthetic" else run.recipe.variant,  # synthetic or real
         "--topology", accelerator,
         "--mesh", ",".join(f"{k}={v}" for k, v in axes.items()),
         "--micro-rows", str(ppo.micro_rows),
@@ -82,8 +70,8 @@ def plan_command(accelerator: str, config_spec: str, overrides: list[str], extra
         "--mini-batches", str(ppo.mini_batches),
         "--ppo-epochs", str(ppo.ppo_epochs),
         "--seq-len", str(seq_len),
-        "--dtype", model.get("dtype", "bfloat16"),
-        "--param-dtype", model.get("param_dtype", "float32"),
+        *(["--dtype", model.dtype] if model.dtype else []),  # "": the model's own default, the planner's too
+        *(["--param-dtype", model.param_dtype] if model.param_dtype else []),
         "--slots", str(engine.max_slots),
         "--engine-len", str(engine.max_len),
         "--steps-per-call", str(engine.steps_per_call),

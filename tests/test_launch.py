@@ -4,6 +4,7 @@ The pod launcher's worker side (``launch/tpu_worker.sh``) runs here for real aga
 directory: a detached job, its log and exit status, and stopping a leftover.
 """
 
+import dataclasses
 import os
 import pathlib
 import shlex
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from trace_jax.config_utils import load_config_file, unknown_overrides
+from trace_jax.configs import load_config_file, unknown_overrides
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHON": sys.executable}
@@ -303,6 +304,31 @@ def test_the_plan_step_compiles_the_configs_own_layout():
     assert value("--mesh") == "data=1,fsdp=8,expert=1,tensor=4" and value("--micro-rows") == "16"
     assert value("--seq-len") == "4096" and value("--engine-len") == "4096" and value("--slots") == "128"
     assert "--require-fit" in argv and argv[-2:] == ["--margin", "0.2"]
+
+
+def _patch_default(monkeypatch, cls, name, value):
+    """``cls()`` takes ``value`` for field ``name`` (a dataclass's defaults live in its ``__init__``)."""
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    defaults = list(cls.__init__.__defaults__)
+    defaults[len(defaults) - len(names) + names.index(name)] = value
+    monkeypatch.setattr(cls.__init__, "__defaults__", tuple(defaults))
+
+
+def test_the_plan_step_reads_the_jobs_defaults_from_the_config_door(monkeypatch):
+    """A section's default changed in its dataclass (``MeshConfig.expert``, which configs/default.py leaves alone)
+    reaches the plan command: fails if pod_helper restates a default of its own (``mesh.get("expert", 1)``)."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import pod_helper
+
+    from trace_jax.configs import MeshConfig
+
+    value = lambda argv, name: argv[argv.index(name) + 1]
+    argv = pod_helper.plan_command("v5p-8", "configs/default.py", [], [])
+    assert value(argv, "--mesh") == "data=1,fsdp=-1,expert=1,tensor=1"
+    _patch_default(monkeypatch, MeshConfig, "expert", 2)
+    assert MeshConfig().expert == 2  # premise: the default changed
+    argv = pod_helper.plan_command("v5p-8", "configs/default.py", [], [])
+    assert value(argv, "--mesh") == "data=1,fsdp=-1,expert=2,tensor=1"
 
 
 def _plan_launch(*plan_args):

@@ -200,9 +200,9 @@ def job_imports(source: str) -> list[str]:
 
 def test_config_files_build_their_sections_below_the_job():
     """Config files import ``trace_jax.configs`` (and parts below it), never the job wing: the mutant is a config
-    file that builds a section with ``trace_jax.job.schema.section`` or imports ``RLConfig`` from the job."""
-    assert job_imports("from trace_jax.job.schema import section\nimport trace_jax.job\n") == [
-        "trace_jax.job.schema",
+    file that builds a section with ``trace_jax.job.build`` or imports ``RLConfig`` from the job."""
+    assert job_imports("from trace_jax.job.build import section\nimport trace_jax.job\n") == [
+        "trace_jax.job.build",
         "trace_jax.job",
     ]  # premise: the check sees both forms
     files = sorted((PACKAGE.parent / "configs").glob("*.py"))

@@ -1,11 +1,10 @@
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
 
-from trace_jax.optim import all_finite, guarded_update, make_optimizer, make_schedule
+from trace_jax.optim import OptimizerConfig, all_finite, guarded_update, make_optimizer, make_schedule
 
 
 def _params():
@@ -25,8 +24,8 @@ def test_schedule_warms_up_then_decays():
     assert [float(longer(i)) for i in range(20)] == [float(constant(i)) for i in range(20)]
 
 
-def test_config_dict_and_kwargs_agree_and_kwargs_override():
-    config = ml_collections.ConfigDict({"learning_rate": 0.1, "warmup_steps": 0, "total_steps": 10})
+def test_config_and_kwargs_agree_and_kwargs_override():
+    config = OptimizerConfig(learning_rate=0.1, warmup_steps=0, total_steps=10)
     grads = {"w": jnp.full((3, 2), 0.5), "b": jnp.full((2,), 0.5)}
     out = []
     for tx in (make_optimizer(config), make_optimizer(learning_rate=0.1, warmup_steps=0, total_steps=10)):

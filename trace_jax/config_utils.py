@@ -5,13 +5,15 @@ A part's defaults live in its dataclass (``WorldConfig``, ``EngineConfig``, ``Lo
 what the recipe needs, and the main job turns the whole config back once, into a typed ``RunConfig``
 (``trace_jax.configs``), with ``from_config`` per section. Nested dataclasses (``EngineConfig.sampling``) become
 nested sections; tuples become lists and back.
+
+A field is documented where it is declared, with :func:`documented` (``steps: int = documented(30, "RL
+updates")``); ``--show-config`` reads the text from ``dataclasses.fields(cls)[i].metadata["doc"]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import types
 import typing
 from collections.abc import Mapping
@@ -23,6 +25,20 @@ T = TypeVar("T")
 
 
 _OVERRIDABLE = (int, float, str, bool)
+DOC = "doc"  # the metadata key of a field's documentation
+
+
+def documented(default: Any = dataclasses.MISSING, doc: str = "", **field_kwargs: Any) -> Any:
+    """A dataclass field with ``default`` (or ``default_factory=...`` and any other ``dataclasses.field``
+    argument) whose documentation is ``doc``: what the key means and what its values do, one sentence or a few."""
+    if not doc:
+        raise ValueError("documented() needs the field's doc")
+    return dataclasses.field(default=default, metadata={DOC: doc}, **field_kwargs)
+
+
+def field_doc(field: dataclasses.Field) -> str | None:
+    """The text :func:`documented` gave ``field``, or None."""
+    return field.metadata.get(DOC)
 
 
 def _optional_scalar(annotation: Any) -> type | None:
@@ -100,36 +116,3 @@ def from_config(cls: type[T], section: Mapping[str, Any] | ml_collections.Config
         else:
             kwargs[key] = _tuples(value)
     return cls(**kwargs)
-
-
-def load_config_file(spec: str) -> ml_collections.ConfigDict:
-    """``path/to/config.py[:arg]`` -> ``get_config(arg)``, the way ``config_flags`` reads a config file."""
-
-    path, _, arg = spec.partition(":")
-    module_spec = importlib.util.spec_from_file_location("trace_jax_run_config", path)
-    if module_spec is None or module_spec.loader is None:
-        raise FileNotFoundError(f"config file {path!r} cannot be loaded")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(arg) if arg else module.get_config()
-
-
-def _dotted_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
-    keys = []
-    for key, value in config.items():
-        keys.append(prefix + key)
-        if isinstance(value, ml_collections.ConfigDict):
-            keys += _dotted_keys(value, f"{prefix}{key}.")
-    return keys
-
-
-def unknown_overrides(overrides: list[str], config: ml_collections.ConfigDict) -> list[str]:
-    """One message per ``--config.a.b=v`` whose key ``a.b`` the config lacks, naming the nearest keys."""
-    known = _dotted_keys(config)
-    messages = []
-    for flag in overrides:
-        key = flag.split("=", 1)[0].removeprefix("--config.")
-        if key not in known:
-            near = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
-            messages.append(f"unknown config key {key!r}" + (f"; near matches: {', '.join(near)}" if near else ""))
-    return messages

@@ -1,9 +1,9 @@
 """Optimizers shared by SFT and RL: AdamW with warmup + schedule + global-norm clipping, and a non-finite guard.
 
-``make_optimizer`` takes plain keyword arguments or a ConfigDict / mapping with the same field names::
+``make_optimizer`` takes an ``OptimizerConfig`` and/or keyword arguments naming its fields (they win)::
 
     tx = make_optimizer(learning_rate=1e-5, warmup_steps=10, total_steps=200)
-    tx = make_optimizer(config.rl.optim)          # ConfigDict with any subset of the fields below
+    tx = make_optimizer(schema.optimizer_config(run))     # the run's typed optim section, lengths derived
 
 ``guarded_update`` applies one optimizer step only when the loss and every gradient are finite; otherwise
 params and optimizer state come back unchanged (same arrays, same shardings) and ``finite`` is False so the
@@ -13,6 +13,7 @@ caller can count the skip. It is a pure function, usable inside ``jax.jit``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from trace_jax.config_utils import from_config
+from trace_jax.config_utils import documented
 from trace_jax.registry import Registry
 
 # ``fn(peak_lr, warmup_steps, decay_steps) -> optax.Schedule`` by name.
@@ -63,40 +64,47 @@ class OptimizerConfig:
     """Fields ``make_optimizer`` reads (any mapping / ConfigDict with a subset of them works).
 
     Attributes:
-      learning_rate: peak learning rate (reached after warmup).
-      warmup_steps: linear warmup from 0 over this many optimizer steps.
-      total_steps: length of the run in optimizer steps; the schedule decays over ``total_steps - warmup``.
-        The main job derives both from ``rl.steps`` and ``rl.warmup_steps`` (``trace_jax.job.schema.derived``).
-      weight_decay: decoupled AdamW weight decay, applied to params with ndim >= 2 only (not to norms, biases).
-      max_grad_norm: clip gradients to this global norm; 0 or None disables clipping.
-      b1, b2, eps: Adam moments.
-      schedule: a key of ``SCHEDULES`` ("cosine", "constant", "linear").
-      master_dtype: None (the optimizer works in the params' dtype) or "float32": keep a float32 master copy
-        of the params in the optimizer state, with float32 Adam moments, and write each update back rounded
-        to the params' dtype. Use it with ``ModelConfig(param_dtype="bfloat16")`` (bf16 weights, fp32
-        optimizer state: 2 + 4 + 8 = 14 bytes per parameter). ``param_dtype="float32", dtype="bfloat16"``
-        without it (12 bytes per parameter, bf16 compute) is the cheaper choice when weights may stay fp32.
     """
 
-    learning_rate: float = 1e-5
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    schedule: str = "cosine"
-    master_dtype: str | None = None
+    learning_rate: float = documented(1e-5, "peak learning rate (reached after warmup).")
+    warmup_steps: int = documented(0, "linear warmup from 0 over this many optimizer steps.")
+    total_steps: int = documented(
+        1000,
+        "length of the run in optimizer steps; the schedule decays over ``total_steps - warmup``. The main job derives "
+        "both from ``rl.steps`` and ``rl.warmup_steps`` (``trace_jax.configs.schema.derived``).",
+    )
+    weight_decay: float = documented(
+        0.0,
+        "decoupled AdamW weight decay, applied to params with ndim >= 2 only (not to norms, biases).",
+    )
+    max_grad_norm: float | None = documented(1.0, "clip gradients to this global norm; 0 or None disables clipping.")
+    b1: float = documented(0.9, "Adam moments.")
+    b2: float = documented(0.999, "Adam moments.")
+    eps: float = documented(1e-8, "Adam moments.")
+    schedule: str = documented("cosine", 'a key of ``SCHEDULES`` ("cosine", "constant", "linear").')
+    master_dtype: str | None = documented(
+        None,
+        'None (the optimizer works in the params\' dtype) or "float32": keep a float32 master copy of the params in '
+        "the optimizer state, with float32 Adam moments, and write each update back rounded to the params' dtype. "
+        'Use it with ``ModelConfig(param_dtype="bfloat16")`` (bf16 weights, fp32 optimizer state: 2 + 4 + 8 = 14 '
+        'bytes per parameter). ``param_dtype="float32", dtype="bfloat16"`` without it (12 bytes per parameter, bf16 '
+        "compute) is the cheaper choice when weights may stay fp32.",
+    )
 
 
-def _resolve(config: Any, overrides: dict[str, Any]) -> OptimizerConfig:
-    if isinstance(config, OptimizerConfig):
-        config = dataclasses.asdict(config)
-    return from_config(OptimizerConfig, config, **overrides)
+def _resolve(config: OptimizerConfig | None, fields: dict[str, Any]) -> OptimizerConfig:
+    """``config`` (default: ``OptimizerConfig()``) with ``fields`` replaced; an unknown field is a ValueError
+    naming the nearest ones."""
+    known = [f.name for f in dataclasses.fields(OptimizerConfig)]
+    for key in fields:
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=3)
+            hint = f"; did you mean {' or '.join(near)}?" if near else ""
+            raise ValueError(f"OptimizerConfig has no field {key!r}{hint} (fields: {', '.join(known)})")
+    return dataclasses.replace(config or OptimizerConfig(), **fields)
 
 
-def make_schedule(config: Any = None, **kwargs: Any) -> optax.Schedule:
+def make_schedule(config: OptimizerConfig | None = None, **kwargs: Any) -> optax.Schedule:
     """The learning-rate schedule ``make_optimizer`` uses (step -> lr), for logging the current lr."""
     cfg = _resolve(config, kwargs)
     if cfg.warmup_steps < 0 or cfg.total_steps <= 0:
@@ -109,18 +117,18 @@ def decay_mask(params: Any) -> Any:
     return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
 
 
-def make_optimizer(config: Any = None, **kwargs: Any) -> optax.GradientTransformation:
+def make_optimizer(config: OptimizerConfig | None = None, **kwargs: Any) -> optax.GradientTransformation:
     """AdamW + warmup + schedule, after global-norm gradient clipping.
 
     Args:
-      config: optional ConfigDict / mapping / dataclass with fields of ``OptimizerConfig``.
+      config: an ``OptimizerConfig`` (default: its defaults).
       **kwargs: the same fields as keywords; they override ``config``.
 
     Returns:
       An ``optax.GradientTransformation`` whose state works on any params pytree (e.g. ``nnx.State``).
     """
     cfg = _resolve(config, kwargs)
-    schedule = make_schedule(cfg.__dict__)
+    schedule = make_schedule(cfg)
     parts = []
     if cfg.max_grad_norm:
         parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))

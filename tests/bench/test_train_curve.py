@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from trace_jax.bench import train_curve
-from trace_jax.job import schema
+from trace_jax.configs import schema
 from trace_jax.job.metrics import MetricWriter, read_jsonl
 
 

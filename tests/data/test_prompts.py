@@ -56,9 +56,9 @@ def test_an_rl_split_with_kinds_feeds_only_those_kinds_and_validates():
     import pathlib
     import types
 
-    from trace_jax.config_utils import load_config_file
+    from trace_jax.configs import load_config_file, validate
     from trace_jax.data.synthetic import KINDS, SyntheticWorld
-    from trace_jax.job import recipes, validate
+    from trace_jax.job import recipes
 
     root = pathlib.Path(__file__).resolve().parents[2]
     config = load_config_file(f"{root / 'configs' / 'realistic.py'}:uniform")

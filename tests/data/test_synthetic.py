@@ -7,7 +7,8 @@ import pathlib
 
 import pytest
 
-from trace_jax.config_utils import from_config, load_config_file
+from trace_jax.config_utils import from_config
+from trace_jax.configs import load_config_file
 from trace_jax.data.synthetic import KINDS, RELATIONS, SyntheticWorld, WorldConfig
 from trace_jax.envs.retrieval.retriever import BM25Retriever
 from trace_jax.job.sft import SFTConfig

@@ -13,12 +13,12 @@ import sys
 
 import jax
 
-from trace_jax.config_utils import load_config_file
+from trace_jax.configs import load_config_file
+from trace_jax.configs.validate import validate
 from trace_jax.job.cli import Console
 from trace_jax.job.commands import DEFAULT_CONFIG
 from trace_jax.job.metrics import PhaseTimer
 from trace_jax.job.training import Training
-from trace_jax.job.validate import validate
 
 
 class CompileLog(logging.Handler):

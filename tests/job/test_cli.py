@@ -151,9 +151,9 @@ def test_unusable_workdirs_are_refused_before_work(capsys, tmp_path):
 
 
 def test_a_workdir_holding_another_run_is_refused(capsys, tmp_path):
-    from trace_jax.config_utils import load_config_file
+    from trace_jax.configs import load_config_file
+    from trace_jax.configs.validate import validate
     from trace_jax.job.build import save_run_config
-    from trace_jax.job.validate import validate
 
     config = validate(load_config_file(str(ROOT / "configs" / "default.py")))
     save_run_config(config, tmp_path)

@@ -4,8 +4,7 @@ import pathlib
 
 import pytest
 
-from trace_jax.config_utils import load_config_file
-from trace_jax.job import validate
+from trace_jax.configs import load_config_file, validate
 from trace_jax.job.cli import ConfigError
 from trace_jax.models import PRESETS
 

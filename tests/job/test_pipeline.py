@@ -12,9 +12,9 @@ import pytest
 from trace_jax.cluster.pipeline import RolloutPipeline, Sampled
 from trace_jax.cluster.placement import Placement
 from trace_jax.configs import MeshConfig, RLConfig, RunConfig
+from trace_jax.configs.validate import check_mesh, check_sampling_process
 from trace_jax.job.cli import ConfigError
 from trace_jax.job.sampling_process import split_cpus
-from trace_jax.job.validate import check_mesh, check_sampling_process
 from trace_jax.parallel.mesh import split_devices
 
 
@@ -146,7 +146,7 @@ def test_split_devices_keeps_at_least_one_device_to_train():
 
 def test_colocated_placement_is_the_training_mesh_and_leaves_weights_alone():
     """Fails if the default placement moves the weights or builds a separate engine mesh."""
-    placement = Placement.of({"data": 1, "fsdp": -1, "tensor": 1, "expert": 1, "rollout_devices": 0})
+    placement = Placement.of(MeshConfig(data=1, fsdp=-1, tensor=1))
     assert not placement.apart
     assert placement.train_mesh.devices.size == jax.device_count()
     colocated = object()
@@ -212,8 +212,8 @@ def test_a_sampling_process_that_cannot_run_here_is_a_config_error(config, platf
 
 def test_a_sampling_process_is_the_synthetic_recipes_alone():
     """Fails if a search_r1 config (whose world the child could not rebuild) may set mesh.rollout_cpus."""
-    from trace_jax.config_utils import load_config_file
-    from trace_jax.job.validate import problems
+    from trace_jax.configs import load_config_file
+    from trace_jax.configs.validate import problems
 
     config = load_config_file(f"{pathlib.Path(__file__).resolve().parents[2]}/configs/search_r1.py:tiny")
     assert problems(config) == []  # premise: the recipe is fine without it

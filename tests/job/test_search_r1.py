@@ -29,7 +29,7 @@ from tests import search_r1_fixtures as fixtures
 from tests.helpers import torch_logits
 from trace_jax.checkpoint.hf import load_hf
 from trace_jax.checkpoint.state import StateCheckpointer
-from trace_jax.config_utils import load_config_file
+from trace_jax.configs import load_config_file, validate
 from trace_jax.data.tokenizer import load_tokenizer
 from trace_jax.envs.react import (
     OBSERVATION_CLOSE,
@@ -40,7 +40,7 @@ from trace_jax.envs.react import (
 )
 from trace_jax.envs.retrieval.retriever import BM25Retriever, HttpRetriever, make_server
 from trace_jax.envs.stops import stop_id_sequences
-from trace_jax.job import build, cli, recipes, validate
+from trace_jax.job import build, cli, recipes
 from trace_jax.job.commands import hf_main
 from trace_jax.job.evaluate import evaluate
 from trace_jax.models import abstract_model

@@ -5,8 +5,8 @@ import pathlib
 import jax
 import numpy as np
 
-from trace_jax.config_utils import load_config_file
-from trace_jax.job import build, validate, warm_start
+from trace_jax.configs import load_config_file, validate
+from trace_jax.job import build, warm_start
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -35,62 +35,90 @@ from trace_jax.allocation.history import PromptHistory
 from trace_jax.allocation.policies import AllocationPolicy, make_policy
 from trace_jax.allocation.predictor import SuccessPredictor, make_predictor
 from trace_jax.allocation.selection import PROMPT_ANCHORS, selection_metrics
+from trace_jax.config_utils import documented
 from trace_jax.rollout import figures
 from trace_jax.rollout.backend import ContinuationRequest, RolloutBackend, RolloutStats
 from trace_jax.rollout.tree import ROOT, RolloutTree
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """Everything a run chooses about allocation (all names are config strings / numbers).
+    """Everything a run chooses about allocation (all names are config strings / numbers)."""
 
-    policy / policy_kwargs: a name of ``policies.POLICIES`` and overrides of its fields.
-    predictor / predictor_kwargs: a name of ``predictor.PREDICTORS`` and its constructor arguments.
-    rollouts_per_prompt: rollout budget = round(batch size x this); None: no rollout limit.
-    tokens_per_prompt: generated-token budget = round(batch size x this); None: no token limit.
-    max_tokens_per_rollout: the most one continuation can generate (max turns x per-turn token limit); set it
-      and the token budget is never exceeded (see ``context.Budget``); None: planned on expected costs only.
-    prior_tokens_per_rollout: the cost model's guess before it has seen a finished tree.
-    max_depth: deepest turn the cost model tells apart (deeper turns share its estimate).
-    seed: the policies' random choices.
-    candidates_per_prompt: *(ours)* prompts drawn per prompt trained (>= 1): the training loop draws
-      ``candidates(batch size)`` prompts a step and the policy keeps the batch's worth of them
-      (``select_prompts``: TRACE by predicted ``V_root``, policies without a predictor at random). The budget
-      and every per-prompt figure are those of the kept batch. 1: no selection.
-    select_on: *(ours)* where selection and stage 1 score a prompt (``selection.PROMPT_ANCHORS``): "root" (the
-      prompt alone) or "first_search" (each candidate first gets one rollout's first turn, the search call and
-      its observation, and is scored at that depth-1 prefix; the probes' tokens are charged to the budget, a
-      kept prompt's probe is continued by its first stage-1 rollout). Needs a policy that ranks prompts by the
-      predictor (stage 1 "active": trace, root_only). Logged as ``select/*``.
-    predictor_warmup_prompts / predictor_warmup_rollouts / predictor_warmup_updates: *(ours)* before the first RL
-      step, ``warm_up`` samples groups of ``predictor_warmup_rollouts`` on that many prompts and trains the
-      predictor ``predictor_warmup_updates`` times on their anchors, so stage 1 does not start from an untrained
-      predictor. Its cost is logged apart (``alloc/warmup/*`` at step 0). 0 prompts: no warm-up.
-    prefix_auc_window: *(ours)* the held-out AUC on prefixes a gated stage 2 reads (``policy_kwargs.gate_auc``;
-      logged as ``alloc/gate/auc``) pools the predictions of this many recent batches, made before the
-      predictor learned from them.
-    compare_without_history: *(ours)* with a predictor that reads prompt history (``predictor_kwargs.history``),
-      also train the same predictor without it on the same anchors (it allocates nothing) and log its held-out
-      figures as ``alloc/predictor/no_history/*``: history's worth, measured on identical anchors.
-    """
-
-    policy: str = "trace"
-    policy_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    predictor: str = "mlp"
-    predictor_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    rollouts_per_prompt: float | None = 8.0
-    tokens_per_prompt: float | None = None
-    max_tokens_per_rollout: int | None = None
-    prior_tokens_per_rollout: float = 512.0
-    max_depth: int = 16
-    seed: int = 0
-    candidates_per_prompt: float = 1.0
-    select_on: str = "root"
-    predictor_warmup_prompts: int = 0
-    predictor_warmup_rollouts: int = 8
-    predictor_warmup_updates: int = 8
-    prefix_auc_window: int = 4
-    compare_without_history: bool = False
+    policy: str = documented("trace", "a name of ``policies.POLICIES`` and overrides of its fields.")
+    policy_kwargs: dict[str, Any] = documented(
+        default_factory=dict,
+        doc=("a name of ``policies.POLICIES`` and overrides of its fields."),
+    )
+    predictor: str = documented("mlp", "a name of ``predictor.PREDICTORS`` and its constructor arguments.")
+    predictor_kwargs: dict[str, Any] = documented(
+        default_factory=dict,
+        doc=("a name of ``predictor.PREDICTORS`` and its constructor arguments."),
+    )
+    rollouts_per_prompt: float | None = documented(
+        8.0,
+        "rollout budget = round(batch size x this); None: no rollout limit.",
+    )
+    tokens_per_prompt: float | None = documented(
+        None,
+        "generated-token budget = round(batch size x this); None: no token limit.",
+    )
+    max_tokens_per_rollout: int | None = documented(
+        None,
+        "the most one continuation can generate (max turns x per-turn token limit); set it and the token budget is "
+        "never exceeded (see ``context.Budget``); None: planned on expected costs only.",
+    )
+    prior_tokens_per_rollout: float = documented(512.0, "the cost model's guess before it has seen a finished tree.")
+    max_depth: int = documented(16, "deepest turn the cost model tells apart (deeper turns share its estimate).")
+    seed: int = documented(0, "the policies' random choices.")
+    candidates_per_prompt: float = documented(
+        1.0,
+        "*(ours)* prompts drawn per prompt trained (>= 1): the training loop draws ``candidates(batch size)`` prompts "
+        "a step and the policy keeps the batch's worth of them (``select_prompts``: TRACE by predicted ``V_root``, "
+        "policies without a predictor at random). The budget and every per-prompt figure are those of the kept batch. "
+        "1: no selection.",
+    )
+    select_on: str = documented(
+        "root",
+        '*(ours)* where selection and stage 1 score a prompt (``selection.PROMPT_ANCHORS``): "root" (the prompt alone) '
+        'or "first_search" (each candidate first gets one rollout\'s first turn, the search call and its observation, '
+        "and is scored at that depth-1 prefix; the probes' tokens are charged to the budget, a kept prompt's probe is "
+        "continued by its first stage-1 rollout). Needs a policy that ranks prompts by the predictor (stage 1 "
+        '"active": trace, root_only). Logged as ``select/*``.',
+    )
+    predictor_warmup_prompts: int = documented(
+        0,
+        "*(ours)* before the first RL step, ``warm_up`` samples groups of ``predictor_warmup_rollouts`` on that many "
+        "prompts and trains the predictor ``predictor_warmup_updates`` times on their anchors, so stage 1 does not "
+        "start from an untrained predictor. Its cost is logged apart (``alloc/warmup/*`` at step 0). 0 prompts: no "
+        "warm-up.",
+    )
+    predictor_warmup_rollouts: int = documented(
+        8,
+        "*(ours)* before the first RL step, ``warm_up`` samples groups of ``predictor_warmup_rollouts`` on that many "
+        "prompts and trains the predictor ``predictor_warmup_updates`` times on their anchors, so stage 1 does not "
+        "start from an untrained predictor. Its cost is logged apart (``alloc/warmup/*`` at step 0). 0 prompts: no "
+        "warm-up.",
+    )
+    predictor_warmup_updates: int = documented(
+        8,
+        "*(ours)* before the first RL step, ``warm_up`` samples groups of ``predictor_warmup_rollouts`` on that many "
+        "prompts and trains the predictor ``predictor_warmup_updates`` times on their anchors, so stage 1 does not "
+        "start from an untrained predictor. Its cost is logged apart (``alloc/warmup/*`` at step 0). 0 prompts: no "
+        "warm-up.",
+    )
+    prefix_auc_window: int = documented(
+        4,
+        "*(ours)* the held-out AUC on prefixes a gated stage 2 reads (``policy_kwargs.gate_auc``; logged as "
+        "``alloc/gate/auc``) pools the predictions of this many recent batches, made before the predictor learned from "
+        "them.",
+    )
+    compare_without_history: bool = documented(
+        False,
+        "*(ours)* with a predictor that reads prompt history (``predictor_kwargs.history``), also train the same "
+        "predictor without it on the same anchors (it allocates nothing) and log its held-out figures as "
+        "``alloc/predictor/no_history/*``: history's worth, measured on identical anchors.",
+    )
 
     def __post_init__(self):
         if not self.candidates_per_prompt >= 1:

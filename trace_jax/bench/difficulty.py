@@ -41,13 +41,13 @@ import jax
 import numpy as np
 from scipy import optimize, special
 
+from trace_jax import configs
 from trace_jax.allocation.anchors import gather_anchors, training_anchors
 from trace_jax.allocation.calibration import calibration_metrics, weighted_auc
 from trace_jax.allocation.predictor import make_predictor
 from trace_jax.allocation.solvers import expected_root_value
 from trace_jax.bench.report import emit
-from trace_jax.config_utils import load_config_file
-from trace_jax.job import build, validate
+from trace_jax.job import build
 from trace_jax.job.evaluate import group_of
 from trace_jax.models import num_params
 from trace_jax.rollout.backend import ContinuationRequest
@@ -329,7 +329,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    config = validate.validate(load_config_file(args.config))  # the run's RunConfig
+    config = configs.load(args.config)  # the run's RunConfig
     result = measure(config, args)
     result["setup"] = {
         **{k: v for k, v in vars(args).items() if k != "out"},

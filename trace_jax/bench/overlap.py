@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Imported here: JAX must start after XLA_FLAGS names the two devices.
     import jax
 
-    from trace_jax.job import cli, commands, training, validate
+    from trace_jax.configs import validate
+    from trace_jax.job import cli, commands, training
     from trace_jax.job.metrics import PhaseTimer
 
     cli.quiet_third_party(0)

@@ -38,11 +38,11 @@ from typing import Any
 
 import numpy as np
 
+from trace_jax import configs
 from trace_jax.bench.decode import throughput_rows
 from trace_jax.bench.report import machine
-from trace_jax.config_utils import load_config_file
 from trace_jax.data.prompts import PromptStream
-from trace_jax.job import build, validate
+from trace_jax.job import build
 from trace_jax.job.commands import DEFAULT_CONFIG
 from trace_jax.job.sft import run_sft
 from trace_jax.rollout.backend import ContinuationRequest
@@ -50,7 +50,7 @@ from trace_jax.rollout.tree import ROOT, RolloutTree
 
 
 def _setup(workdir: pathlib.Path):
-    config = validate.validate(load_config_file(str(DEFAULT_CONFIG)))  # the default run's RunConfig
+    config = configs.load(str(DEFAULT_CONFIG))  # the default run's RunConfig
     world = build.build_world(config, workdir)
     sft = run_sft(config.sft, world.world, world.tokenizer, workdir, env=world.env)
     engine = build.build_engine(config, sft.model_config, sft.params)

@@ -56,8 +56,8 @@ import jax
 import numpy as np
 from absl import logging as absl_logging
 
-from trace_jax.config_utils import load_config_file
-from trace_jax.job import build, schema, validate
+from trace_jax.configs import load_config_file, schema, validate
+from trace_jax.job import build
 from trace_jax.job.metrics import format_mean_std, format_table, mean_std_curve, plot_mean_std, read_jsonl
 from trace_jax.job.train import train
 

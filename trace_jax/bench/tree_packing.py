@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import pathlib
@@ -38,9 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from trace_jax import configs
 from trace_jax.allocation.scheduler import TreeScheduler
 from trace_jax.allocation.simulate import Simulator, SimulatorConfig
-from trace_jax.job import schema, validate
+from trace_jax.configs import schema
 from trace_jax.models import create_model
 from trace_jax.optim import make_optimizer
 from trace_jax.rl.advantages import compute_advantages
@@ -51,10 +51,7 @@ DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "defa
 
 
 def default_config() -> Any:
-    spec = importlib.util.spec_from_file_location("default_config", DEFAULT_CONFIG)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return validate.validate(module.get_config())  # the default run's RunConfig
+    return configs.load(str(DEFAULT_CONFIG))  # the default run's RunConfig
 
 
 def default_trees(config: Any, args: argparse.Namespace) -> list:

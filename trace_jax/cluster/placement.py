@@ -11,13 +11,14 @@ layout's shardings), and the engine's reshard program casts them on its own devi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from trace_jax.parallel.mesh import make_mesh, split_devices
+from trace_jax.configs.sections import MeshConfig
+from trace_jax.parallel.mesh import MESH_AXES, make_mesh, split_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,14 +29,12 @@ class Placement:
     sampling_mesh: Mesh | None = None
 
     @classmethod
-    def of(cls, mesh_config: Mapping[str, Any], devices: Sequence[jax.Device] | None = None) -> Placement:
-        """The placement a config's ``mesh`` section asks for on ``devices`` (default: all of them). The sampling
+    def of(cls, mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Placement:
+        """The placement a run's ``mesh`` section asks for on ``devices`` (default: all of them). The sampling
         devices split the engine's slots over ``fsdp`` and its weights over ``tensor`` as training does, when
         the training ``tensor`` size divides them."""
-        axes = {key: value for key, value in mesh_config.items() if key not in ("rollout_devices", "rollout_cpus")}
-        sampling, training = split_devices(
-            jax.devices() if devices is None else devices, mesh_config.get("rollout_devices", 0)
-        )
+        axes = {axis: getattr(mesh_config, axis) for axis in MESH_AXES}
+        sampling, training = split_devices(jax.devices() if devices is None else devices, mesh_config.rollout_devices)
         train_mesh = make_mesh(**axes, devices=training)
         if not sampling:
             return cls(train_mesh)

@@ -267,7 +267,7 @@ class RunConfig:
     def build(cls, config: Mapping[str, Any]) -> RunConfig:
         """The sections of ``config`` (a ConfigDict or a dict) that its recipe reads, each built by
         ``from_config`` (keys it leaves out: their defaults); the sections and keys it does not read are left
-        out. Raises ``ValueError`` / ``TypeError`` where a section does not build (``trace_jax.job.validate``
+        out. Raises ``ValueError`` / ``TypeError`` where a section does not build (``trace_jax.configs.validate``
         reports those one line each, with the rules' checks)."""
         reads = RECIPES[recipe_kind(config)]
         values: dict[str, Any] = {"seed": config["seed"]} if "seed" in config else {}

@@ -19,26 +19,30 @@ from typing import Any
 
 import grain
 
+from trace_jax.config_utils import documented
 from trace_jax.data.tfds_builders import SearchR1Local, decode_row, prepare
 
 
 @dataclasses.dataclass(frozen=True)
 class SearchR1DataConfig:
-    """Where the questions are.
+    """Where the questions are."""
 
-    dir: a directory holding ``train`` / ``dev`` / ``test`` ``.jsonl`` or ``.parquet`` files in the
-      Search-R1 format (``prompt`` chat messages and/or ``question``, ``golden_answers`` or
-      ``reward_model.ground_truth.target``, ``data_source``).
-    subset: the builder config: "all", "multihop" (HotpotQA, 2Wiki, MuSiQue, Bamboogle) or "singlehop"
-      (NQ, TriviaQA, PopQA).
-    train_split: the split RL samples prompts from (evaluation scores ``config.eval.split``).
-    cache_dir: where the prepared array_record files go ("" = ``<workdir>/tfds``).
-    """
-
-    dir: str = ""
-    subset: str = "all"
-    train_split: str = "train"
-    cache_dir: str = ""
+    dir: str = documented(
+        "",
+        "a directory holding ``train`` / ``dev`` / ``test`` ``.jsonl`` or ``.parquet`` files in the Search-R1 format "
+        "(``prompt`` chat messages and/or ``question``, ``golden_answers`` or ``reward_model.ground_truth.target``, "
+        "``data_source``).",
+    )
+    subset: str = documented(
+        "all",
+        'the builder config: "all", "multihop" (HotpotQA, 2Wiki, MuSiQue, Bamboogle) or "singlehop" (NQ, TriviaQA, '
+        "PopQA).",
+    )
+    train_split: str = documented(
+        "train",
+        "the split RL samples prompts from (evaluation scores ``config.eval.split``).",
+    )
+    cache_dir: str = documented("", 'where the prepared array_record files go ("" = ``<workdir>/tfds``).')
 
 
 class PromptBatches:

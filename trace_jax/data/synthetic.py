@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from trace_jax.config_utils import from_config
+from trace_jax.config_utils import documented, from_config
 
 DATA_SOURCE = "synthetic"
 SPLITS = ("train", "test", "ood")
@@ -90,49 +90,63 @@ def split_kinds(split: str) -> tuple[str, tuple[str, ...]]:
 
 @dataclasses.dataclass(frozen=True)
 class WorldConfig:
-    """Everything that defines a world. The defaults give ~280 entities and ~1.2k questions.
+    """Everything that defines a world. The defaults give ~280 entities and ~1.2k questions."""
 
-    seed: seeds every random draw of the world: its entities' names, facts, distractors and questions.
-    scale: entity counts are ``ENTITY_COUNTS[type] * scale``.
-    distractor_probs: probability that an entity gets 0, 1, 2, ... distractor passages (any length >= 1).
-    distractor_style: how a distractor reads (:data:`DISTRACTOR_STYLES`): ``rumour`` ("X is a rumour: E met
-      D") or ``lookalike`` ("Rumour about E: its <relation> is D", the relation phrase of a real fact with a
-      wrong object, so it competes with E's passage for a query and misleads a reader).
-    max_hops, ood_hops: train / test questions have 1..max_hops hops; ``ood`` has ``ood_hops`` hops.
-    ood_questions: at most this many ``ood`` (out-of-distribution, ``ood_hops``-hop) questions.
-    questions_per_hop: at most this many questions per hop count (1-hop takes every fact up to this).
-    hop_weights: when set (length ``max_hops``), chain questions are ``questions_per_hop * max_hops`` in all,
-      hop count h getting the share ``hop_weights[h-1] / sum(hop_weights)`` (at most; duplicates are dropped).
-    buried_questions: at most this many extra train / test questions (1..max_hops hops, same mixture) whose
-      start entity is *buried*: ``bury_passages`` look-alike passages (its name twice, one wrong fact) out-rank
-      its own passage, so the first lookup is nearly impossible. Chain questions never touch a buried entity.
-    buried_entity_fraction: share of entities that are buried (needed when ``buried_questions`` > 0).
-    bury_passages: look-alike passages per buried entity (> the retriever's top-k to push the real one out).
-    trivial_questions: at most this many extra train / test 0-search questions that end with their answer
-      ("What is the studio of Zorvak? Hint: Kelmo."); the gold trace is the bare answer turn. The name is
-      the prompt's last word, after a marker seen nowhere else, so the copy is one a tiny sampled policy
-      makes reliably (stated first, "Zorvak has the studio Kelmo. What is ...?", it miscopied 6% of the time).
-    test_fraction: share of each hop count's questions held out for ``test``.
-    relabel_seed: when set, the names are shuffled among the entities of each type (same structure, same
-      questions by position, different facts by name): a "practice world" whose facts cannot be recalled
-      from the original, only read from its passages.
-    """
-
-    seed: int = 0
-    scale: int = 10
-    distractor_probs: tuple[float, float, float] = (0.5, 0.3, 0.2)
-    max_hops: int = 3
-    ood_hops: int = 4
-    questions_per_hop: int = 400
-    ood_questions: int = 200
-    test_fraction: float = 0.15
-    relabel_seed: int | None = None
-    distractor_style: str = "rumour"
-    hop_weights: tuple[float, ...] = ()
-    buried_questions: int = 0
-    buried_entity_fraction: float = 0.0
-    bury_passages: int = 4
-    trivial_questions: int = 0
+    seed: int = documented(
+        0,
+        "seeds every random draw of the world: its entities' names, facts, distractors and questions.",
+    )
+    scale: int = documented(10, "entity counts are ``ENTITY_COUNTS[type] * scale``.")
+    distractor_probs: tuple[float, float, float] = documented(
+        (0.5, 0.3, 0.2),
+        "probability that an entity gets 0, 1, 2, ... distractor passages (any length >= 1).",
+    )
+    max_hops: int = documented(3, "train / test questions have 1..max_hops hops; ``ood`` has ``ood_hops`` hops.")
+    ood_hops: int = documented(4, "train / test questions have 1..max_hops hops; ``ood`` has ``ood_hops`` hops.")
+    questions_per_hop: int = documented(
+        400,
+        "at most this many questions per hop count (1-hop takes every fact up to this).",
+    )
+    ood_questions: int = documented(200, "at most this many ``ood`` (out-of-distribution, ``ood_hops``-hop) questions.")
+    test_fraction: float = documented(0.15, "share of each hop count's questions held out for ``test``.")
+    relabel_seed: int | None = documented(
+        None,
+        "when set, the names are shuffled among the entities of each type (same structure, same questions by position, "
+        'different facts by name): a "practice world" whose facts cannot be recalled from the original, only read from '
+        "its passages.",
+    )
+    distractor_style: str = documented(
+        "rumour",
+        'how a distractor reads (:data:`DISTRACTOR_STYLES`): ``rumour`` ("X is a rumour: E met D") or ``lookalike`` '
+        '("Rumour about E: its <relation> is D", the relation phrase of a real fact with a wrong object, so it '
+        "competes with E's passage for a query and misleads a reader).",
+    )
+    hop_weights: tuple[float, ...] = documented(
+        (),
+        "when set (length ``max_hops``), chain questions are ``questions_per_hop * max_hops`` in all, hop count h "
+        "getting the share ``hop_weights[h-1] / sum(hop_weights)`` (at most; duplicates are dropped).",
+    )
+    buried_questions: int = documented(
+        0,
+        "at most this many extra train / test questions (1..max_hops hops, same mixture) whose start entity is "
+        "*buried*: ``bury_passages`` look-alike passages (its name twice, one wrong fact) out-rank its own passage, so "
+        "the first lookup is nearly impossible. Chain questions never touch a buried entity.",
+    )
+    buried_entity_fraction: float = documented(
+        0.0,
+        "share of entities that are buried (needed when ``buried_questions`` > 0).",
+    )
+    bury_passages: int = documented(
+        4,
+        "look-alike passages per buried entity (> the retriever's top-k to push the real one out).",
+    )
+    trivial_questions: int = documented(
+        0,
+        'at most this many extra train / test 0-search questions that end with their answer ("What is the studio of '
+        "Zorvak? Hint: Kelmo.\"); the gold trace is the bare answer turn. The name is the prompt's last word, after a "
+        'marker seen nowhere else, so the copy is one a tiny sampled policy makes reliably (stated first, "Zorvak has '
+        'the studio Kelmo. What is ...?", it miscopied 6% of the time).',
+    )
 
     def __post_init__(self):
         if self.scale < 1 or not 1 <= self.max_hops < self.ood_hops:

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from trace_jax.config_utils import documented
 from trace_jax.envs import rewards
 from trace_jax.envs.base import TurnResult
 from trace_jax.envs.retrieval.retriever import Passage, RetrievalError, Retriever
@@ -64,32 +65,34 @@ RETRIEVAL_FAILED_TEXT = "Search failed: the retriever did not answer. "
 
 @dataclasses.dataclass(frozen=True)
 class ReActConfig:
-    """Knobs of the environment.
+    """Knobs of the environment."""
 
-    template: a name in ``TEMPLATES`` or a format string with ``{question}``.
-    topk: passages per search. max_turns: turns per rollout (the turn at this depth ends it).
-    max_observation_tokens: cap on the passage tokens of one observation (the wrapper tags come on top).
-    metric: answer metric name in ``rewards.METRICS`` ("em" or "f1").
-    format_error_reward: reward of a malformed turn (0.0; set e.g. -0.1 for a penalty).
-    chat_template: wrap the instruction as one user message in the tokenizer's chat template (with the
-      generation prompt), as instruction-tuned checkpoints (Qwen3, Qwen2.5-Instruct) expect. A task's own
-      ``prompt`` messages are always rendered by the chat template, and ``template`` is not used for them; a
-      tokenizer without one gives their raw content, joined by blank lines (with a warning, once).
-    stop_variants: stop on every id spelling of the stop tags that ``envs.stops.stop_id_sequences`` finds
-      (tokenizers without atomic tags, e.g. Qwen's); False: only each tag's own encoding (the synthetic
-      world's tokenizer keeps tags atomic). The engine's ``max_stop_sequences`` must hold them.
-    max_stop_len: the longest stop id sequence kept with ``stop_variants`` (the engine's ``max_stop_len``).
-    """
-
-    template: str = "search_r1"
-    topk: int = 3
-    max_turns: int = 5
-    max_observation_tokens: int = 128
-    metric: str = "em"
-    format_error_reward: float = 0.0
-    chat_template: bool = False
-    stop_variants: bool = False
-    max_stop_len: int = 8
+    template: str = documented("search_r1", "a name in ``TEMPLATES`` or a format string with ``{question}``.")
+    topk: int = documented(3, "passages per search.")
+    max_turns: int = documented(5, "turns per rollout (the turn at this depth ends it).")
+    max_observation_tokens: int = documented(
+        128,
+        "cap on the passage tokens of one observation (the wrapper tags come on top).",
+    )
+    metric: str = documented("em", 'answer metric name in ``rewards.METRICS`` ("em" or "f1").')
+    format_error_reward: float = documented(0.0, "reward of a malformed turn (0.0; set e.g. -0.1 for a penalty).")
+    chat_template: bool = documented(
+        False,
+        "wrap the instruction as one user message in the tokenizer's chat template (with the generation prompt), as "
+        "instruction-tuned checkpoints (Qwen3, Qwen2.5-Instruct) expect. A task's own ``prompt`` messages are always "
+        "rendered by the chat template, and ``template`` is not used for them; a tokenizer without one gives their raw "
+        "content, joined by blank lines (with a warning, once).",
+    )
+    stop_variants: bool = documented(
+        False,
+        "stop on every id spelling of the stop tags that ``envs.stops.stop_id_sequences`` finds (tokenizers without "
+        "atomic tags, e.g. Qwen's); False: only each tag's own encoding (the synthetic world's tokenizer keeps tags "
+        "atomic). The engine's ``max_stop_sequences`` must hold them.",
+    )
+    max_stop_len: int = documented(
+        8,
+        "the longest stop id sequence kept with ``stop_variants`` (the engine's ``max_stop_len``).",
+    )
 
     def __post_init__(self):
         if self.template not in TEMPLATES and "{question}" not in self.template:

@@ -6,9 +6,8 @@ between RL steps and the step itself; ``build`` builds its parts (world, tokeniz
 scheduler) from the config; ``recipes`` says where the policy, tokenizer, questions and retriever come from (the
 synthetic world or a Hugging Face checkpoint with Search-R1 data); ``sft`` and ``warm_start`` train and cache the
 synthetic recipe's warm start; ``evaluate`` scores a policy; ``sampling`` and ``sampling_process`` are the sampling
-side (in process or in processes of its own, placed by ``trace_jax.cluster``); ``validate`` turns a config file's
-ConfigDict into the run's typed ``RunConfig`` (``trace_jax.configs``) and checks it, ``schema`` documents it and
-derives what follows from it; ``rundir`` guards the workdir; ``cli`` is the console (exit codes, one-line errors,
-progress bars); ``metrics`` writes TensorBoard, jsonl and plots; ``heap`` returns freed memory to the OS between
-phases.
+side (in process or in processes of its own, placed by ``trace_jax.cluster``); the run's typed ``RunConfig``, its
+checks and its docs come through ``trace_jax.configs``; ``rundir`` guards the workdir; ``cli`` is the console (exit
+codes, one-line errors, progress bars); ``metrics`` writes TensorBoard, jsonl and plots; ``heap`` returns freed memory
+to the OS between phases.
 """

@@ -18,12 +18,12 @@ from flax import nnx
 
 from trace_jax.allocation.scheduler import TreeScheduler
 from trace_jax.cluster.processes import Processes
-from trace_jax.configs import RunConfig
+from trace_jax.configs import RunConfig, validate
 from trace_jax.data.synthetic import SyntheticWorld
 from trace_jax.data.tokenizer import load_tokenizer, train_world_tokenizer
 from trace_jax.envs.react import ReActEnv
 from trace_jax.envs.retrieval.retriever import build_retriever
-from trace_jax.job import rundir, validate
+from trace_jax.job import rundir
 from trace_jax.job.sft import SFTResult, run_sft
 from trace_jax.job.warm_start import CacheEntry, WarmStartCache, key_material
 from trace_jax.models import ModelConfig

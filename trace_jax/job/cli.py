@@ -35,6 +35,8 @@ from absl import logging as absl_logging
 from tqdm import tqdm
 from tqdm.std import EMA  # the smoothed rate tqdm keeps; restarted after the compiling step
 
+from trace_jax.configs.errors import ConfigError
+
 
 class ExitCode(enum.IntEnum):
     """What a process exit status means (distinct per kind of failure, so scripts can tell them apart)."""
@@ -54,10 +56,6 @@ class UserError(Exception):
     """An error the user can fix; its message is one line that says what happened and what to do."""
 
     exit_code = ExitCode.FAILED
-
-
-class ConfigError(UserError):
-    exit_code = ExitCode.CONFIG
 
 
 class MissingFileError(UserError):
@@ -319,7 +317,7 @@ def run_main(main: Callable[[], Any], console: Console) -> int:
     try:
         main()
         return ExitCode.OK
-    except UserError as e:
+    except (UserError, ConfigError) as e:  # ConfigError's exit_code is ExitCode.CONFIG
         if console.verbosity >= 1:
             traceback.print_exc(file=console.stream)
         console.error(str(e))

@@ -15,9 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from absl import flags
-from ml_collections import config_flags
 
-from trace_jax.config_utils import load_config_file, unknown_overrides
 from trace_jax.job import cli
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "default.py"
@@ -71,12 +69,10 @@ def verbosity_of(argv: list[str]) -> int:
 
 
 def _fresh_flag_values(argv: list[str]) -> Any:
-    """A fresh absl flag set for one command line (the global one keeps state between parses)."""
-    values = flags.FlagValues()
-    # config_flags reads the --config.x overrides from the argv given here (sys.argv when None).
-    config_flags.DEFINE_config_file(
-        "config", str(DEFAULT_CONFIG), "Run config (a configs/*.py file).", flag_values=values, sys_argv=argv
-    )
+    """A fresh absl flag set for one command line: the config door's ``--config`` and the job's own flags."""
+    from trace_jax.configs import files  # the config sections' dataclasses import JAX
+
+    values = files.config_flag_values(argv, str(DEFAULT_CONFIG))
     flags.DEFINE_string("workdir", DEFAULT_WORKDIR, "Run directory: checkpoints, logs, plots.", flag_values=values)
     flags.DEFINE_bool("show_config", False, "Print every config key, its value and doc.", flag_values=values)
     flags.DEFINE_integer("verbosity", 0, "1 or more: library logs and tracebacks.", short_name="v", flag_values=values)
@@ -85,7 +81,7 @@ def _fresh_flag_values(argv: list[str]) -> Any:
 
 def load_config(argv: list[str]) -> tuple[Any, Any]:
     """The run's typed config (a ``RunConfig``: the config file, then its ``--config.x=v`` overrides, checked by
-    ``trace_jax.job.validate``) and the parsed flags.
+    ``trace_jax.configs``) and the parsed flags.
 
     Raises ``MissingFileError`` for a config file that does not exist and ``ConfigError`` for a config file
     that fails, an unknown key, a key the run's recipe does not read, a value of the wrong type or not allowed,
@@ -95,25 +91,10 @@ def load_config(argv: list[str]) -> tuple[Any, Any]:
     path = pathlib.Path(spec.partition(":")[0])
     if not path.is_file():
         raise cli.MissingFileError(f"config file {path} does not exist; pass --config=configs/<name>.py")
-    try:
-        base = load_config_file(spec)
-    except (ValueError, TypeError, KeyError) as e:
-        raise cli.ConfigError(f"--config={spec}: {' '.join(str(e).split())}") from None
-    from trace_jax.configs import retired_problems  # the config dataclasses import JAX
-    from trace_jax.job import validate
+    from trace_jax.configs import files, validate  # the config sections' dataclasses import JAX
 
-    overrides = [a for a in argv if a.startswith("--config.")]
-    # Retired keys, in the file or on the command line: each error names the key that replaces it.
-    keys = [a.split("=", 1)[0].removeprefix("--config.") for a in overrides]
-    problems = retired_problems(base) + retired_problems(keys)
-    if problems:
-        raise cli.ConfigError("; ".join(problems))
-    problems = _unread_overrides(overrides, base)
-    if problems:
-        raise cli.ConfigError("; ".join(problems))
-    problems = unknown_overrides(overrides, base)
-    if problems:
-        raise cli.ConfigError("; ".join(problems) + " (--show-config lists every key)")
+    base = files.read_config_file(spec)
+    files.check_overrides(base, [a for a in argv if a.startswith("--config.")])
     argv = [("--show_config" if arg == "--show-config" else arg) for arg in argv]
     if flag_value(argv, "config") is None:  # named explicitly, so the overrides are parsed against it
         argv = [argv[0], f"--config={spec}", *argv[1:]]
@@ -127,29 +108,6 @@ def load_config(argv: list[str]) -> tuple[Any, Any]:
     return validate.validate(values.config), values
 
 
-def _unread_overrides(overrides: list[str], base: Any) -> list[str]:
-    """One message per ``--config.a.b=v`` whose key the run's recipe (``recipe.kind``, the file's or the command
-    line's) does not read, naming the recipes that do."""
-    from trace_jax.configs import RECIPES, SECTIONS, readers, recipe_kind  # the config dataclasses import JAX
-
-    kind = next(
-        (a.split("=", 1)[1] for a in overrides if a.startswith("--config.recipe.kind=")), recipe_kind(base)
-    ).strip("'\"")
-    if kind not in RECIPES:
-        return []  # the check of recipe.kind says what is allowed
-    messages = []
-    for flag in overrides:
-        key = flag.split("=", 1)[0].removeprefix("--config.")
-        if RECIPES[kind].reads(key) or key.partition(".")[0] not in SECTIONS:
-            continue  # read, or not a key at all (unknown_overrides names the near ones)
-        others = [other for other in readers(key) if other != kind]
-        messages.append(
-            f"config key {key!r} is not read by this run's recipe (recipe.kind={kind!r})"
-            + (f"; it is read by the {' and '.join(others)} recipe" if others else "")
-        )
-    return messages
-
-
 # ------------------------------------------------------------------------------------------ train
 def _train(argv: list[str], console: cli.Console) -> None:
     if any(arg in ("-h", "--help", "-help", "--helpshort", "--helpfull", "-?") for arg in argv[1:]):
@@ -157,7 +115,7 @@ def _train(argv: list[str], console: cli.Console) -> None:
         return
     config, parsed = load_config(argv)
     if parsed.show_config:
-        from trace_jax.job.schema import describe  # the config sections' dataclasses import JAX
+        from trace_jax.configs.schema import describe  # the config sections' dataclasses import JAX
 
         print(describe(config))
         return

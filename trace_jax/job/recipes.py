@@ -31,14 +31,14 @@ from flax import nnx
 from trace_jax import paths
 from trace_jax.checkpoint.hf import HF_SIDE_FILES, load_hf, save_hf
 from trace_jax.checkpoint.state import StateCheckpointer
-from trace_jax.configs import RECIPES, Reads, RunConfig
+from trace_jax.configs import RECIPES, Reads, RunConfig, schema
 from trace_jax.data.prompts import PromptStream
 from trace_jax.data.search_r1 import SearchR1Data
 from trace_jax.data.tfds_builders import search_r1_files
 from trace_jax.data.tokenizer import load_tokenizer
 from trace_jax.envs.react import ReActEnv
 from trace_jax.envs.retrieval.retriever import build_retriever
-from trace_jax.job import build, cli, schema
+from trace_jax.job import build, cli
 from trace_jax.models import ModelConfig
 from trace_jax.parallel import multihost
 from trace_jax.registry import Registry

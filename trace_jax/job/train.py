@@ -40,8 +40,8 @@ import numpy as np
 from etils import epath
 
 from trace_jax import paths
-from trace_jax.configs import RunConfig
-from trace_jax.job import build, heap, rundir, validate
+from trace_jax.configs import RunConfig, validate
+from trace_jax.job import build, heap, rundir
 from trace_jax.job.cli import TERMINATION, Console, Interrupted, Preempted
 from trace_jax.job.metrics import (
     JSONL_NAME,

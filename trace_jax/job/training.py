@@ -21,8 +21,8 @@ from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.cluster.pipeline import RolloutPipeline
 from trace_jax.cluster.placement import Placement
 from trace_jax.cluster.processes import Processes
-from trace_jax.configs import RunConfig
-from trace_jax.job import recipes, rundir, schema
+from trace_jax.configs import RunConfig, schema
+from trace_jax.job import recipes, rundir
 from trace_jax.job.cli import TERMINATION, Console
 from trace_jax.job.sampling import SamplingSide
 from trace_jax.job.sampling_process import SamplingProcess
@@ -70,7 +70,7 @@ class Training:
         self.config, self.workdir, self.console, self.timer = config, workdir, console, timer
         self.step = 0  # RL updates done: the trainer's policy version
         # Which devices train, and which sample (if apart).
-        self.placement = Placement.of(dataclasses.asdict(config.mesh))
+        self.placement = Placement.of(config.mesh)
         self.mesh = self.placement.train_mesh
         self.processes = Processes()  # one or several JAX processes: who samples what, who writes
         # config.recipe.kind: the synthetic world + SFT warm start, or a HF checkpoint + Search-R1 data.

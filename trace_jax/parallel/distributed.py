@@ -17,24 +17,23 @@ from typing import Any, TypeVar
 
 import jax
 
+from trace_jax.config_utils import documented
+
 T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    """How this process joins a job of several JAX processes (``jax.distributed.initialize``).
+    """How this process joins a job of several JAX processes (``jax.distributed.initialize``)."""
 
-    mode: "none" (one process), "auto" (TPU pods: the coordinator and process ids are discovered) or
-      "explicit" (GPU clusters: the three fields below, passed by the launcher).
-    coordinator_address: "host:port" of process 0 (mode "explicit").
-    num_processes: how many processes the job has (mode "explicit").
-    process_id: this process's index, 0 .. num_processes - 1 (mode "explicit").
-    """
-
-    mode: str = "none"
-    coordinator_address: str = ""
-    num_processes: int = 1
-    process_id: int = 0
+    mode: str = documented(
+        "none",
+        '"none" (one process), "auto" (TPU pods: the coordinator and process ids are discovered) or "explicit" (GPU '
+        "clusters: the three fields below, passed by the launcher).",
+    )
+    coordinator_address: str = documented("", '"host:port" of process 0 (mode "explicit").')
+    num_processes: int = documented(1, 'how many processes the job has (mode "explicit").')
+    process_id: int = documented(0, 'this process\'s index, 0 .. num_processes - 1 (mode "explicit").')
 
 
 def initialize(config: DistributedConfig) -> None:

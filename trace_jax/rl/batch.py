@@ -31,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from trace_jax.buckets import bucket, round_up
+from trace_jax.config_utils import documented
 from trace_jax.rl.advantages import ESTIMATORS, NodeAdvantages
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig
 from trace_jax.rl.packing import LAYOUTS, RowLayout, routing_rows
@@ -123,45 +124,59 @@ SEGMENT_WEIGHTS = ("leaves", "one")
 
 @dataclasses.dataclass(frozen=True)
 class BatchConfig:
-    """How trees become rows.
+    """How trees become rows."""
 
-    Attributes:
-      layout: key of ``trace_jax.rl.packing.LAYOUTS``: "tree" (packed, each unique token once) or "paths"
-        (one row per leaf path; for models without packed-row support).
-      length_buckets: allowed row lengths T (ascending); a path longer than the largest is an error.
-      row_buckets: allowed row counts before ``row_multiple`` padding; None: no row bucketing.
-      row_multiple: the row count is padded to a multiple of this (data × fsdp shards × micro-batches ×
-        mini-batches: ``RLTrainer.row_multiple``). Both row paddings are for ``RLTrainer.train_step``'s fixed
-        shapes; ``RLTrainer.update`` runs only the rows that hold tokens, so the main job sets neither.
-      pack_length: tokens per packed row ("tree"); None: the largest length bucket with ``fixed_length``,
-        else the length bucket of the longest path, so a packed
-        row costs what a path row costs. Larger packs more trees per row (attention cost grows as T²).
-      fixed_length: every row is the row capacity long (``pack_length`` or the largest length bucket;
-        for "paths" the largest bucket) whatever the batch holds: one row length T for the whole run. A
-        training loop wants it (its update compiles once), with length buckets ending at the engine's
-        ``max_len``, as every config sets; the default is False because a batch built once (tests,
-        benchmarks) is then as long as its longest row needs, not the default buckets' 4096.
-      segment_weight: "leaves": the per-path objective; "one": each turn weighs 1 whatever its leaf count
-        (a tree-native objective, token-mean only).
-      skip_zero_advantage: leave out of the rows the trees whose every advantage is 0, and count them in
-        ``BatchInfo.skipped_denominator``. Their tokens' policy-gradient terms are exactly 0, so with that
-        denominator the update's objective and gradient are those of the whole batch, at the cost of the trees
-        that carry signal only. A term outside the advantage (``LossConfig.kl_coef``, ``entropy_coef``,
-        ``router_aux_loss_coef``) trains every token, so with one none is left out; nor when no tree carries
-        signal.
-      pad_id: token id used for padding (never trained, never attended to by real tokens); the main job
-        uses its tokenizer's.
-    """
-
-    layout: str = "tree"
-    length_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
-    row_buckets: tuple[int, ...] | None = (8, 16, 32, 64, 128, 256, 512, 1024)
-    row_multiple: int = 1
-    pack_length: int | None = None
-    fixed_length: bool = False  # not the configs' True: see the docstring
-    segment_weight: str = "leaves"
-    skip_zero_advantage: bool = False
-    pad_id: int = 0
+    layout: str = documented(
+        "tree",
+        'key of ``trace_jax.rl.packing.LAYOUTS``: "tree" (packed, each unique token once) or "paths" (one row per leaf '
+        "path; for models without packed-row support).",
+    )
+    length_buckets: tuple[int, ...] = documented(
+        (64, 128, 256, 512, 1024, 2048, 4096),
+        "allowed row lengths T (ascending); a path longer than the largest is an error.",
+    )
+    row_buckets: tuple[int, ...] | None = documented(
+        (8, 16, 32, 64, 128, 256, 512, 1024),
+        "allowed row counts before ``row_multiple`` padding; None: no row bucketing.",
+    )
+    row_multiple: int = documented(
+        1,
+        "the row count is padded to a multiple of this (data × fsdp shards × micro-batches × mini-batches: "
+        "``RLTrainer.row_multiple``). Both row paddings are for ``RLTrainer.train_step``'s fixed shapes; "
+        "``RLTrainer.update`` runs only the rows that hold tokens, so the main job sets neither.",
+    )
+    pack_length: int | None = documented(
+        None,
+        'tokens per packed row ("tree"); None: the largest length bucket with ``fixed_length``, else the length bucket '
+        "of the longest path, so a packed row costs what a path row costs. Larger packs more trees per row (attention "
+        "cost grows as T²).",
+    )
+    fixed_length: bool = documented(
+        False,
+        'every row is the row capacity long (``pack_length`` or the largest length bucket; for "paths" the largest '
+        "bucket) whatever the batch holds: one row length T for the whole run. A training loop wants it (its update "
+        "compiles once), with length buckets ending at the engine's ``max_len``, as every config sets; the default is "
+        "False because a batch built once (tests, benchmarks) is then as long as its longest row needs, not the "
+        "default buckets' 4096.",
+    )
+    segment_weight: str = documented(
+        "leaves",
+        '"leaves": the per-path objective; "one": each turn weighs 1 whatever its leaf count (a tree-native objective, '
+        "token-mean only).",
+    )
+    skip_zero_advantage: bool = documented(
+        False,
+        "leave out of the rows the trees whose every advantage is 0, and count them in "
+        "``BatchInfo.skipped_denominator``. Their tokens' policy-gradient terms are exactly 0, so with that "
+        "denominator the update's objective and gradient are those of the whole batch, at the cost of the trees that "
+        "carry signal only. A term outside the advantage (``LossConfig.kl_coef``, ``entropy_coef``, "
+        "``router_aux_loss_coef``) trains every token, so with one none is left out; nor when no tree carries signal.",
+    )
+    pad_id: int = documented(
+        0,
+        "token id used for padding (never trained, never attended to by real tokens); the main job uses its "
+        "tokenizer's.",
+    )
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:

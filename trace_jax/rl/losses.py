@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trace_jax.config_utils import documented
 from trace_jax.registry import Registry
 
 # exp() of a log-ratio beyond this is numerically meaningless and overflows float32 in the backward pass.
@@ -49,48 +50,59 @@ Metrics = dict[str, tuple[jax.Array, jax.Array]]  # name -> (weighted sum, total
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """What the RL loss does.
+    """What the RL loss does."""
 
-    Attributes:
-      policy_loss: key of ``POLICY_LOSSES``. GSPO's paper objective needs aggregation "seq-mean-token-mean"
-        (token-mean weighs each sequence by its length); "gspo" has one ratio per whole root-to-leaf path
-        (its batch needs ``RLTrainer.update(..., path_tokens=info.path_tokens)``), "gspo_turn" one per turn.
-      clip_low, clip_high: the ratio is clipped to [1 − clip_low, 1 + clip_high] (DAPO's "clip higher").
-      dual_clip: None, or c > 1: for A < 0 the per-token loss is capped at −c·A (dual-clip PPO).
-      kl_coef: weight of the KL-to-reference penalty per token (0 disables it: no reference log-probs are
-        computed and no reference policy is needed).
-      kl: key of ``KL_PENALTIES``, named by the KL whose gradient the penalty gives in expectation over
-        on-policy samples: "reverse" → ∇ KL(π_θ ‖ π_ref) (the k2 estimator ½(log π_θ − log π_ref)² as a loss;
-        the usual meaning of "a KL penalty"), "forward" → ∇ KL(π_ref ‖ π_θ) (the k3 estimator as a loss, what
-        GRPO's paper uses). (The k1 estimator log π_θ − log π_ref has expected gradient 0 and is not offered.)
-      entropy_coef: weight of the entropy bonus (the loss gets −entropy_coef · H per token); 0: the entropy
-        over the vocabulary is not computed at all.
-      aggregation: key of ``AGGREGATIONS``.
-      norm_length: the constant length L of ``seq-mean-token-sum-norm`` (Dr. GRPO), the same for every batch of
-        a run; None: the batch layout's largest row length (``BatchConfig.length_buckets[-1]``, which configs
-        set to the engine's ``max_len``), a bound on any path's trained tokens.
-      router_aux_loss_coef: weight of a mixture-of-experts policy's load-balancing loss
-        (``trace_jax.models.moe.router_aux_loss``, transformers' ``load_balancing_loss_func``) in the RL loss:
-        an additive term, whatever the aggregation (not divided by the policy loss's denominator). Each
-        optimizer step pools the statistics over every non-padding token of its rows (prompts and observations
-        included: the router routes them too), as transformers pools over a batch, and adds ``coef x`` that loss
-        divided by the optimizer steps of an epoch, so an epoch's steps, whose policy losses sum to the full-batch
-        objective, add ``coef x`` the mean of their load-balancing losses (with one mini-batch: objective + coef
-        x the batch's). 0 (the default): not added, only logged (``router_aux_loss``, the steps' mean). Added by
-        the trainer (``trace_jax.rl.trainer``); no effect on a dense policy. Not the checkpoint's own
-        coefficient (``MoeConfig.hf_router_aux_loss_coef``, kept for export only).
-    """
-
-    policy_loss: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = None
-    kl_coef: float = 0.0
-    kl: str = "reverse"
-    entropy_coef: float = 0.0
-    aggregation: str = "token-mean"
-    norm_length: int | None = None
-    router_aux_loss_coef: float = 0.0
+    policy_loss: str = documented(
+        "ppo",
+        'key of ``POLICY_LOSSES``. GSPO\'s paper objective needs aggregation "seq-mean-token-mean" (token-mean weighs '
+        'each sequence by its length); "gspo" has one ratio per whole root-to-leaf path (its batch needs '
+        '``RLTrainer.update(..., path_tokens=info.path_tokens)``), "gspo_turn" one per turn.',
+    )
+    clip_low: float = documented(0.2, 'the ratio is clipped to [1 − clip_low, 1 + clip_high] (DAPO\'s "clip higher").')
+    clip_high: float = documented(
+        0.28,
+        'the ratio is clipped to [1 − clip_low, 1 + clip_high] (DAPO\'s "clip higher").',
+    )
+    dual_clip: float | None = documented(
+        None,
+        "None, or c > 1: for A < 0 the per-token loss is capped at −c·A (dual-clip PPO).",
+    )
+    kl_coef: float = documented(
+        0.0,
+        "weight of the KL-to-reference penalty per token (0 disables it: no reference log-probs are computed and no "
+        "reference policy is needed).",
+    )
+    kl: str = documented(
+        "reverse",
+        "key of ``KL_PENALTIES``, named by the KL whose gradient the penalty gives in expectation over on-policy "
+        'samples: "reverse" → ∇ KL(π_θ ‖ π_ref) (the k2 estimator ½(log π_θ − log π_ref)² as a loss; the usual meaning '
+        'of "a KL penalty"), "forward" → ∇ KL(π_ref ‖ π_θ) (the k3 estimator as a loss, what GRPO\'s paper uses). (The '
+        "k1 estimator log π_θ − log π_ref has expected gradient 0 and is not offered.)",
+    )
+    entropy_coef: float = documented(
+        0.0,
+        "weight of the entropy bonus (the loss gets −entropy_coef · H per token); 0: the entropy over the vocabulary "
+        "is not computed at all.",
+    )
+    aggregation: str = documented("token-mean", "key of ``AGGREGATIONS``.")
+    norm_length: int | None = documented(
+        None,
+        "the constant length L of ``seq-mean-token-sum-norm`` (Dr. GRPO), the same for every batch of a run; None: the "
+        "batch layout's largest row length (``BatchConfig.length_buckets[-1]``, which configs set to the engine's "
+        "``max_len``), a bound on any path's trained tokens.",
+    )
+    router_aux_loss_coef: float = documented(
+        0.0,
+        "weight of a mixture-of-experts policy's load-balancing loss (``trace_jax.models.moe.router_aux_loss``, "
+        "transformers' ``load_balancing_loss_func``) in the RL loss: an additive term, whatever the aggregation (not "
+        "divided by the policy loss's denominator). Each optimizer step pools the statistics over every non-padding "
+        "token of its rows (prompts and observations included: the router routes them too), as transformers pools over "
+        "a batch, and adds ``coef x`` that loss divided by the optimizer steps of an epoch, so an epoch's steps, whose "
+        "policy losses sum to the full-batch objective, add ``coef x`` the mean of their load-balancing losses (with "
+        "one mini-batch: objective + coef x the batch's). 0 (the default): not added, only logged "
+        "(``router_aux_loss``, the steps' mean). Added by the trainer (``trace_jax.rl.trainer``); no effect on a dense "
+        "policy. Not the checkpoint's own coefficient (``MoeConfig.hf_router_aux_loss_coef``, kept for export only).",
+    )
 
     def __post_init__(self):
         for key, registry in (

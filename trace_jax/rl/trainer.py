@@ -4,10 +4,10 @@ optimizer step whose gradient accumulates over fixed-shape micro-batches.
 Usage (the wiring ``trace_jax.job.training`` does)::
 
     graphdef, params = nnx.split(model, nnx.Param)         # model built with parallel.mesh.create_sharded
-    trainer = RLTrainer(graphdef, make_optimizer(schema.optimizer_config(cfg)), from_config(LossConfig, cfg.loss),
-                        mesh=mesh, update=from_config(UpdateConfig, cfg.ppo), sampling=engine.sampling,
-                        reference_params=params if loss.kl_coef else None)   # the trainer keeps a copy
-    check_objective(cfg.rl.advantage, trainer.loss_config, batch_config)   # at config time
+    trainer = RLTrainer(graphdef, make_optimizer(schema.optimizer_config(run)), run.loss,   # run: a RunConfig
+                        mesh=mesh, update=run.ppo, sampling=engine.sampling,
+                        reference_params=params if run.loss.kl_coef else None)   # the trainer keeps a copy
+    check_objective(run.rl.advantage, trainer.loss_config, batch_config)   # at config time
     state = trainer.init_state(params, jax.random.key(seed))  # takes ownership: params are donated later
     batch, info = build_batch(trees, compute_advantages("grpo", trees),
                               BatchConfig(fixed_length=True), trainer.loss_config)   # no padding rows needed
@@ -56,6 +56,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trace_jax.config_utils import documented
 from trace_jax.models.moe import RouterStats, router_aux_loss
 from trace_jax.optim import guarded_update, init_sharded
 from trace_jax.parallel import multihost
@@ -79,39 +80,45 @@ BEHAVIOUR_LOGPROBS = ("sampler", "recompute", "untruncated")
 
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig:
-    """How one rollout batch updates the policy (PPO's outer loop).
+    """How one rollout batch updates the policy (PPO's outer loop)."""
 
-    Attributes:
-      ppo_epochs: passes over the rollout batch; each pass after the first trains on data the policy has
-        already moved away from, which is where the clip acts.
-      mini_batches: optimizer steps per epoch; the rows are reshuffled every epoch and split into this many
-        mini-batches, each divided by the whole batch's denominator (so the mini-batch losses of an epoch sum
-        to the full-batch objective). ppo_epochs × mini_batches steps per rollout batch (``steps_per_batch``).
-      behaviour_logprobs: the "old" log-probs of the ratio. "sampler": the sampler's ``sample_logprobs``,
-        the log-probs of the distribution the tokens were actually drawn from (tempered, top-k / top-p
-        truncated); "recompute": the trainer recomputes them in float32 before the first step under the
-        same transform (temperature, top-k, top-p: ``RLTrainer(sampling=...)``), removing the sampler's
-        numeric mismatch (e.g. bf16 decoding). Either way the trained policy is the tempered one,
-        ``softmax(logits / temperature)``; at the first step the ratio is ``π_T(y) / π_T,truncated(y) <= 1``,
-        the mass top-k / top-p kept at that position. "untruncated": the trainer recomputes them in float32
-        under the trained policy's own distribution ``softmax(logits / temperature)`` (no top-k / top-p), so
-        the first step's ratio is 1 whatever the truncation (the ratio then measures the policy's move only,
-        not the sampler's truncation). Recomputed log-probs are those of the params that sampled the batch:
-        ``prepare(..., behaviour_params=...)`` when the rollouts lag the trained params (``rl.max_staleness``).
-      entropy_metric: compute (and log) the policy entropy even when ``entropy_coef`` is 0 (costs a pass
-        over the vocabulary per position).
-      micro_rows: rows per forward/backward call; every call has this shape, so the update compiles once.
-        Sets the activation memory; must be a multiple of the batch shards (data × fsdp × expert). 0: one row
-        per batch shard (``RLTrainer.micro_rows``), the smallest call, which also pads the fewest rows.
-      shuffle_seed: seed of the per-epoch row shuffles (combined with the state's step).
-    """
-
-    ppo_epochs: int = 2
-    mini_batches: int = 2
-    behaviour_logprobs: str = "sampler"
-    entropy_metric: bool = False
-    micro_rows: int = 8
-    shuffle_seed: int = 0
+    ppo_epochs: int = documented(
+        2,
+        "passes over the rollout batch; each pass after the first trains on data the policy has already moved away "
+        "from, which is where the clip acts.",
+    )
+    mini_batches: int = documented(
+        2,
+        "optimizer steps per epoch; the rows are reshuffled every epoch and split into this many mini-batches, each "
+        "divided by the whole batch's denominator (so the mini-batch losses of an epoch sum to the full-batch "
+        "objective). ppo_epochs × mini_batches steps per rollout batch (``steps_per_batch``).",
+    )
+    behaviour_logprobs: str = documented(
+        "sampler",
+        'the "old" log-probs of the ratio. "sampler": the sampler\'s ``sample_logprobs``, the log-probs of the '
+        'distribution the tokens were actually drawn from (tempered, top-k / top-p truncated); "recompute": the '
+        "trainer recomputes them in float32 before the first step under the same transform (temperature, top-k, top-p: "
+        "``RLTrainer(sampling=...)``), removing the sampler's numeric mismatch (e.g. bf16 decoding). Either way the "
+        "trained policy is the tempered one, ``softmax(logits / temperature)``; at the first step the ratio is "
+        '``π_T(y) / π_T,truncated(y) <= 1``, the mass top-k / top-p kept at that position. "untruncated": the trainer '
+        "recomputes them in float32 under the trained policy's own distribution ``softmax(logits / temperature)`` (no "
+        "top-k / top-p), so the first step's ratio is 1 whatever the truncation (the ratio then measures the policy's "
+        "move only, not the sampler's truncation). Recomputed log-probs are those of the params that sampled the "
+        "batch: ``prepare(..., behaviour_params=...)`` when the rollouts lag the trained params "
+        "(``rl.max_staleness``).",
+    )
+    entropy_metric: bool = documented(
+        False,
+        "compute (and log) the policy entropy even when ``entropy_coef`` is 0 (costs a pass over the vocabulary per "
+        "position).",
+    )
+    micro_rows: int = documented(
+        8,
+        "rows per forward/backward call; every call has this shape, so the update compiles once. Sets the activation "
+        "memory; must be a multiple of the batch shards (data × fsdp × expert). 0: one row per batch shard "
+        "(``RLTrainer.micro_rows``), the smallest call, which also pads the fewest rows.",
+    )
+    shuffle_seed: int = documented(0, "seed of the per-epoch row shuffles (combined with the state's step).")
 
     def __post_init__(self):
         if self.micro_rows < 0:

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from trace_jax.config_utils import documented
 from trace_jax.envs.base import AgentEnv
 from trace_jax.envs.stops import TextStops
 from trace_jax.rollout.backend import ContinuationRequest, RolloutStats
@@ -75,31 +76,41 @@ class DecodeEngine(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
-    """Knobs of the turn loop.
+    """Knobs of the turn loop."""
 
-    seed: first sampling seed (continuation i of the runner's life uses ``seed + i``).
-    max_turn_tokens: per-turn token limit (``None``: the engine's ``max_turn_tokens``, which is the main job's
-      one limit).
-    refill_after: a ``generate`` call returns to the host once this many turns have ended, so their slots
-      are refilled / extended at once (1 = most eager; larger = fewer host round trips).
-    eos_ids: token ids that end a turn (and, by the environment's rules, usually the rollout); the main job
-      passes its tokenizer's EOS.
-    greedy: argmax decoding (evaluation) on an engine that otherwise samples; the main job sets it per runner.
-    overlap_env: judge finished turns while the device decodes the others (see the module docstring).
-    warmup: compile the engine's whole program set before the first rollout (``Engine.warmup``).
-    reuse_prefixes: hold every appended history's KV pages under its tree node, so a later continuation from
-      that node computes only its last id (``trace_jax.rollout.engine.prefix_cache``; the pool reclaims holds). Holds
-      live until the engine's weights change or ``drop_held`` is called, whichever comes first.
-    """
-
-    seed: int = 0
-    max_turn_tokens: int | None = None
-    refill_after: int = 1
-    eos_ids: tuple[int, ...] = ()
-    greedy: bool = False
-    overlap_env: bool = True
-    warmup: bool = True
-    reuse_prefixes: bool = True
+    seed: int = documented(0, "first sampling seed (continuation i of the runner's life uses ``seed + i``).")
+    max_turn_tokens: int | None = documented(
+        None,
+        "per-turn token limit (``None``: the engine's ``max_turn_tokens``, which is the main job's one limit).",
+    )
+    refill_after: int = documented(
+        1,
+        "a ``generate`` call returns to the host once this many turns have ended, so their slots are refilled / "
+        "extended at once (1 = most eager; larger = fewer host round trips).",
+    )
+    eos_ids: tuple[int, ...] = documented(
+        (),
+        "token ids that end a turn (and, by the environment's rules, usually the rollout); the main job passes its "
+        "tokenizer's EOS.",
+    )
+    greedy: bool = documented(
+        False,
+        "argmax decoding (evaluation) on an engine that otherwise samples; the main job sets it per runner.",
+    )
+    overlap_env: bool = documented(
+        True,
+        "judge finished turns while the device decodes the others (see the module docstring).",
+    )
+    warmup: bool = documented(
+        True,
+        "compile the engine's whole program set before the first rollout (``Engine.warmup``).",
+    )
+    reuse_prefixes: bool = documented(
+        True,
+        "hold every appended history's KV pages under its tree node, so a later continuation from that node computes "
+        "only its last id (``trace_jax.rollout.engine.prefix_cache``; the pool reclaims holds). Holds live until the "
+        "engine's weights change or ``drop_held`` is called, whichever comes first.",
+    )
 
 
 @dataclasses.dataclass

@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from trace_jax.config_utils import documented
 from trace_jax.envs.retrieval.base import (
     Passage,
     RetrievalError,
@@ -62,24 +63,28 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class RetrieverConfig:
-    """Which retriever a run uses (the number of passages per search is ``ReActConfig.topk``).
+    """Which retriever a run uses (the number of passages per search is ``ReActConfig.topk``)."""
 
-    kind: a name in ``RETRIEVERS``: "bm25" or "http".
-    corpus: bm25 only: a jsonl corpus file or a saved index directory; empty = the rows the caller passes.
-    url: http only: ``http://host:port`` of a Search-R1 server (``/retrieve`` is appended when missing).
-    timeout_s: http only: the deadline of one search call, every attempt and backoff included.
-    max_attempts, backoff_s: http only: tries per call and the base of the exponential backoff between them.
-    k1, b: bm25 only: BM25 parameters when an index is built.
-    """
-
-    kind: str = "bm25"
-    corpus: str = ""
-    url: str = ""
-    timeout_s: float = 10.0
-    max_attempts: int = 3
-    backoff_s: float = 0.2
-    k1: float = 1.5
-    b: float = 0.75
+    kind: str = documented("bm25", 'a name in ``RETRIEVERS``: "bm25" or "http".')
+    corpus: str = documented(
+        "",
+        "bm25 only: a jsonl corpus file or a saved index directory; empty = the rows the caller passes.",
+    )
+    url: str = documented(
+        "",
+        "http only: ``http://host:port`` of a Search-R1 server (``/retrieve`` is appended when missing).",
+    )
+    timeout_s: float = documented(
+        10.0,
+        "http only: the deadline of one search call, every attempt and backoff included.",
+    )
+    max_attempts: int = documented(3, "http only: tries per call and the base of the exponential backoff between them.")
+    backoff_s: float = documented(
+        0.2,
+        "http only: tries per call and the base of the exponential backoff between them.",
+    )
+    k1: float = documented(1.5, "bm25 only: BM25 parameters when an index is built.")
+    b: float = documented(0.75, "bm25 only: BM25 parameters when an index is built.")
 
     def __post_init__(self):
         RETRIEVERS[self.kind]  # an unknown kind is an error listing the known ones

@@ -8,62 +8,72 @@ from typing import Any
 import jax.numpy as jnp
 
 from trace_jax.buckets import bucket
+from trace_jax.config_utils import documented
 from trace_jax.rollout.engine.sampling import SamplingConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Static sizes of the engine (each distinct value compiles new programs).
+    """Static sizes of the engine (each distinct value compiles new programs)."""
 
-    max_slots: decode slots (``max_concurrent_decodes``), the batch of every decode step.
-    max_len: cache positions per slot (prompt + all turns + observations).
-    steps_per_call: most decode steps one ``generate`` call runs (the width of its output buffers).
-    max_turn_tokens: per-turn token limit (a slot's turn ends after this many sampled tokens), unless a runner
-      passes its own (``RunnerConfig.max_turn_tokens``; the main job's runners do not).
-    min_bucket: smallest length bucket. length_buckets: the cache windows ``generate`` reads are padded up
-      to one of these (``()``: ``min_bucket * 4**i``, then ``max_len``).
-    row_buckets: rows of a fork call (``()``: ``max_slots // 4`` and ``max_slots``).
-    append_chunk: ids per append row (``0`` or >= ``max_len``: ``max_len``, one row per item). An appended
-      item is cut into chunks of this many ids, one row each, so an append's cost follows its ids, not its
-      longest item (``trace_jax.rollout.engine.append``).
-    append_row_buckets: rows of an append call (``()``: powers of two from ``max_slots // 4`` up to the most
-      chunks a call can hold, ``max_slots * ceil(max_len / append_chunk)``).
-    append_windows: cache positions an append's attention reads, padded up to one of these from the call's
-      longest history (``()``: ``max_len // 4``, ``max_len // 2``, ``max_len``); its cost grows with rows x window.
-    page_size: KV positions per page (``0`` or >= ``max_len``: the contiguous cache); must divide ``max_len``.
-    num_pages: pages in the pool (``0``: every slot at ``max_len`` plus one page per slot).
-    max_stop_sequences, max_stop_len, max_eos: capacity of the stop tables.
-    sampling: temperature / top-k / top-p (``SamplingConfig.make_greedy()`` for greedy).
-    weight_dtype: dtype of the engine's copy of the weights (``None``: as given).
-    cache_dtype: KV cache dtype name; ``None`` = the model's compute dtype.
-    routing_replay: a mixture-of-experts policy only: the engine records the experts every token it computes
-      went to in every sparse layer: ``generate`` each sampled token's (``GenerateOutput.routing``), ``append``
-      each prompt and observation id's (``AppendResult.routing``). The rollout trees keep one record per token
-      (``Node.routed_experts``) and the trainer's forward replays them all (``trace_jax.models.moe``), context
-      included; costs tokens x sparse layers x top-k int32 on the host (1.5 KiB a token for Qwen3-30B-A3B).
-      Off, the programs are those of a dense model's engine (no record, no extra output). A dense policy has
-      no router: the engine refuses it.
-    """
-
-    max_slots: int = 16
-    max_len: int = 512
-    steps_per_call: int = 64
-    max_turn_tokens: int = 128
-    min_bucket: int = 16
-    length_buckets: tuple[int, ...] = ()
-    row_buckets: tuple[int, ...] = ()
-    append_chunk: int = 32
-    append_row_buckets: tuple[int, ...] = ()
-    append_windows: tuple[int, ...] = ()
-    page_size: int = 16
-    num_pages: int = 0
-    max_stop_sequences: int = 4
-    max_stop_len: int = 8
-    max_eos: int = 4
-    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
-    weight_dtype: str | None = "bfloat16"
-    cache_dtype: str | None = None
-    routing_replay: bool = False
+    max_slots: int = documented(16, "decode slots (``max_concurrent_decodes``), the batch of every decode step.")
+    max_len: int = documented(512, "cache positions per slot (prompt + all turns + observations).")
+    steps_per_call: int = documented(
+        64,
+        "most decode steps one ``generate`` call runs (the width of its output buffers).",
+    )
+    max_turn_tokens: int = documented(
+        128,
+        "per-turn token limit (a slot's turn ends after this many sampled tokens), unless a runner passes its own "
+        "(``RunnerConfig.max_turn_tokens``; the main job's runners do not).",
+    )
+    min_bucket: int = documented(16, "smallest length bucket.")
+    length_buckets: tuple[int, ...] = documented(
+        (),
+        "the cache windows ``generate`` reads are padded up to one of these (``()``: ``min_bucket * 4**i``, then "
+        "``max_len``).",
+    )
+    row_buckets: tuple[int, ...] = documented((), "rows of a fork call (``()``: ``max_slots // 4`` and ``max_slots``).")
+    append_chunk: int = documented(
+        32,
+        "ids per append row (``0`` or >= ``max_len``: ``max_len``, one row per item). An appended item is cut into "
+        "chunks of this many ids, one row each, so an append's cost follows its ids, not its longest item "
+        "(``trace_jax.rollout.engine.append``).",
+    )
+    append_row_buckets: tuple[int, ...] = documented(
+        (),
+        "rows of an append call (``()``: powers of two from ``max_slots // 4`` up to the most chunks a call can hold, "
+        "``max_slots * ceil(max_len / append_chunk)``).",
+    )
+    append_windows: tuple[int, ...] = documented(
+        (),
+        "cache positions an append's attention reads, padded up to one of these from the call's longest history "
+        "(``()``: ``max_len // 4``, ``max_len // 2``, ``max_len``); its cost grows with rows x window.",
+    )
+    page_size: int = documented(
+        16,
+        "KV positions per page (``0`` or >= ``max_len``: the contiguous cache); must divide ``max_len``.",
+    )
+    num_pages: int = documented(0, "pages in the pool (``0``: every slot at ``max_len`` plus one page per slot).")
+    max_stop_sequences: int = documented(4, "capacity of the stop tables.")
+    max_stop_len: int = documented(8, "capacity of the stop tables.")
+    max_eos: int = documented(4, "capacity of the stop tables.")
+    sampling: SamplingConfig = documented(
+        default_factory=SamplingConfig,
+        doc=("temperature / top-k / top-p (``SamplingConfig.make_greedy()`` for greedy)."),
+    )
+    weight_dtype: str | None = documented("bfloat16", "dtype of the engine's copy of the weights (``None``: as given).")
+    cache_dtype: str | None = documented(None, "KV cache dtype name; ``None`` = the model's compute dtype.")
+    routing_replay: bool = documented(
+        False,
+        "a mixture-of-experts policy only: the engine records the experts every token it computes went to in every "
+        "sparse layer: ``generate`` each sampled token's (``GenerateOutput.routing``), ``append`` each prompt and "
+        "observation id's (``AppendResult.routing``). The rollout trees keep one record per token "
+        "(``Node.routed_experts``) and the trainer's forward replays them all (``trace_jax.models.moe``), context "
+        "included; costs tokens x sparse layers x top-k int32 on the host (1.5 KiB a token for Qwen3-30B-A3B). Off, "
+        "the programs are those of a dense model's engine (no record, no extra output). A dense policy has no router: "
+        "the engine refuses it.",
+    )
 
     def __post_init__(self):
         if self.max_len % self.page:

@@ -24,11 +24,11 @@ from typing import Any
 
 from trace_jax.allocation.policies import POLICIES
 from trace_jax.allocation.predictor import PREDICTORS
-from trace_jax.configs import RECIPES, SECTIONS, RunConfig, build_section, recipe_kind, retired_problems
+from trace_jax.configs.errors import ConfigError
+from trace_jax.configs.run import RECIPES, SECTIONS, RunConfig, build_section, recipe_kind, retired_problems
+from trace_jax.configs.schema import prompts_drawn_per_step
 from trace_jax.data.synthetic import KINDS, SyntheticWorld, split_kinds
 from trace_jax.envs.react import TAGS
-from trace_jax.job.cli import ConfigError
-from trace_jax.job.schema import prompts_drawn_per_step
 from trace_jax.models import PRESETS
 from trace_jax.parallel.mesh import MESH_AXES
 from trace_jax.rl.advantages import ESTIMATORS
@@ -261,15 +261,14 @@ def _unread_problems(config: Mapping[str, Any], kind: str) -> list[str]:
     return found
 
 
-def problems(config: Mapping[str, Any]) -> list[str]:
-    """Every problem of ``config`` (a config file's ConfigDict, or a saved run's dict), one line each (empty when
-    it is fine)."""
+def _checked(config: Mapping[str, Any]) -> tuple[list[str], RunConfig | None]:
+    """``config``'s problems, one line each, and its ``RunConfig`` when the sections built (None otherwise)."""
     found = retired_problems(config)
     if found:  # the sections would not build with these keys in them; the rest waits for the fix
-        return found
+        return found, None
     kind = recipe_kind(config)
     if kind not in RECIPES:
-        return [f"config.recipe.kind={kind!r} is not allowed: one of {', '.join(RECIPES)}"]
+        return [f"config.recipe.kind={kind!r} is not allowed: one of {', '.join(RECIPES)}"], None
     reads = RECIPES[kind]
     found = _unread_problems(config, kind)
     typed: dict[str, Any] = {}
@@ -295,20 +294,26 @@ def problems(config: Mapping[str, Any]) -> list[str]:
     found += missing
     found += [f"config.{name}: {message}" for name, message in unbuilt.items() if name not in broken]
     if found:
-        return found
+        return found, None
     run = RunConfig.build(config)
-    return _objective_problems(run) + _routing_problems(run) + _prompt_problems(run) + _mesh_problems(run)
+    return _objective_problems(run) + _routing_problems(run) + _prompt_problems(run) + _mesh_problems(run), run
+
+
+def problems(config: Mapping[str, Any]) -> list[str]:
+    """Every problem of ``config`` (a config file's ConfigDict, or a saved run's dict), one line each (empty when
+    it is fine)."""
+    return _checked(config)[0]
 
 
 def validate(config: Any) -> RunConfig:
-    """The typed ``RunConfig`` of ``config`` (a ConfigDict or a dict; a ``RunConfig`` is returned as it is).
-    Raises :class:`ConfigError` listing every problem of ``config`` on one line."""
+    """The typed ``RunConfig`` of ``config`` (a ConfigDict or a dict; a ``RunConfig`` is returned as it is), built
+    once. Raises :class:`ConfigError` listing every problem of ``config`` on one line."""
     if isinstance(config, RunConfig):
         return config
-    found = problems(config)
+    found, run = _checked(config)
     if found:
         raise ConfigError("; ".join(found))
-    return RunConfig.build(config)
+    return run
 
 
 def check_mesh(config: RunConfig, device_count: int, process_count: int = 1) -> None:

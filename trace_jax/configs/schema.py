@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
-from trace_jax.configs import (
+from trace_jax.config_utils import field_doc
+from trace_jax.configs.run import (
     RECIPES,
     RETIRED,
     SECTIONS,
     TOP_LEVEL_DOCS,
-    EvalConfig,
-    MeshConfig,
     Retired,
-    RLConfig,
     RunConfig,
-    TokenizerConfig,
     leaves,
     retired_message,
     retired_problems,
@@ -31,6 +27,7 @@ from trace_jax.configs import (
     steps_per_rl_step,
     upgrade,
 )
+from trace_jax.configs.sections import EvalConfig, MeshConfig, RLConfig, TokenizerConfig
 from trace_jax.optim import OptimizerConfig
 
 __all__ = [
@@ -111,35 +108,11 @@ def optimizer_config(config: RunConfig) -> OptimizerConfig:
 
 
 # ------------------------------------------------------------------------------------------- docs
-_DOC_LINE = re.compile(r"^\s*([A-Za-z_]\w*(?:\s*(?:,|/)\s*[A-Za-z_]\w*)*)\s*:\s+(.*)$")
-
-
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's text from the dataclass docstring's ``name: text`` lines (``a, b: text`` and
-    ``a / b: text`` document several fields; indented lines continue the text). Undocumented fields
-    get ``see ClassName``."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    docs: dict[str, str] = {}
-    current: list[str] = []
-    indent = None
-    lines = []
-    for line in (cls.__doc__ or "").splitlines():  # "a: text. b: text" documents two fields on one line
-        pieces = re.split(rf"(?<=\.)\s+(?=(?:{'|'.join(sorted(names))}):\s)", line) if names else [line]
-        margin = line[: len(line) - len(line.lstrip())]
-        lines += [pieces[0], *(margin + piece for piece in pieces[1:])]
-    for line in lines:
-        match = _DOC_LINE.match(line)
-        keys = re.split(r"\s*(?:,|/)\s*", match.group(1)) if match else []
-        if match and set(keys) <= names:
-            current, indent = keys, len(line) - len(line.lstrip())
-            for key in keys:
-                docs[key] = match.group(2).strip()
-        elif current and line.strip() and len(line) - len(line.lstrip()) > indent:
-            for key in current:
-                docs[key] += " " + line.strip()
-        else:
-            current = []
-    return {name: docs.get(name, f"see {cls.__name__}") for name in sorted(names)}
+    """Each field's doc, as declared with ``trace_jax.config_utils.documented``; a field declared without one
+    gets ``see ClassName``."""
+    docs = {f.name: field_doc(f) or f"see {cls.__name__}" for f in dataclasses.fields(cls)}
+    return dict(sorted(docs.items()))
 
 
 def describe(config: RunConfig) -> str:
