@@ -326,7 +326,7 @@ class DecodeKernel:
     handed over whole as ``[kv_heads, layers * pages, page_size, head_dim]`` (merging two major axes: a bitcast,
     no copy), where layer ``l``'s page ``p`` is page ``l * pages + p``: the page tables are offset by the layer.
     (A layer's slice ``pool[:, l]`` as the operand would be a copy of the shard's layer of the pool at every
-    layer and step: ``tests/models/test_tpu_kernels.py``.)
+    layer and step: ``tests/kernels/test_tpu_kernels.py``.)
     """
 
     mesh: Any
