@@ -32,8 +32,10 @@ def test_the_paged_kernel_names_each_broken_rule_and_its_value():
 
 def test_tgmm_refuses_operands_it_cannot_read_naming_the_dtype():
     """float16 operands are not ``tgmm``'s: ``takes`` says so (the model then uses ``ragged_dot``) and the weight
-    gradient raises naming the dtype. Mutant caught: ``check_dtypes`` removed from ``grouped_weight_grad``."""
+    gradient raises naming the kernel and the dtype before jax's kernel is called. Mutant caught:
+    ``check_dtypes`` removed from ``grouped_weight_grad`` (jax's own message names neither the kernel nor the
+    dtypes it reads)."""
     x = jnp.zeros((128, 128), jnp.float16)
     assert not megablox.takes(x) and megablox.takes(x.astype(jnp.bfloat16))
-    with pytest.raises(ValueError, match="got float16"):
+    with pytest.raises(ValueError, match=r"megablox tgmm reads .*bfloat16.*float32.* operands, got float16"):
         megablox.grouped_weight_grad(x, x, jnp.asarray([128], jnp.int32), jnp.float32, interpret=True)
