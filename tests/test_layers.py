@@ -20,7 +20,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "trace_jax"
 LAYERS: list[tuple[str, ...]] = [
     ("trace_jax", "trace_jax.registry", "trace_jax.buckets", "trace_jax.config_utils", "trace_jax.paths"),
     ("trace_jax.optim",),
-    ("trace_jax.models", "trace_jax.parallel", "trace_jax.envs"),
+    ("trace_jax.parallel",),
+    ("trace_jax.kernels",),  # the Pallas kernels and their wrappers: models and rollout call them
+    ("trace_jax.models", "trace_jax.envs"),
     ("trace_jax.data",),
     ("trace_jax.checkpoint", "trace_jax.rollout"),
     ("trace_jax.allocation", "trace_jax.rl"),

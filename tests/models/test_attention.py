@@ -92,23 +92,6 @@ def test_auto_is_the_reference_on_cpu_and_unknown_names_are_clear():
         attention_lib.resolve("flash3")
 
 
-def test_splash_kernel_in_interpret_mode_equals_the_reference(monkeypatch):
-    # The TPU Pallas kernel run by the Pallas interpreter on CPU (the closest check possible without a TPU).
-    monkeypatch.setattr(attention_lib, "SPLASH_INTERPRET", True)
-    q, k, v = _qkv(b=1, t=128, h=2, k=1, e=128)
-    index = jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), (1, 128))
-    want = attention(q, k, v, index, in_order=True, implementation="reference")
-    got = attention(q, k, v, index, in_order=True, implementation="splash")
-    np.testing.assert_allclose(got, want, atol=1e-4)
-    # A tree mask is data: the tree flash kernel (``trace_jax.models.tree_attention``) computes it per tile.
-    ends = _tree_ends(1, 128)
-    np.testing.assert_allclose(
-        attention(q, k, v, index, ends, in_order=True, implementation="splash"),
-        attention(q, k, v, index, ends, in_order=True, implementation="reference"),
-        atol=1e-5,
-    )
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_rows_read_on_their_bits_are_the_rows_and_differentiate_as_a_gather(dtype):
     """``take_rows`` (the embedding lookup) gives ``jnp.take``'s values and gradient. Fails if its derivative

@@ -22,7 +22,7 @@ Implementations (``ATTENTION``, chosen by ``ModelConfig.attention``; "auto" pick
   inside the kernel). "auto" on GPU (``gpu_auto``) takes cuDNN for bf16/fp16 inputs, XLA for float32.
 * ``splash``: the TPU Pallas kernels for training rows, in ``shard_map`` over every mesh axis when traced
   under a mesh (rows over data/fsdp/expert, heads over tensor when the KV heads split evenly): splash
-  attention for plain causal rows, ``trace_jax.models.tree_attention`` (a flash kernel that computes the
+  attention for plain causal rows, ``trace_jax.kernels.tree_attention`` (a flash kernel that computes the
   tree mask ``s <= t < kv_end[s]`` per tile) for packed and tree-packed rows. Scores stay in VMEM, never
   [T, S] in HBM. Cached decoding and rows that are not whole 128-row tiles go to ``reference``; the engine's
   decode has its own kernel (``trace_jax.rollout.engine.pages.DecodeKernel``).
@@ -47,9 +47,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from trace_jax.parallel.mesh import MESH_AXES, logical_to_spec
+from trace_jax import kernels
 from trace_jax.registry import Registry
 
 # Query rows per block of the reference path; a block's float32 scores are [B, H, REFERENCE_BLOCK, S]. 128, not
@@ -186,74 +185,29 @@ def gpu_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_ord
     return ATTENTION[name](q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, in_order)
 
 
-def _mesh_specs(q_bthe, k_bske, mesh):
-    """PartitionSpecs of q / k (and v), kv_end and the output for a kernel run in ``shard_map`` over every axis of
-    ``mesh``: rows over the batch axes, heads over ``tensor`` when the KV heads split evenly (else whole)."""
-    q_spec = logical_to_spec(("batch", "length", "heads", None), mesh, q_bthe.shape)
-    kv_spec = logical_to_spec(("batch", "length", "kv_heads", None), mesh, k_bske.shape)
-    if kv_spec[2] is None:  # a query shard must hold the KV heads its query heads use
-        q_spec = P(q_spec[0], None, None, None)
-    return q_spec, kv_spec, P(q_spec[0], None)
-
-
-def _under_mesh(kernel: Callable[..., jax.Array], q_bthe, k_bske, v_bske, kv_end_bs):
-    """``kernel(q, k, v, kv_end)`` on each shard when traced under a mesh (Mosaic kernels cannot be partitioned by
-    XLA; every axis manual, ``check_vma=False``: jax 0.10.2 refuses both a partly automatic mesh and the vma
-    check of these kernels), else called directly."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
-        return kernel(q_bthe, k_bske, v_bske, kv_end_bs)
-    q_spec, kv_spec, end_spec = _mesh_specs(q_bthe, k_bske, mesh)
+def _splash_kernel(q_bthe, k_bske, v_bske, kv_end_bs):
+    """One shard's training rows through the room's TPU kernels: splash for plain causal rows, the tree flash
+    kernel for rows with ``kv_end``."""
     if kv_end_bs is None:
-        run = jax.shard_map(
-            lambda q, k, v: kernel(q, k, v, None),
-            mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False,
-        )  # fmt: skip
-        return run(q_bthe, k_bske, v_bske)
-    run = jax.shard_map(
-        kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, end_spec), out_specs=q_spec, check_vma=False
-    )
-    return run(q_bthe, k_bske, v_bske, kv_end_bs)
-
-
-def _splash_causal(q_bthe, k_bske, v_bske, kv_end_bs=None):
-    """One shard's plain causal rows through splash attention (MQA form: one kernel per KV head and row)."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash  # TPU kernel, lazy import
-
-    b, t, h, e = q_bthe.shape
-    kv = k_bske.shape[2]
-    g = h // kv
-    mask = splash.MultiHeadMask([splash.CausalMask((t, k_bske.shape[1]))] * g)
-    kernel = splash.make_splash_mqa_single_device(mask=mask, interpret=SPLASH_INTERPRET)
-    q_bkgte = (q_bthe / math.sqrt(e)).reshape(b, t, kv, g, e).transpose(0, 2, 3, 1, 4)
-    k_bkse, v_bkse = k_bske.transpose(0, 2, 1, 3), v_bske.transpose(0, 2, 1, 3)
-    with jax.named_scope("splash_attention"):  # names the kernels in the compiled HLO (trace_jax.plan.hlo)
-        out_bkgte = jax.vmap(jax.vmap(kernel))(q_bkgte, k_bkse, v_bkse)
-    return out_bkgte.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e).astype(q_bthe.dtype)
-
-
-def _tree_kernel(q_bthe, k_bske, v_bske, kv_end_bs):
-    from trace_jax.models.tree_attention import tree_flash_attention  # TPU kernel module, lazy import
-
-    return tree_flash_attention(q_bthe, k_bske, v_bske, kv_end_bs, interpret=SPLASH_INTERPRET)
+        return kernels.splash_causal(q_bthe, k_bske, v_bske, interpret=SPLASH_INTERPRET)
+    return kernels.tree_flash_attention(q_bthe, k_bske, v_bske, kv_end_bs, interpret=SPLASH_INTERPRET)
 
 
 @ATTENTION.register("splash")
 def splash_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs=None, in_order=False):
     """TPU Pallas kernels for training rows (``in_order``), in ``shard_map`` under a mesh: splash attention for
-    plain causal rows, ``trace_jax.models.tree_attention`` (a flash kernel computing the tree mask per tile)
+    plain causal rows, ``trace_jax.kernels.tree_attention`` (a flash kernel computing the tree mask per tile)
     for rows with ``kv_end`` (packed and tree-packed rows). Cached decoding (not in order) and rows that are not
     whole 128-row tiles go to ``reference``. Never writes [T, S] scores to HBM where a kernel runs."""
-    from trace_jax.models.tree_attention import BLOCK, fits  # TPU kernel module, lazy import
-
-    if not in_order or not fits(q_bthe.shape[1], k_bske.shape[1]):
+    t, s = q_bthe.shape[1], k_bske.shape[1]
+    fits = kernels.splash_fits(t, s) if kv_end_bs is None else kernels.tree_fits(t, s)
+    if not in_order or not fits:
         if in_order and q_bthe.shape[1] not in _FALLBACKS_LOGGED:  # training rows that miss the kernel: say so
             _FALLBACKS_LOGGED.add(q_bthe.shape[1])
             log.warning("TPU attention: rows of %d tokens are not whole %d-row tiles; reference attention (scores "
-                        "in HBM) instead of the kernels", q_bthe.shape[1], BLOCK)  # fmt: skip
+                        "in HBM) instead of the kernels", q_bthe.shape[1], kernels.BLOCK)  # fmt: skip
         return reference_attention(q_bthe, k_bske, v_bske, query_index_bt, kv_end_bs, in_order)
-    kernel = _splash_causal if kv_end_bs is None else _tree_kernel
-    return _under_mesh(kernel, q_bthe, k_bske, v_bske, kv_end_bs)
+    return kernels.under_mesh(_splash_kernel, q_bthe, k_bske, v_bske, kv_end_bs)
 
 
 def target_platform() -> str:

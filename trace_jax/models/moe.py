@@ -49,7 +49,6 @@ Parameters: ``router`` [d, e] (logical ("embed", None)), ``gate_proj`` / ``up_pr
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from typing import Any, NamedTuple
 
@@ -58,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from trace_jax.kernels import megablox
 from trace_jax.models.expert_dispatch import EXPERT_DISPATCH
 from trace_jax.models.qwen import (
     HF_MODEL_TYPES,
@@ -284,66 +284,13 @@ def _grouped_matmul_bwd(residuals, d_out_mf):
 _grouped_matmul_by_expert.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
-# The weight gradient's row tile: an expert's group starting inside a tile costs that tile once more, so with
-# many experts a short tile wastes least (at most m / 128 + e tiles are visited).
-_TGMM_ROW_TILE = 128
-
-
-def _tgmm_tile(dim: int) -> int:
-    """The largest of 512, 256, 128 dividing ``dim``, else ``dim`` whole: Mosaic's block rule (a multiple of
-    128 on the last axis, or the array's whole axis) with no partial edge block."""
-    return next((tile for tile in (512, 256, 128) if dim % tile == 0), dim)
-
-
-def grouped_weight_grad(x_md, d_out_mf, sizes_e, dtype, interpret: bool = False) -> jax.Array:
-    """``d w[e] = x[group e]^T @ d_out[group e]`` ([e, d, f], ``dtype``) by megablox's transposed grouped matmul
-    (``tgmm``, a Mosaic kernel; ``interpret`` runs it in Pallas interpret mode). Rows after the last group
-    (padding) are outside every group and ignored; an empty group's gradient is zero. The rows are padded with
-    zeros to a multiple of the row tile, which the kernel needs."""
-    from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm  # TPU kernel, lazy import (as attention's)
-
-    pad = -x_md.shape[0] % _TGMM_ROW_TILE
-    if pad:
-        x_md = jnp.pad(x_md, ((0, pad), (0, 0)))
-        d_out_mf = jnp.pad(d_out_mf, ((0, pad), (0, 0)))
-    tiling = (_TGMM_ROW_TILE, _tgmm_tile(x_md.shape[1]), _tgmm_tile(d_out_mf.shape[1]))
-    return tgmm(x_md.T, d_out_mf, sizes_e, dtype, tiling, interpret=interpret)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def grouped_matmul_tpu(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array, interpret: bool = False) -> jax.Array:
-    """``jax.lax.ragged_dot`` with its weight gradient from ``grouped_weight_grad``. The TPU compiler lowers
-    ragged_dot's value and input gradient to grouped kernels, but its weight gradient (ragged contracting
-    rows) to a dense contraction of every expert over all rows under a group mask, e / top-k times the work of
-    a grouped one (measured: 95% of the FLOPs of the Qwen3-30B-A3B update on v5p-64)."""
-    return jax.lax.ragged_dot(x_md, w_edf, sizes_e)
-
-
-def _grouped_matmul_tpu_fwd(x_md, w_edf, sizes_e, interpret):
-    return jax.lax.ragged_dot(x_md, w_edf, sizes_e), (x_md, w_edf, sizes_e)
-
-
-def _grouped_matmul_tpu_bwd(interpret, residuals, d_out_mf):
-    x_md, w_edf, sizes_e = residuals
-    d_x_md = jax.lax.ragged_dot(d_out_mf, jnp.swapaxes(w_edf, 1, 2), sizes_e)
-    d_w_edf = grouped_weight_grad(x_md, d_out_mf, sizes_e, w_edf.dtype, interpret)
-    no_sizes = np.zeros(sizes_e.shape, jax.dtypes.float0)  # integer group sizes have no cotangent
-    return d_x_md.astype(x_md.dtype), d_w_edf, no_sizes
-
-
-grouped_matmul_tpu.defvjp(_grouped_matmul_tpu_fwd, _grouped_matmul_tpu_bwd)
-
-_TGMM_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))  # the kernel's operand types
-
-
 def grouped_matmul(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array) -> jax.Array:
     """Rows of ``x_md`` sorted by expert (``sizes_e`` rows each; rows after the last group are padding, their
     output zero) times their expert's ``w_edf[e]`` ([m, f]), chosen by the platform the program is compiled
-    for: ``grouped_matmul_tpu`` on TPU (``jax.lax.ragged_dot`` where the operands are not bfloat16 / float32,
-    which ``tgmm`` refuses), ``jax.lax.ragged_dot`` on GPU, a scan over experts on CPU."""
-    tpu = grouped_matmul_tpu
-    if x_md.dtype not in _TGMM_DTYPES or w_edf.dtype not in _TGMM_DTYPES:
-        tpu = jax.lax.ragged_dot
+    for: ``megablox.grouped_matmul_tpu`` (``trace_jax.kernels``) on TPU (``jax.lax.ragged_dot`` where the
+    operands are not bfloat16 / float32, which ``tgmm`` refuses), ``jax.lax.ragged_dot`` on GPU, a scan over
+    experts on CPU."""
+    tpu = megablox.grouped_matmul_tpu if megablox.takes(x_md, w_edf) else jax.lax.ragged_dot
     return jax.lax.platform_dependent(
         x_md, w_edf, sizes_e, cpu=_grouped_matmul_by_expert, tpu=tpu, default=jax.lax.ragged_dot
     )

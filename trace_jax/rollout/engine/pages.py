@@ -34,7 +34,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from trace_jax.kernels import paged_attention
 from trace_jax.models import attention as attention_lib
 from trace_jax.parallel.mesh import constrain
 
@@ -302,10 +304,6 @@ class PagedKVCache:
 
 
 # ------------------------------------------------------------------------------ Pallas decode kernel
-# Page-table columns one kernel step reads (a divisor of the table's width), the largest of these that divides.
-PAGES_PER_COMPUTE_BLOCK = (8, 4, 2, 1)
-# Value dtypes the kernel reads (it loads pages into VMEM and computes in bf16 / f32).
-KERNEL_DTYPES = ("bfloat16", "float32")
 # Run the kernel in Pallas TPU interpret mode on any devices (tests on CPU): engines built while it is set
 # decode through the kernel on CPU meshes too.
 KERNEL_INTERPRET = False
@@ -315,12 +313,7 @@ KERNEL_INTERPRET = False
 class DecodeKernel:
     """``generate``'s single-token attention through jax's Pallas TPU paged-attention kernel on the engine's mesh.
 
-    Why that kernel (``jax.experimental.pallas.ops.tpu.paged_attention``) and not the ragged paged attention
-    jax also ships: ours reads pages laid out ``[kv_heads, pages, page_size, head_dim]``, the pool's own layout
-    (``PagedKVCache.k_pages`` with its layers and pages axes merged), and decoding runs one query per slot, its
-    case. The ragged kernel wants keys and values interleaved in one ``[pages, page_size, 2 * kv_heads,
-    head_dim]`` pool, a relayout of every program that touches the pool (append, fork), for mixed prefill +
-    decode batches ``generate`` does not have.
+    The kernel, its block rules and its cost: ``trace_jax.kernels.paged_attention``.
 
     Mosaic kernels cannot be partitioned by XLA, so the call runs in ``jax.shard_map`` with every mesh axis
     manual: slots (and the pool's pages) over ``slot_axes``, KV heads over ``head_axis``. Each shard reads
@@ -329,15 +322,11 @@ class DecodeKernel:
     (global page - shard base; another shard's page, i.e. the global trash page of an idle slot, becomes the
     shard's own trash page 0). The new token's keys / values are written inside the same ``shard_map``.
 
-    Numerics: the kernel loads key / value pages into VMEM and casts them to bf16 before its dot products
-    (``MultiPageAsyncCopyDescriptor._maybe_dequantize`` defaults to bf16), so a float32 cache matches the
-    float32 reference only to bf16 rounding (~3e-2 at unit-scale values; tests/rollout/test_decode_kernel.py).
-
     The kernel reads the pool in place: each shard's block ``[kv_heads, layers, pages, page_size, head_dim]`` is
     handed over whole as ``[kv_heads, layers * pages, page_size, head_dim]`` (merging two major axes: a bitcast,
     no copy), where layer ``l``'s page ``p`` is page ``l * pages + p``: the page tables are offset by the layer.
     (A layer's slice ``pool[:, l]`` as the operand would be a copy of the shard's layer of the pool at every
-    layer and step: ``tests/models/test_tpu_kernels.py``.)
+    layer and step: ``tests/kernels/test_tpu_kernels.py``.)
     """
 
     mesh: Any
@@ -351,15 +340,12 @@ class DecodeKernel:
         return int(np.prod([self.mesh.shape[a] for a in self.slot_axes], dtype=np.int64))
 
     def decode(self, cache: PagedKVCache, layer, q_bthe, k_btke, v_btke, positions_bt):
-        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention  # TPU kernel, lazy import
-        from jax.sharding import PartitionSpec as P
-
         b, _, h, e = q_bthe.shape
         slots = self.slot_axes or None
         heads = self.head_axis
         pool_spec = P(heads, None, slots, None, None)
         block = self.pages_per_compute_block
-        dtype, page_size, scale = cache.dtype, cache.page_size, 1.0 / float(np.sqrt(e))
+        dtype, page_size = cache.dtype, cache.page_size
 
         def local(k_pool, v_pool, table_bp, q_bhe, k_bke, v_bke, position_b, layer):
             heads_here, layers, num_local_pages = k_pool.shape[:3]
@@ -378,8 +364,8 @@ class DecodeKernel:
             # Every layer's pages in one page axis (layer-major): layer ``layer``'s page p is page
             # ``layer * num_local_pages + p``.
             view = lambda pool: as_dtype(pool.reshape(heads_here, layers * num_local_pages, *pool.shape[3:]), dtype)
-            call = lambda: paged_attention(
-                (q_bhe * scale).astype(q_bhe.dtype),
+            out_bhe = paged_attention.paged_decode(
+                q_bhe,
                 view(k_pool),
                 view(v_pool),
                 # The new token sees itself and every earlier position; a slot past its table (a full one
@@ -387,14 +373,8 @@ class DecodeKernel:
                 jnp.minimum(position_b + 1, table_bp.shape[1] * page_size),
                 table_bp + layer * num_local_pages,
                 pages_per_compute_block=block,
+                interpret=self.interpret,
             )
-            if self.interpret:
-                from jax.experimental.pallas import tpu as pltpu  # interpret mode (tests on CPU) only
-
-                with pltpu.force_tpu_interpret_mode():
-                    out_bhe = call()
-            else:
-                out_bhe = call()
             return k_pool, v_pool, out_bhe.astype(q_bhe.dtype)
 
         run = jax.shard_map(
@@ -431,17 +411,11 @@ def choose_decode_kernel(
     head_dim = model_config.head_dim
     kv_dtype = jnp.dtype(engine_config.kv_dtype(model_config.compute_dtype)).name
     pages_per_slot = engine_config.pages_per_slot
-    block = max(d for d in PAGES_PER_COMPUTE_BLOCK if pages_per_slot % d == 0)
+    block = paged_attention.pages_per_compute_block(pages_per_slot)
     pool_spec = tuple(state_shardings.k_pages.spec) + (None,) * 5
     slot_spec = (*state_shardings.lengths_b.spec, None)
     as_axes = lambda entry: () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    problems = []
-    if head_dim % 128:
-        problems.append(f"head_dim={head_dim} is not a multiple of 128 (the kernel's (8, 128) block rule)")
-    if kv_dtype not in KERNEL_DTYPES:
-        problems.append(f"cache dtype {kv_dtype} is not one of {KERNEL_DTYPES}")
-    if engine_config.page % 8:
-        problems.append(f"page_size={engine_config.page} is not a multiple of 8 (the kernel's sublane tile)")
+    problems = paged_attention.problems(head_dim, kv_dtype, engine_config.page)
     if as_axes(pool_spec[2]) != as_axes(slot_spec[0]):
         problems.append(
             f"the pool's pages are split over {as_axes(pool_spec[2])} but the slots over {as_axes(slot_spec[0])} "

@@ -12,9 +12,10 @@ import pytest
 from flax import nnx
 
 from tests.models.tpu_topology import MOSAIC, tpu_devices
-from trace_jax.models import ModelConfig, abstract_model, moe, tree_attention
+from trace_jax.kernels import megablox, tree_attention
+from trace_jax.kernels.tree_attention import tree_flash_attention
+from trace_jax.models import ModelConfig, abstract_model, moe
 from trace_jax.models import attention as attention_lib
-from trace_jax.models.tree_attention import tree_flash_attention
 from trace_jax.parallel import mesh as mesh_lib
 from trace_jax.plan import hlo
 from trace_jax.rollout.engine.engine import Engine, EngineConfig
@@ -73,6 +74,20 @@ def test_the_tree_kernel_matches_the_reference_forward_and_backward(mask):
     grads = lambda fn: jax.grad(lambda *x: (fn(*x) * weights).sum(), argnums=(0, 1, 2))(q, k, v)
     for got, want in zip(grads(kernel), grads(reference), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_training_kernels_in_interpret_mode_equal_the_reference(monkeypatch):
+    """``implementation="splash"`` with no mesh, run by the Pallas interpreter on CPU (the closest check possible
+    without a TPU): causal rows by splash, tree rows by the tree kernel (a tree mask is data: it computes it per
+    tile), both equal to the reference."""
+    monkeypatch.setattr(attention_lib, "SPLASH_INTERPRET", True)
+    rng = np.random.default_rng(2)
+    q, k, v = _qkv(rng, 1, 128, 2, 1, 128)
+    index = jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), (1, 128))
+    for kv_end, atol in ((None, 1e-4), (_tree_ends(rng, 1, 128), 1e-5)):
+        want = attention_lib.attention(q, k, v, index, kv_end, in_order=True, implementation="reference")
+        got = attention_lib.attention(q, k, v, index, kv_end, in_order=True, implementation="splash")
+        np.testing.assert_allclose(got, want, atol=atol)
 
 
 def test_training_kernels_under_a_mesh_run_in_shard_map_and_match_the_reference(monkeypatch):
@@ -243,7 +258,7 @@ def test_the_tpu_grouped_matmul_matches_ragged_dot_in_value_and_both_gradients()
         out_mf, vjp = jax.vjp(lambda x, w: matmul(x, w, sizes_e), x_md, w_edf)
         return (out_mf, *vjp(d_out_mf))
 
-    tpu = jax.jit(lambda: value_and_grads(lambda x, w, s: moe.grouped_matmul_tpu(x, w, s, True)))()
+    tpu = jax.jit(lambda: value_and_grads(lambda x, w, s: megablox.grouped_matmul_tpu(x, w, s, True)))()
     reference = value_and_grads(jax.lax.ragged_dot)
     cpu = value_and_grads(moe.grouped_matmul)  # the CPU branch on this host
     assert not np.asarray(reference[0][185:]).any() and np.asarray(reference[2][1]).any()  # premise
