@@ -144,6 +144,24 @@ def test_tpu_pod_watch_recreates_a_preempted_slice_and_relaunches_the_same_job_o
     assert "exited 143" in done.stdout  # the job's preemption exit code (trace_jax.job.cli.ExitCode.PREEMPTED)
 
 
+def test_tpu_pod_help_prints_the_usage_block():
+    """Fails if --help is refused as an unknown option or prints something other than the script's header."""
+    done = launch("tpu_pod.sh", "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Run the main job on every host")
+    assert "--watch" in done.stdout and "set -euo" not in done.stdout and "\n#" not in done.stdout
+
+
+@pytest.mark.parametrize("extra,kind", [([], "tpu-vm"), (["--queued"], "queued-resources")])
+def test_tpu_pod_spot_alone_makes_a_spot_slice(extra, kind):
+    """Fails if --spot without --create is refused, or makes anything but one spot slice (a spot create unless
+    --queued asks for a queued spot request)."""
+    done = launch("tpu_pod.sh", "--dry-run", *POD, "--spot", *extra, "--skip-check", "--no-stream")
+    assert done.returncode == 0, done.stderr
+    (create,) = gcloud(commands(done.stdout), "create")
+    assert create[3:5] == [kind, "create"] and "--spot" in create
+
+
 def test_the_launcher_and_the_job_agree_on_the_preemption_exit_code():
     from trace_jax.job.cli import ExitCode
 
@@ -159,7 +177,6 @@ def test_the_launcher_and_the_job_agree_on_the_preemption_exit_code():
         (["--dry-run", "--tpu", "p", "--zone", "z"], "--workdir gs://BUCKET/RUN is required"),
         (["--dry-run", "--tpu", "p", "--zone", "z", "--workdir", "/tmp/run"], "must be a gs:// bucket path"),
         ([*POD, "--create", "--queued"], "pick one"),
-        ([*POD, "--spot"], "add --create or --queued"),
         ([*POD, "--accelerator", "v9-8"], "no default runtime"),
         ([*POD, "--env", "1X=2"], "expected KEY=VALUE"),
         ([*POD, "--python", "three"], "expected a version like 3.11"),
