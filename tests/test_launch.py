@@ -371,3 +371,23 @@ def test_tpu_pod_refuses_a_config_that_does_not_fit_before_any_gcloud_command():
     accepted = _plan_launch()
     assert accepted.returncode == 0, accepted.stderr[-3000:]
     assert gcloud(commands(accepted.stdout), "create")
+
+
+def test_worker_job_stopped_by_sigterm_reports_the_jobs_own_status(tmp_path):
+    """A preemption notice (SIGTERM to the job's group) lets the job checkpoint and exit 143; `logs` must follow it
+    to that end and report 143. Fails if the wrapper dies on the SIGTERM first (`logs` then ends while the job is
+    still checkpointing, with no status: the watcher would take a preempted job for a failed one)."""
+    job = "trap 'sleep 2; echo checkpointed; exit 143' TERM; echo ready; sleep 300 & wait"
+    assert worker(tmp_path, "start", "--", "bash", "-c", job).returncode == 0
+    pgid = _pgid(tmp_path)
+    try:
+        for _ in range(100):
+            if "ready" in (tmp_path / "job.log").read_text():
+                break
+            time.sleep(0.1)
+        os.killpg(pgid, 15)
+        streamed = worker(tmp_path, "logs")
+        assert "checkpointed" in streamed.stdout and streamed.returncode == 143, streamed.stdout
+    finally:
+        if _alive(pgid):
+            os.killpg(pgid, 9)
