@@ -3,7 +3,7 @@
 #
 # Launch (checks the overrides here, creates or reuses the slice, ships this checkout, installs, starts, streams):
 #   launch/tpu_pod.sh --tpu NAME --zone ZONE --workdir gs://BUCKET/RUN [--project P] [--accelerator v5p-64]
-#       [--create | --queued [--spot]] [--runtime VERSION] [--python 3.11] [--env KEY=VALUE ...]
+#       [--create | --queued] [--spot] [--help] [--runtime VERSION] [--python 3.11] [--env KEY=VALUE ...]
 #       [--no-stream] [--skip-check] [--skip-plan | --plan] [--plan-args "PLANNER OPTIONS"] [--dry-run]
 #       [--config configs/x.py[:arg]] [-- --config.key=value ...] [--watch [--max-relaunches N]]
 # The plan step (before the slice is made or anything shipped): the TPU compiler compiles the job's update and
@@ -22,7 +22,9 @@
 #   --status              one line per worker     --stop    stop the job on every worker
 #   --delete              stop the job and delete the slice (or queued resource): billing stops here
 #
+# --spot makes a spot slice: it implies --create unless --queued is given (a queued spot request).
 # --dry-run prints every command (gcloud and local) instead of running it; the override check still runs.
+# --help prints this block.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . launch/common.sh
@@ -49,6 +51,7 @@ parse_specific() {
     --create) CREATE=1; SHIFT_TWO=0 ;;
     --queued) QUEUED=1; SHIFT_TWO=0 ;;
     --spot) SPOT=1; SHIFT_TWO=0 ;;
+    --help | -h) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     --no-stream) STREAM=0; SHIFT_TWO=0 ;;
     --skip-check) CHECK=0; SHIFT_TWO=0 ;;
     --skip-plan) PLAN=0; SHIFT_TWO=0 ;;
@@ -62,7 +65,7 @@ parse_common "$@"
 fail() { echo "$*" >&2; exit 2; }
 [ -n "$TPU" ] && [ -n "$ZONE" ] || fail "--tpu NAME and --zone ZONE are required"
 [ "$CREATE" = 1 ] && [ "$QUEUED" = 1 ] && fail "--create and --queued are two ways to make the slice: pick one"
-[ "$SPOT" = 1 ] && [ "$QUEUED" = 0 ] && [ "$CREATE" = 0 ] && fail "--spot applies to a slice being made: add --create or --queued"
+[ "$SPOT" = 1 ] && [ "$QUEUED" = 0 ] && CREATE=1  # a spot slice is one being made: --create unless --queued
 for kv in ${ENVS[@]+"${ENVS[@]}"}; do
   [[ "$kv" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || fail "--env $kv: expected KEY=VALUE"
 done

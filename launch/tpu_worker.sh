@@ -8,6 +8,8 @@
 #   tpu_worker.sh stop                     SIGTERM the job's process group, SIGKILL after a grace; free the TPU
 #   tpu_worker.sh status                   one line: running / finished with status N / stopped / never started
 #
+# TRACE_JAX_VENV=DIR (tests only: the pod in a box of tests/pod/, whose hosts share this machine's environment)
+# makes install link venv/ to that existing environment instead of creating one and installing into it.
 # Everything lives under $TRACE_JAX_RUN_DIR (default ~/trace_jax_run) on the host's own disk: code/, venv/,
 # logs/<UTC start time>.log (one per start, so every worker keeps its own history), job.log (-> the latest),
 # job.pid (the job's process group id) and job.exit (its exit status, written when it ends by itself).
@@ -71,6 +73,12 @@ install() {
   [ -d "$RUN_DIR/incoming" ] || { echo "[$HOST] no shipped code in $RUN_DIR/incoming" >&2; exit 2; }
   rm -rf "$RUN_DIR/code"
   mv "$RUN_DIR/incoming" "$RUN_DIR/code"
+  if [ -n "${TRACE_JAX_VENV:-}" ]; then
+    say "using the existing environment $TRACE_JAX_VENV (TRACE_JAX_VENV): nothing installed"
+    rm -rf "$RUN_DIR/venv"
+    ln -s "$TRACE_JAX_VENV" "$RUN_DIR/venv"
+    return 0
+  fi
   uv="$(command -v uv || echo "$HOME/.local/bin/uv")"
   if [ ! -x "$uv" ]; then
     say "installing uv"
@@ -103,9 +111,13 @@ start() {
   ln -sfn "$log" "$LOG_LINK"
   [ -d "$RUN_DIR/code" ] && cd "$RUN_DIR/code"
   # setsid: a session and process group of its own, so a dropped ssh sends it no SIGHUP and stop can signal
-  # the whole group. The wrapper records its pid (= the group id) and, when the command ends, its status.
+  # the whole group. The wrapper records its pid (= the group id) and, when the command ends, its status. A
+  # SIGTERM to the group (a preemption notice, stop) reaches the command, which checkpoints and exits 143: the
+  # wrapper outlives it (trap) so that `logs` follows the job to its end and reads that status.
   setsid env PATH="$RUN_DIR/venv/bin:$PATH" PYTHONUNBUFFERED=1 ${envs[@]+"${envs[@]}"} \
-    bash -c 'echo $$ > "$0"; "${@:2}"; echo $? > "$1"' "$PID_FILE" "$EXIT_FILE" "$@" >"$log" 2>&1 </dev/null &
+    bash -c 'echo $$ > "$0"; trap : TERM; "${@:2}" & job=$!
+      while :; do wait "$job"; code=$?; kill -0 "$job" 2>/dev/null || break; done
+      echo "$code" > "$1"' "$PID_FILE" "$EXIT_FILE" "$@" >"$log" 2>&1 </dev/null &
   for _ in $(seq 100); do [ -s "$PID_FILE" ] && break; sleep 0.1; done
   [ -s "$PID_FILE" ] || { echo "[$HOST] the job did not start; see $log" >&2; exit 1; }
   say "started process group $(cat "$PID_FILE"), log $log"

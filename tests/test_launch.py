@@ -144,6 +144,24 @@ def test_tpu_pod_watch_recreates_a_preempted_slice_and_relaunches_the_same_job_o
     assert "exited 143" in done.stdout  # the job's preemption exit code (trace_jax.job.cli.ExitCode.PREEMPTED)
 
 
+def test_tpu_pod_help_prints_the_usage_block():
+    """Fails if --help is refused as an unknown option or prints something other than the script's header."""
+    done = launch("tpu_pod.sh", "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Run the main job on every host")
+    assert "--watch" in done.stdout and "set -euo" not in done.stdout and "\n#" not in done.stdout
+
+
+@pytest.mark.parametrize("extra,kind", [([], "tpu-vm"), (["--queued"], "queued-resources")])
+def test_tpu_pod_spot_alone_makes_a_spot_slice(extra, kind):
+    """Fails if --spot without --create is refused, or makes anything but one spot slice (a spot create unless
+    --queued asks for a queued spot request)."""
+    done = launch("tpu_pod.sh", "--dry-run", *POD, "--spot", *extra, "--skip-check", "--no-stream")
+    assert done.returncode == 0, done.stderr
+    (create,) = gcloud(commands(done.stdout), "create")
+    assert create[3:5] == [kind, "create"] and "--spot" in create
+
+
 def test_the_launcher_and_the_job_agree_on_the_preemption_exit_code():
     from trace_jax.job.cli import ExitCode
 
@@ -159,7 +177,6 @@ def test_the_launcher_and_the_job_agree_on_the_preemption_exit_code():
         (["--dry-run", "--tpu", "p", "--zone", "z"], "--workdir gs://BUCKET/RUN is required"),
         (["--dry-run", "--tpu", "p", "--zone", "z", "--workdir", "/tmp/run"], "must be a gs:// bucket path"),
         ([*POD, "--create", "--queued"], "pick one"),
-        ([*POD, "--spot"], "add --create or --queued"),
         ([*POD, "--accelerator", "v9-8"], "no default runtime"),
         ([*POD, "--env", "1X=2"], "expected KEY=VALUE"),
         ([*POD, "--python", "three"], "expected a version like 3.11"),
@@ -354,3 +371,23 @@ def test_tpu_pod_refuses_a_config_that_does_not_fit_before_any_gcloud_command():
     accepted = _plan_launch()
     assert accepted.returncode == 0, accepted.stderr[-3000:]
     assert gcloud(commands(accepted.stdout), "create")
+
+
+def test_worker_job_stopped_by_sigterm_reports_the_jobs_own_status(tmp_path):
+    """A preemption notice (SIGTERM to the job's group) lets the job checkpoint and exit 143; `logs` must follow it
+    to that end and report 143. Fails if the wrapper dies on the SIGTERM first (`logs` then ends while the job is
+    still checkpointing, with no status: the watcher would take a preempted job for a failed one)."""
+    job = "trap 'sleep 2; echo checkpointed; exit 143' TERM; echo ready; sleep 300 & wait"
+    assert worker(tmp_path, "start", "--", "bash", "-c", job).returncode == 0
+    pgid = _pgid(tmp_path)
+    try:
+        for _ in range(100):
+            if "ready" in (tmp_path / "job.log").read_text():
+                break
+            time.sleep(0.1)
+        os.killpg(pgid, 15)
+        streamed = worker(tmp_path, "logs")
+        assert "checkpointed" in streamed.stdout and streamed.returncode == 143, streamed.stdout
+    finally:
+        if _alive(pgid):
+            os.killpg(pgid, 9)

@@ -1,0 +1,229 @@
+"""A pod in a box: a fake ``gcloud`` that implements exactly the calls ``launch/tpu_pod.sh`` makes, for tests.
+
+A slice is a folder of host folders under the box's root (``FAKE_GCLOUD_ROOT``); ``ssh --command`` runs the
+command with ``bash`` in each addressed host's folder (its ``HOME``), as a local process, so the real
+``launch/tpu_worker.sh`` runs there. Every call is logged, one JSON argv a line, in ``calls.jsonl``.
+
+What a host gets (in place of a TPU VM's image and metadata):
+
+- a minimal environment: ``HOME``, the system ``PATH``, and ``TRACE_JAX_VENV`` (this machine's environment, so
+  the worker's install step links it instead of installing from the network: see ``launch/tpu_worker.sh``);
+- its identity in the pod as variables that ``jax.distributed.initialize()`` auto-detects (the SLURM ones:
+  process id, process count, the coordinator host and a port fixed when the slice is made), so the job's
+  ``--config.distributed.mode=auto`` joins the hosts into one JAX job as on a real slice.
+
+Faults, driven by the test through the functions below (or this module's CLI ``fault ...``):
+``preempt`` (SIGTERM to every host's job, then the slice reports ``PREEMPTED`` until it is deleted),
+``kill_host`` (SIGKILL one host's job), and an ``ssh_fail/<worker>`` file (ssh to that host exits 255).
+
+    gcloud compute tpus tpu-vm create|describe|delete|ssh|scp ...
+    gcloud compute tpus queued-resources create|describe|delete ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+HOSTS = int(os.environ.get("FAKE_GCLOUD_HOSTS", "2"))
+
+
+def root() -> pathlib.Path:
+    return pathlib.Path(os.environ["FAKE_GCLOUD_ROOT"])
+
+
+def slice_dir(box: pathlib.Path, name: str) -> pathlib.Path:
+    return box / "slices" / name
+
+
+def host_dirs(box: pathlib.Path, name: str) -> list[pathlib.Path]:
+    return sorted((slice_dir(box, name) / "hosts").glob("*"), key=lambda p: int(p.name))
+
+
+def calls(box: pathlib.Path) -> list[list[str]]:
+    """Every gcloud call so far, as argv lists."""
+    log = box / "calls.jsonl"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _meta(box, name):
+    path = slice_dir(box, name) / "slice.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _save(box, name, meta):
+    (slice_dir(box, name) / "slice.json").write_text(json.dumps(meta))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _job_groups(box, name):
+    groups = []
+    for host in host_dirs(box, name):
+        pid_file = host / "trace_jax_run" / "job.pid"
+        if pid_file.exists() and pid_file.read_text().strip():
+            groups.append(int(pid_file.read_text()))
+    return groups
+
+
+def _signal(pgid, sig):
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def preempt(box: pathlib.Path, name: str, grace_s: float = 120) -> None:
+    """What a preemption does: a SIGTERM to every host's job, a grace to checkpoint, then the slice is PREEMPTED."""
+    groups = _job_groups(box, name)
+    for pgid in groups:
+        _signal(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_signal(g, 0) for g in groups):
+        time.sleep(0.5)
+    for pgid in groups:
+        _signal(pgid, signal.SIGKILL)
+    meta = _meta(box, name)
+    meta["state"] = "PREEMPTED"
+    _save(box, name, meta)
+
+
+def kill_host(box: pathlib.Path, name: str, worker: int) -> None:
+    """SIGKILL one host's job (its whole process group), as a host that dies without notice."""
+    pid_file = host_dirs(box, name)[worker] / "trace_jax_run" / "job.pid"
+    _signal(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def _flag(args, name, default=None):
+    for a in args:
+        if a.startswith(f"--{name}="):
+            return a.split("=", 1)[1]
+    return default
+
+
+def _create(box, name, args, kind):
+    if _meta(box, name):
+        print(f"ERROR: (gcloud) {name} already exists", file=sys.stderr)
+        return 1
+    hosts = slice_dir(box, name) / "hosts"
+    for i in range(HOSTS):
+        (hosts / str(i)).mkdir(parents=True)
+    state = "ACTIVE" if kind == "queued" else "READY"
+    _save(box, name, {"state": state, "kind": kind, "spot": "--spot" in args, "port": _free_port()})
+    return 0
+
+
+def _describe(box, name, kind):
+    meta = _meta(box, name)
+    if not meta or meta["kind"] != kind:
+        print(f"ERROR: (gcloud) NOT_FOUND: {name}", file=sys.stderr)
+        return 1
+    state = meta["state"]
+    if kind == "queued" and state == "PREEMPTED":
+        state = "SUSPENDED"  # a queued resource whose slice was preempted
+    print(state)
+    return 0
+
+
+def _delete(box, name):
+    if not _meta(box, name):
+        print(f"ERROR: (gcloud) NOT_FOUND: {name}", file=sys.stderr)
+        return 1
+    for pgid in _job_groups(box, name):
+        _signal(pgid, signal.SIGKILL)
+    shutil.rmtree(slice_dir(box, name))
+    return 0
+
+
+def _workers(box, name, args):
+    which = _flag(args, "worker", "0")
+    hosts = host_dirs(box, name)
+    return list(range(len(hosts))) if which == "all" else [int(which)]
+
+
+def _host_env(box, name, worker):
+    meta = _meta(box, name)
+    return {
+        "HOME": str(host_dirs(box, name)[worker]),
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "TRACE_JAX_VENV": sys.prefix,
+        "SLURM_JOB_ID": "1",
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_NTASKS": str(len(host_dirs(box, name))),
+        "SLURM_PROCID": str(worker),
+        "SLURM_LOCALID": "0",
+        "JAX_COORDINATOR_PORT": str(meta["port"]),
+    }
+
+
+def _ssh(box, name, args):
+    if not _meta(box, name) or _meta(box, name)["state"] not in ("READY", "ACTIVE"):
+        print(f"ERROR: (gcloud) ssh: {name} is not reachable", file=sys.stderr)
+        return 255
+    command = _flag(args, "command")
+    procs = []
+    for worker in _workers(box, name, args):
+        if (box / "ssh_fail" / str(worker)).exists():
+            print(f"ssh: connect to worker {worker}: Connection refused", file=sys.stderr)
+            procs.append(None)
+            continue
+        host = host_dirs(box, name)[worker]
+        procs.append(subprocess.Popen(["bash", "-c", command], cwd=host, env=_host_env(box, name, worker)))
+    codes = [255 if p is None else p.wait() for p in procs]
+    return next((c for c in codes if c), 0)
+
+
+def _scp(box, args):
+    src, dest = [a for a in args if not a.startswith("--")][:2]
+    name, path = dest.split(":", 1)
+    for worker in _workers(box, name, args):
+        shutil.copy(src, host_dirs(box, name)[worker] / path)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    box = root()
+    box.mkdir(parents=True, exist_ok=True)
+    with open(box / "calls.jsonl", "a") as log:
+        log.write(json.dumps(argv) + "\n")
+    if argv[:1] == ["fault"]:  # the test's own door: fault preempt NAME | fault kill NAME WORKER
+        if argv[1] == "preempt":
+            preempt(box, argv[2])
+        else:
+            kill_host(box, argv[2], int(argv[3]))
+        return 0
+    if argv[:3] != ["compute", "tpus", "tpu-vm"] and argv[:3] != ["compute", "tpus", "queued-resources"]:
+        print(f"fake gcloud: not implemented: {argv}", file=sys.stderr)
+        return 2
+    kind = "vm" if argv[2] == "tpu-vm" else "queued"
+    verb, args = argv[3], argv[4:]
+    name = args[0] if verb != "scp" else None
+    if verb == "create":
+        return _create(box, name, args, kind)
+    if verb == "describe":
+        return _describe(box, name, kind)
+    if verb == "delete":
+        return _delete(box, name)
+    if verb == "ssh":
+        return _ssh(box, name, args)
+    if verb == "scp":
+        return _scp(box, args)
+    print(f"fake gcloud: not implemented: {argv}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
