@@ -3,8 +3,9 @@
 The whole mapping is ``KEY_MAP``: one row per tensor kind, ``(HF key template, our key template,
 transform)``. Loading reads it left to right, exporting right to left. HF's per-layer tensors
 (``model.layers.{i}.…``) are the rows of our stacked layer parameters (leading ``layers`` axis).
-Safetensors files are memory-mapped and each array is assembled on the mesh shard by shard
-(``jax.make_array_from_callback``), so a large model never sits whole on one device.
+The directory may be local or a ``gs://`` URL; each array is assembled on the mesh shard by shard
+(``jax.make_array_from_callback``) from byte-range reads of only the rows that shard needs (``ranged``), so each
+host reads about its share of the weights and a large model never sits whole on one host or device.
 
 Command line (``trace_jax.job.commands.hf_main``)::
 
@@ -23,22 +24,23 @@ transformers' ``generate`` as the original does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
 import os
 import re
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from trace_jax.checkpoint import ranged
 from trace_jax.models import ModelConfig, abstract_model, config_from_dict, config_to_dict
 from trace_jax.parallel import mesh as mesh_lib
 
@@ -60,6 +62,12 @@ class Reshape:
     def to_hf(self, value: np.ndarray) -> np.ndarray:
         return value.reshape(self.hf_shape(value.shape))
 
+    def read(self, rows: RowReader, ours: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+        """``to_ours(hf, ours)[index]``, reading only the HF rows that hold it."""
+        if self.flatten:  # a 1-D HF tensor: its rows are our elements in order
+            return _take_rows(rows, np.arange(math.prod(ours)).reshape(ours)[index])
+        return _take_rows(rows, np.arange(ours[0])[index[0]])[(slice(None), *index[1:])]
+
 
 @dataclasses.dataclass(frozen=True)
 class Transpose:
@@ -80,6 +88,24 @@ class Transpose:
     def to_hf(self, value: np.ndarray) -> np.ndarray:
         shape = value.shape
         return value.reshape(math.prod(shape[: self.split]), math.prod(shape[self.split :])).T
+
+    def read(self, rows: RowReader, ours: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+        """``to_ours(hf, ours)[index]``, reading only the HF rows (our output positions) that hold it."""
+        out_ids = np.arange(math.prod(ours[self.split :])).reshape(ours[self.split :])[index[self.split :]]
+        block = _take_rows(rows, out_ids)  # [our output axes..., HF input width]
+        block = block.reshape(*out_ids.shape, *ours[: self.split])[(Ellipsis, *index[: self.split])]
+        outs = out_ids.ndim
+        return block.transpose(*range(outs, block.ndim), *range(outs))
+
+
+# Reads HF rows ``[first, stop)`` of one tensor (its leading axis).
+RowReader = Callable[[int, int], np.ndarray]
+
+
+def _take_rows(rows: RowReader, ids: np.ndarray) -> np.ndarray:
+    """``hf[ids]`` (``ids`` an array of row numbers, any shape) from one read of the rows they span."""
+    first = int(ids.min())
+    return rows(first, int(ids.max()) + 1)[ids - first]
 
 
 _LAYER = "model.layers.{layer}."
@@ -168,14 +194,7 @@ def _slots(config: ModelConfig, our_key: str, shape: tuple[int, ...]) -> list[tu
 
 
 # ------------------------------------------------------------------------------ safetensors, no torch
-_ST_DTYPES = {
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F64": np.dtype(np.float64),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-}
+_ST_DTYPES = ranged.ST_DTYPES
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
@@ -211,25 +230,6 @@ def _write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
             f.write(np.ascontiguousarray(value).tobytes())
 
 
-def _checkpoint_tensors(hf_dir: str) -> dict[str, np.ndarray]:
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {hf_dir} (and no model.safetensors.index.json)")
-    tensors: dict[str, np.ndarray] = {}
-    for name in files:
-        path = os.path.join(hf_dir, name)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{index} names shard {name}, which is missing from {hf_dir}")
-        tensors.update(_read_safetensors(path))
-    return tensors
-
-
 # ------------------------------------------------------------------------------------------ loading
 def _flat(state: nnx.State) -> Iterator[tuple[str, nnx.Variable]]:
     for path, variable in nnx.to_flat_state(state):
@@ -237,18 +237,24 @@ def _flat(state: nnx.State) -> Iterator[tuple[str, nnx.Variable]]:
 
 
 def load_hf(
-    hf_dir: str | os.PathLike, mesh: Mesh | None = None, **config_overrides: Any
+    hf_dir: str | os.PathLike,
+    mesh: Mesh | None = None,
+    files: ranged.CheckpointFiles | None = None,
+    **config_overrides: Any,
 ) -> tuple[ModelConfig, nnx.State]:
     """Reads a Qwen2/Qwen3/Qwen3-MoE HF checkpoint directory (config.json + safetensors, one file or sharded).
 
     Returns ``(config, params)`` where ``params`` is the ``nnx.Param`` state of ``create_model(config)``
-    (``nnx.merge(graphdef, params)`` rebuilds the model). With a mesh, each array is placed shard by shard
-    straight from the memory-mapped file. ``config_overrides`` (e.g. ``dtype="bfloat16"``) replace fields;
+    (``nnx.merge(graphdef, params)`` rebuilds the model). ``hf_dir`` may be local or a ``gs://`` URL. With a mesh,
+    each array is placed shard by shard, each process reading only the rows of its own devices' shards.
+    ``files``: ``hf_dir``'s ``ranged.CheckpointFiles`` when the caller holds one (its ``bytes_read`` then counts
+    this load's reads). ``config_overrides`` (e.g. ``dtype="bfloat16"``) replace fields;
     parameters are cast to ``config.param_dtype``.
     """
     hf_dir = os.fspath(hf_dir)
-    config = ModelConfig.from_hf(hf_dir, **config_overrides)
-    tensors = _checkpoint_tensors(hf_dir)
+    config = ModelConfig.from_hf(_hf_config(hf_dir), **config_overrides)
+    files = files or ranged.CheckpointFiles(hf_dir)
+    tensors = dict(files.entries)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # tied: transformers ignores a stored head too
     target = abstract_model(config)[1]
@@ -283,23 +289,30 @@ def load_hf(
         lead = len(next(iter(by_our_key[key])))  # stacked axes (layers, experts) indexing HF tensors
         inner = full[lead:]
 
+        done: dict[tuple, np.ndarray] = {}  # devices holding the same shard (replicas) share one read
+
         def read(index: tuple) -> np.ndarray:
-            # One HF tensor at a time is materialised on the host and cut to ``index`` (a shard), then stacked.
+            # Per HF tensor, only the rows holding ``index`` (a shard) are read, cut to it, then stacked.
             index = tuple(index) + (slice(None),) * (len(full) - len(index))
+            seen = tuple(s.indices(n) for s, n in zip(index, full, strict=True))
+            if seen in done:
+                return done[seen]
             ranges = [range(full[i])[index[i]] for i in range(lead)]
             parts = []
             for slot in itertools.product(*ranges):
                 hf_key = by_our_key[key][slot]
-                host = wanted[hf_key][2].to_ours(tensors[hf_key], inner)
-                parts.append(np.asarray(host[index[lead:]], dtype))
-            if not lead:
-                return parts[0]
-            return np.stack(parts).reshape(*(len(r) for r in ranges), *parts[0].shape)
+                rows = functools.partial(files.rows, hf_key)
+                parts.append(np.asarray(wanted[hf_key][2].read(rows, inner, index[lead:]), dtype))
+            shard = parts[0] if not lead else np.stack(parts).reshape(*(len(r) for r in ranges), *parts[0].shape)
+            done[seen] = shard
+            return shard
 
         if key not in shardings:
             return jax.numpy.asarray(read(()))
         sharding: NamedSharding = shardings[key].value
-        return jax.make_array_from_callback(full, sharding, read)
+        placed = jax.make_array_from_callback(full, sharding, read)
+        files.forget()
+        return placed
 
     flat = [
         (path, variable.replace(place(key, variable)))
@@ -378,11 +391,15 @@ _TOKEN_IDS_FILE = "token_ids.json"
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
+def _hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """A HF directory's parsed config.json (local or ``gs://``)."""
+    return json.loads(ranged.read_bytes(f"{os.fspath(hf_dir).rstrip('/')}/config.json"))
+
+
 def hf_token_ids(hf_dir: str | os.PathLike) -> dict[str, Any]:
     """The bos/eos/pad token ids a HF directory's config.json names (an id or a list of ids each; unset ones left
     out)."""
-    with open(os.path.join(os.fspath(hf_dir), "config.json")) as f:
-        hf_config = json.load(f)
+    hf_config = _hf_config(hf_dir)
     return {key: hf_config[key] for key in TOKEN_ID_KEYS if hf_config.get(key) is not None}
 
 
