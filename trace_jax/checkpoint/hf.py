@@ -24,14 +24,12 @@ transformers' ``generate`` as the original does.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
 import json
 import math
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -39,6 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from trace_jax.checkpoint import ranged
 from trace_jax.models import ModelConfig, abstract_model, config_from_dict, config_to_dict
@@ -62,12 +61,6 @@ class Reshape:
     def to_hf(self, value: np.ndarray) -> np.ndarray:
         return value.reshape(self.hf_shape(value.shape))
 
-    def read(self, rows: RowReader, ours: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
-        """``to_ours(hf, ours)[index]``, reading only the HF rows that hold it."""
-        if self.flatten:  # a 1-D HF tensor: its rows are our elements in order
-            return _take_rows(rows, np.arange(math.prod(ours)).reshape(ours)[index])
-        return _take_rows(rows, np.arange(ours[0])[index[0]])[(slice(None), *index[1:])]
-
 
 @dataclasses.dataclass(frozen=True)
 class Transpose:
@@ -88,24 +81,6 @@ class Transpose:
     def to_hf(self, value: np.ndarray) -> np.ndarray:
         shape = value.shape
         return value.reshape(math.prod(shape[: self.split]), math.prod(shape[self.split :])).T
-
-    def read(self, rows: RowReader, ours: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
-        """``to_ours(hf, ours)[index]``, reading only the HF rows (our output positions) that hold it."""
-        out_ids = np.arange(math.prod(ours[self.split :])).reshape(ours[self.split :])[index[self.split :]]
-        block = _take_rows(rows, out_ids)  # [our output axes..., HF input width]
-        block = block.reshape(*out_ids.shape, *ours[: self.split])[(Ellipsis, *index[: self.split])]
-        outs = out_ids.ndim
-        return block.transpose(*range(outs, block.ndim), *range(outs))
-
-
-# Reads HF rows ``[first, stop)`` of one tensor (its leading axis).
-RowReader = Callable[[int, int], np.ndarray]
-
-
-def _take_rows(rows: RowReader, ids: np.ndarray) -> np.ndarray:
-    """``hf[ids]`` (``ids`` an array of row numbers, any shape) from one read of the rows they span."""
-    first = int(ids.min())
-    return rows(first, int(ids.max()) + 1)[ids - first]
 
 
 _LAYER = "model.layers.{layer}."
@@ -286,31 +261,24 @@ def load_hf(
 
     def place(key: str, variable: nnx.Variable) -> jax.Array:
         full = tuple(variable.value.shape)
-        lead = len(next(iter(by_our_key[key])))  # stacked axes (layers, experts) indexing HF tensors
-        inner = full[lead:]
-
-        done: dict[tuple, np.ndarray] = {}  # devices holding the same shard (replicas) share one read
-
-        def read(index: tuple) -> np.ndarray:
-            # Per HF tensor, only the rows holding ``index`` (a shard) are read, cut to it, then stacked.
-            index = tuple(index) + (slice(None),) * (len(full) - len(index))
-            seen = tuple(s.indices(n) for s, n in zip(index, full, strict=True))
-            if seen in done:
-                return done[seen]
-            ranges = [range(full[i])[index[i]] for i in range(lead)]
-            parts = []
-            for slot in itertools.product(*ranges):
-                hf_key = by_our_key[key][slot]
-                rows = functools.partial(files.rows, hf_key)
-                parts.append(np.asarray(wanted[hf_key][2].read(rows, inner, index[lead:]), dtype))
-            shard = parts[0] if not lead else np.stack(parts).reshape(*(len(r) for r in ranges), *parts[0].shape)
-            done[seen] = shard
-            return shard
-
+        slots = sorted(by_our_key[key])  # row-major over our stacked axes (layers, experts)
+        inner = full[len(slots[0]) :]
+        transforms = [wanted[by_our_key[key][slot]][2] for slot in slots]
+        hf_keys = [by_our_key[key][slot] for slot in slots]
         if key not in shardings:
-            return jax.numpy.asarray(read(()))
-        sharding: NamedSharding = shardings[key].value
-        placed = jax.make_array_from_callback(full, sharding, read)
+            parts = [
+                t.to_ours(files.rows(h, 0, files.shape(h)[0]), inner) for t, h in zip(transforms, hf_keys, strict=True)
+            ]
+            return jax.numpy.asarray(np.stack(parts).reshape(full).astype(dtype))
+
+        def assemble(*hf_arrays: jax.Array) -> jax.Array:
+            parts = [t.to_ours(x, inner).astype(dtype) for t, x in zip(transforms, hf_arrays, strict=True)]
+            return jax.numpy.stack(parts).reshape(full)
+
+        # Read in HF's layout, rows spread over every device (each process reads its own rows), then transposed
+        # and stacked on the devices: the mesh moves the pieces, no host holds a whole tensor.
+        hf_arrays = [_spread_rows(files, h, mesh) for h in hf_keys]
+        placed = jax.jit(assemble, out_shardings=shardings[key].value)(*hf_arrays)
         files.forget()
         return placed
 
@@ -319,6 +287,20 @@ def load_hf(
         for (key, variable), (path, _) in zip(_flat(target), nnx.to_flat_state(target), strict=True)
     ]
     return config, nnx.from_flat_state(flat)
+
+
+def _spread_rows(files: ranged.CheckpointFiles, hf_key: str, mesh: Mesh) -> jax.Array:
+    """One HF tensor as stored, its rows split over all of the mesh's devices (replicated when they do not divide)
+    and each shard read by the process that holds it."""
+    shape = files.shape(hf_key)
+    spread = shape[0] % mesh.size == 0
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)) if spread else P())
+
+    def read(index: tuple) -> np.ndarray:
+        rows = range(shape[0])[index[0]]
+        return files.rows(hf_key, rows.start, rows.stop)
+
+    return jax.make_array_from_callback(shape, sharding, read)
 
 
 def save_hf(

@@ -65,6 +65,8 @@ def _header(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, TensorEntry]:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
         start, end = entry["data_offsets"]
         dtype, shape = ST_DTYPES[entry["dtype"]], tuple(entry["shape"])
+        if not shape:
+            raise ValueError(f"{path}: tensor {name!r} is a scalar; checkpoint weights have at least one axis")
         if end - start != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"{path}: tensor {name!r} spans {end - start} bytes, its shape {shape} needs more/less")
         entries[name] = TensorEntry(path, dtype, shape, 8 + length + start, 8 + length + end)
@@ -103,7 +105,7 @@ class CheckpointFiles:
         return self.entries[name].shape
 
     def rows(self, name: str, first: int, stop: int) -> np.ndarray:
-        """Rows ``[first, stop)`` of tensor ``name`` along its leading axis (a 0-d tensor: ``first=0, stop=1``),
+        """Rows ``[first, stop)`` of tensor ``name`` along its leading axis,
         read with one ranged request unless a block kept since ``forget`` holds them; shape
         ``(stop - first, *shape[1:])``."""
         kept = self._blocks.get(name)
