@@ -6,8 +6,8 @@ Starts two JAX processes on 127.0.0.1 (``devices-per-process`` fake CPU devices 
 them) twice: ``ranged`` (``load_hf``: each process reads only its shards' rows) and ``whole`` (each process first
 reads every tensor whole, as the loader did before ranged reads, then places the same shards). Prints one JSON
 object: per mode and process, the checkpoint's tensor bytes, the bytes read and the peak resident memory
-(``ru_maxrss``). The checkpoint may be local or a URL; the environment (e.g. ``STORAGE_EMULATOR_HOST``) is passed
-to the processes.
+(``ru_maxrss``), and the sum of all loaded parameters (to compare modes and loaders). The checkpoint
+may be local or a URL; the environment (e.g. ``STORAGE_EMULATOR_HOST``) is passed to the processes.
 """
 
 from __future__ import annotations
@@ -44,13 +44,15 @@ def _worker(port: int, pid: int, hf_dir: str, mode: str, devices: int) -> dict[s
         held = [files.rows(name, 0, e.shape[0] if e.shape else 1) for name, e in files.entries.items()]
     before = files.bytes_read
     _, params = hf.load_hf(hf_dir, mesh=mesh, files=files)
-    jax.block_until_ready(jax.tree.leaves(params))
+    leaves = jax.tree.leaves(params)
+    checksum = float(jax.jit(lambda xs: sum(x.astype("float32").sum() for x in xs))(leaves))
     total = sum(e.end - e.start for e in files.entries.values())
     return {
         "process": pid,
         "devices": len(jax.devices()),
         "tensor_bytes": total,
         "bytes_read": files.bytes_read - before + sum(a.nbytes for a in held),
+        "param_sum": checksum,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
 
