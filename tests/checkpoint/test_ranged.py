@@ -38,6 +38,11 @@ def test_a_bucket_checkpoint_loads_as_the_local_one(bf16_dir):
         assert files.bytes_read == total  # one process, no mesh: every byte once
     _, local = load_hf(bf16_dir)
     assert config.num_layers == 2 and config.hidden_size == 64
+    # Against the memory-mapped file (an independent reader): a plain and a transposed, stacked tensor.
+    stored = _read_safetensors(str(bf16_dir / "model.safetensors"))
+    np.testing.assert_array_equal(np.asarray(remote["embed"].value), stored["model.embed_tokens.weight"])
+    q_proj = np.asarray(remote["layers"]["attn"]["q_proj"].value)[1]
+    np.testing.assert_array_equal(q_proj.reshape(64, -1), stored["model.layers.1.self_attn.q_proj.weight"].T)
     for (path, a), (_, b) in zip(nnx.to_flat_state(remote), nnx.to_flat_state(local), strict=True):
         np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value), err_msg=str(path))
 
