@@ -3,6 +3,8 @@
 import pytest
 from transformers import AutoTokenizer
 
+from tests.gcs_emulator import gcs_emulator
+from trace_jax import paths
 from trace_jax.data import tokenizer as T
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 from trace_jax.envs.react import TAGS
@@ -46,3 +48,16 @@ def test_saved_directory_loads_with_auto_tokenizer_and_round_trips(saved, world)
 def test_load_tokenizer_errors_clearly_on_a_wrong_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a HF tokenizer directory"):
         T.load_tokenizer(tmp_path)
+
+
+def test_a_tokenizer_in_a_bucket_loads_from_a_local_copy_of_its_files(saved):
+    directory, tok = saved
+    (directory / "model.safetensors").write_bytes(b"weights are never fetched")
+    with gcs_emulator("bucket") as gcs:
+        paths.copy_tree(directory, gcs.gs("tok"))
+        remote = T.load_tokenizer(gcs.gs("tok"))
+        local = T.local_tokenizer_dir(gcs.gs("tok"))
+    assert local.is_dir() and not (local / "model.safetensors").exists()
+    assert (local / "tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
+    text = "<search>Zorvak</search>"
+    assert remote.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)

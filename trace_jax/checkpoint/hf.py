@@ -3,8 +3,9 @@
 The whole mapping is ``KEY_MAP``: one row per tensor kind, ``(HF key template, our key template,
 transform)``. Loading reads it left to right, exporting right to left. HF's per-layer tensors
 (``model.layers.{i}.…``) are the rows of our stacked layer parameters (leading ``layers`` axis).
-Safetensors files are memory-mapped and each array is assembled on the mesh shard by shard
-(``jax.make_array_from_callback``), so a large model never sits whole on one device.
+The directory may be local or a ``gs://`` URL; each array is assembled on the mesh shard by shard
+(``jax.make_array_from_callback``) from byte-range reads of only the rows that shard needs (``ranged``), so each
+host reads about its share of the weights and a large model never sits whole on one host or device.
 
 Command line (``trace_jax.job.commands.hf_main``)::
 
@@ -23,7 +24,6 @@ transformers' ``generate`` as the original does.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -33,12 +33,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from trace_jax.checkpoint import ranged
 from trace_jax.models import ModelConfig, abstract_model, config_from_dict, config_to_dict
 from trace_jax.parallel import mesh as mesh_lib
 
@@ -168,14 +169,7 @@ def _slots(config: ModelConfig, our_key: str, shape: tuple[int, ...]) -> list[tu
 
 
 # ------------------------------------------------------------------------------ safetensors, no torch
-_ST_DTYPES = {
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F64": np.dtype(np.float64),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-}
+_ST_DTYPES = ranged.ST_DTYPES
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
@@ -211,25 +205,6 @@ def _write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
             f.write(np.ascontiguousarray(value).tobytes())
 
 
-def _checkpoint_tensors(hf_dir: str) -> dict[str, np.ndarray]:
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {hf_dir} (and no model.safetensors.index.json)")
-    tensors: dict[str, np.ndarray] = {}
-    for name in files:
-        path = os.path.join(hf_dir, name)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{index} names shard {name}, which is missing from {hf_dir}")
-        tensors.update(_read_safetensors(path))
-    return tensors
-
-
 # ------------------------------------------------------------------------------------------ loading
 def _flat(state: nnx.State) -> Iterator[tuple[str, nnx.Variable]]:
     for path, variable in nnx.to_flat_state(state):
@@ -237,18 +212,24 @@ def _flat(state: nnx.State) -> Iterator[tuple[str, nnx.Variable]]:
 
 
 def load_hf(
-    hf_dir: str | os.PathLike, mesh: Mesh | None = None, **config_overrides: Any
+    hf_dir: str | os.PathLike,
+    mesh: Mesh | None = None,
+    files: ranged.CheckpointFiles | None = None,
+    **config_overrides: Any,
 ) -> tuple[ModelConfig, nnx.State]:
     """Reads a Qwen2/Qwen3/Qwen3-MoE HF checkpoint directory (config.json + safetensors, one file or sharded).
 
     Returns ``(config, params)`` where ``params`` is the ``nnx.Param`` state of ``create_model(config)``
-    (``nnx.merge(graphdef, params)`` rebuilds the model). With a mesh, each array is placed shard by shard
-    straight from the memory-mapped file. ``config_overrides`` (e.g. ``dtype="bfloat16"``) replace fields;
+    (``nnx.merge(graphdef, params)`` rebuilds the model). ``hf_dir`` may be local or a ``gs://`` URL. With a mesh,
+    each array is placed shard by shard, each process reading only the rows of its own devices' shards.
+    ``files``: ``hf_dir``'s ``ranged.CheckpointFiles`` when the caller holds one (its ``bytes_read`` then counts
+    this load's reads). ``config_overrides`` (e.g. ``dtype="bfloat16"``) replace fields;
     parameters are cast to ``config.param_dtype``.
     """
     hf_dir = os.fspath(hf_dir)
-    config = ModelConfig.from_hf(hf_dir, **config_overrides)
-    tensors = _checkpoint_tensors(hf_dir)
+    config = ModelConfig.from_hf(_hf_config(hf_dir), **config_overrides)
+    files = files or ranged.CheckpointFiles(hf_dir)
+    tensors = dict(files.entries)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # tied: transformers ignores a stored head too
     target = abstract_model(config)[1]
@@ -280,32 +261,46 @@ def load_hf(
 
     def place(key: str, variable: nnx.Variable) -> jax.Array:
         full = tuple(variable.value.shape)
-        lead = len(next(iter(by_our_key[key])))  # stacked axes (layers, experts) indexing HF tensors
-        inner = full[lead:]
-
-        def read(index: tuple) -> np.ndarray:
-            # One HF tensor at a time is materialised on the host and cut to ``index`` (a shard), then stacked.
-            index = tuple(index) + (slice(None),) * (len(full) - len(index))
-            ranges = [range(full[i])[index[i]] for i in range(lead)]
-            parts = []
-            for slot in itertools.product(*ranges):
-                hf_key = by_our_key[key][slot]
-                host = wanted[hf_key][2].to_ours(tensors[hf_key], inner)
-                parts.append(np.asarray(host[index[lead:]], dtype))
-            if not lead:
-                return parts[0]
-            return np.stack(parts).reshape(*(len(r) for r in ranges), *parts[0].shape)
-
+        slots = sorted(by_our_key[key])  # row-major over our stacked axes (layers, experts)
+        inner = full[len(slots[0]) :]
+        transforms = [wanted[by_our_key[key][slot]][2] for slot in slots]
+        hf_keys = [by_our_key[key][slot] for slot in slots]
         if key not in shardings:
-            return jax.numpy.asarray(read(()))
-        sharding: NamedSharding = shardings[key].value
-        return jax.make_array_from_callback(full, sharding, read)
+            parts = [
+                t.to_ours(files.rows(h, 0, files.shape(h)[0]), inner) for t, h in zip(transforms, hf_keys, strict=True)
+            ]
+            return jax.numpy.asarray(np.stack(parts).reshape(full).astype(dtype))
+
+        def assemble(*hf_arrays: jax.Array) -> jax.Array:
+            parts = [t.to_ours(x, inner).astype(dtype) for t, x in zip(transforms, hf_arrays, strict=True)]
+            return jax.numpy.stack(parts).reshape(full)
+
+        # Read in HF's layout, rows spread over every device (each process reads its own rows), then transposed
+        # and stacked on the devices: the mesh moves the pieces, no host holds a whole tensor.
+        hf_arrays = [_spread_rows(files, h, mesh) for h in hf_keys]
+        placed = jax.jit(assemble, out_shardings=shardings[key].value)(*hf_arrays)
+        files.forget()
+        return placed
 
     flat = [
         (path, variable.replace(place(key, variable)))
         for (key, variable), (path, _) in zip(_flat(target), nnx.to_flat_state(target), strict=True)
     ]
     return config, nnx.from_flat_state(flat)
+
+
+def _spread_rows(files: ranged.CheckpointFiles, hf_key: str, mesh: Mesh) -> jax.Array:
+    """One HF tensor as stored, its rows split over all of the mesh's devices (replicated when they do not divide)
+    and each shard read by the process that holds it."""
+    shape = files.shape(hf_key)
+    spread = shape[0] % mesh.size == 0
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)) if spread else P())
+
+    def read(index: tuple) -> np.ndarray:
+        rows = range(shape[0])[index[0]]
+        return files.rows(hf_key, rows.start, rows.stop)
+
+    return jax.make_array_from_callback(shape, sharding, read)
 
 
 def save_hf(
@@ -378,11 +373,15 @@ _TOKEN_IDS_FILE = "token_ids.json"
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
+def _hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """A HF directory's parsed config.json (local or ``gs://``)."""
+    return json.loads(ranged.read_bytes(f"{os.fspath(hf_dir).rstrip('/')}/config.json"))
+
+
 def hf_token_ids(hf_dir: str | os.PathLike) -> dict[str, Any]:
     """The bos/eos/pad token ids a HF directory's config.json names (an id or a list of ids each; unset ones left
     out)."""
-    with open(os.path.join(os.fspath(hf_dir), "config.json")) as f:
-        hf_config = json.load(f)
+    hf_config = _hf_config(hf_dir)
     return {key: hf_config[key] for key in TOKEN_ID_KEYS if hf_config.get(key) is not None}
 
 

@@ -7,12 +7,16 @@ saved as a HF tokenizer directory that ``transformers.AutoTokenizer.from_pretrai
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pathlib
+import tempfile
 from collections.abc import Iterable, Iterator
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from trace_jax import paths
 from trace_jax.data.synthetic import SyntheticWorld
 from trace_jax.envs.react import OBSERVATION_CLOSE, OBSERVATION_OPEN, TAGS, TEMPLATES, format_passages
 from trace_jax.envs.retrieval.retriever import Passage
@@ -21,9 +25,38 @@ EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 
 
+# The files of a HF tokenizer directory (each optional): what is fetched from a bucket, never the weights.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def local_tokenizer_dir(path: str | pathlib.Path) -> pathlib.Path:
+    """``path`` itself when local; for a ``gs://`` URL, a process-local temporary copy of its tokenizer files
+    (``TOKENIZER_FILES``; transformers reads only local files), one folder per URL, refreshed on each call."""
+    if not paths.is_url(path):
+        return pathlib.Path(path)
+    digest = hashlib.sha256(os.fspath(path).encode()).hexdigest()[:16]
+    local = pathlib.Path(tempfile.gettempdir()) / f"trace_jax_tokenizer_{os.getpid()}" / digest
+    local.mkdir(parents=True, exist_ok=True)
+    remote = paths.as_path(path)
+    for name in TOKENIZER_FILES:
+        if (remote / name).is_file():
+            (remote / name).copy(local / name, overwrite=True)
+    return local
+
+
 def load_tokenizer(path: str | pathlib.Path) -> PreTrainedTokenizerBase:
-    """A HF tokenizer from a local directory (a checkpoint's, or one written by :func:`train_bpe`)."""
-    path = pathlib.Path(path)
+    """A HF tokenizer from a directory, local or ``gs://`` (a checkpoint's, or one written by :func:`train_bpe`)."""
+    path = local_tokenizer_dir(path)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"{path} is not a HF tokenizer directory (no tokenizer.json / tokenizer_config.json)")
     tokenizer = AutoTokenizer.from_pretrained(str(path))

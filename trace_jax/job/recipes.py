@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -142,7 +141,7 @@ def _tokenizer_token_ids(tokenizer: Any) -> dict[str, int]:
 
 def _checkpoint_token_ids(hf_dir: str) -> dict[str, Any]:
     """The token ids a HF checkpoint's config.json names (an id or a list of ids each)."""
-    hf_config = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
+    hf_config = json.loads((paths.as_path(hf_dir) / "config.json").read_text())
     return {key: hf_config[key] for key in TOKEN_ID_KEYS if hf_config.get(key) is not None}
 
 
@@ -168,7 +167,7 @@ def _hf_dir(config: RunConfig) -> str:
     hf_dir = config.model.hf_dir
     if not hf_dir:
         raise ValueError("model.hf_dir is empty: pass --config.model.hf_dir=<a Qwen2/Qwen3 Hugging Face directory>")
-    if not (pathlib.Path(hf_dir) / "config.json").is_file():
+    if not (paths.as_path(hf_dir) / "config.json").is_file():
         raise FileNotFoundError(f"model.hf_dir={hf_dir!r} has no config.json: it is not a Hugging Face checkpoint")
     return hf_dir
 
@@ -255,15 +254,15 @@ def export_policy(start: Start, params: nnx.State, out: str | pathlib.Path, max_
         return paths.as_path(out)
     out = pathlib.Path(out)
     save_hf(start.model_config, params, out, max_shard_bytes, token_ids=start.token_ids)
-    tokenizer_dir = pathlib.Path(start.tokenizer_dir)
+    tokenizer_dir = paths.as_path(start.tokenizer_dir)  # local or a bucket
     copied = [name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
     if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
         raise FileNotFoundError(f"{tokenizer_dir} holds no tokenizer.json / tokenizer.model to export beside the model")
     for name in copied:
-        shutil.copyfile(tokenizer_dir / name, out / name)
-    generation = pathlib.Path(start.directory) / GENERATION_CONFIG if start.directory else None
+        (tokenizer_dir / name).copy(paths.as_path(out / name), overwrite=True)
+    generation = paths.as_path(start.directory) / GENERATION_CONFIG if start.directory else None
     if generation is not None and generation.is_file():  # the checkpoint's own, when the tokenizer lives elsewhere
-        shutil.copyfile(generation, out / GENERATION_CONFIG)
+        generation.copy(paths.as_path(out / GENERATION_CONFIG), overwrite=True)
     return out
 
 
