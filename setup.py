@@ -12,6 +12,7 @@ CORE = [
     "transformers>=5.0",
     "tokenizers>=0.22",
     "safetensors>=0.6",
+    "fsspec",  # checkpoints read by byte range from a folder or a bucket (trace_jax.checkpoint.ranged)
     "tensorflow-datasets>=4.9.10",
     "importlib_resources",
     "grain>=0.2.18",
