@@ -104,19 +104,31 @@ def test_each_tuning_table_tile_matches_the_reference_forward_and_backward(block
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def _visible_tiles(ends, t, block_q, block_k, keys_outer):
+    """bool [B, outer, inner]: tiles holding a pair ``s <= t < kv_end[s]``, by brute force."""
+    ends = np.asarray(ends)
+    rows, keys = np.arange(t)[:, None], np.arange(ends.shape[1])[None, :]
+    pairs = (keys <= rows)[None] & (rows[None] < ends[:, None, :])  # [B, T, S]
+    b = ends.shape[0]
+    tiles = pairs.reshape(b, t // block_q, block_q, -1, block_k).any(axis=(2, 4))
+    return tiles.transpose(0, 2, 1) if keys_outer else tiles
+
+
 def test_the_fetch_table_fetches_nothing_for_skipped_tiles():
-    """Along each reduction, a tile the mask skips names the block the step before it holds (or, before the
-    first live tile, that tile's block), so the pipeline fetches a block only for a live tile: causal and
-    tree-masked skips alike. Mutant caught: skipped tiles clamped by causality only (tree skips fetched)."""
+    """Along each reduction a new block is fetched only at a tile that holds a visible pair (or at the first
+    step): a tile the mask skips, causally or by the tree, names the block already resident. Mutant caught:
+    skipped tiles found by causality only (tree-masked tiles fetched)."""
     rng = np.random.default_rng(2)
-    ends = _tree_ends(rng, 2, 1024)
-    for outer, inner, keys_outer in ((512, 128, False), (128, 512, True), (128, 128, False)):
-        table = np.asarray(tree_attention.fetch_table(ends, 1024, outer, inner, keys_outer))
+    t = 1024
+    ends = _tree_ends(rng, 2, t)
+    for block_q, block_k, keys_outer in ((512, 128, False), (128, 512, True), (128, 128, False)):
+        table = np.asarray(tree_attention.fetch_table(ends, t, block_q, block_k, keys_outer))
+        visible, causal = [_visible_tiles(x, t, block_q, block_k, keys_outer) for x in (ends, np.full(ends.shape, t))]
         steps = np.arange(table.shape[2])
-        live = table == steps
-        fetched = np.concatenate([np.ones_like(live[..., :1]), table[..., 1:] != table[..., :-1]], axis=2)
-        assert (fetched <= live | (steps == 0)).all() and live.any(axis=2).all()
-        assert (~live & ~(steps == 0)).sum() > 0  # premise: skips happen
+        assert (causal & ~visible).any(), "premise: the tree hides tiles causality would show"
+        fetched = np.concatenate([np.ones_like(table[..., :1], bool), table[..., 1:] != table[..., :-1]], axis=2)
+        assert not (fetched & ~visible & (steps > 0)).any()
+        assert ((table == steps) >= visible).all()  # every visible tile is computed
     blocks = tree_attention.Blocks(512, 128)
     assert (
         tree_attention.cost("forward", 1, 1, 4096, 4096, 128, 2, blocks).bytes_accessed
