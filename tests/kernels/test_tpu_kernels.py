@@ -104,6 +104,26 @@ def test_each_tuning_table_tile_matches_the_reference_forward_and_backward(block
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_head_dim_64_runs_padded_to_whole_lanes_and_matches_the_reference():
+    """Qwen2.5-0.5B's head_dim 64 through the tree kernel (interpret mode, float32, one head): zero-padded to 128
+    lanes, output sliced, the softmax scale of the true head_dim; outputs and gradients equal the reference to
+    1e-5. Mutant caught: the scale taken from the padded head_dim (1/sqrt(128))."""
+    rng = np.random.default_rng(3)
+    t = 256
+    q, k, v = _qkv(rng, 1, t, 1, 1, 64)
+    ends = _tree_ends(rng, 1, t)
+    index = jnp.broadcast_to(jnp.arange(t), (1, t))
+    reference = lambda q, k, v: attention_lib.reference_attention(q, k, v, index, ends, True)
+    kernel = lambda q, k, v: tree_flash_attention(q, k, v, ends, interpret=True)
+    assert kernel(q, k, v).shape == q.shape
+    np.testing.assert_allclose(kernel(q, k, v), reference(q, k, v), atol=1e-5)
+    weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    grads = lambda fn: jax.grad(lambda *x: (fn(*x) * weights).sum(), argnums=(0, 1, 2))(q, k, v)
+    for got, want in zip(grads(kernel), grads(reference), strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def _visible_tiles(ends, t, block_q, block_k, keys_outer):
     """bool [B, outer, inner]: tiles holding a pair ``s <= t < kv_end[s]``, by brute force."""
     ends = np.asarray(ends)

@@ -22,7 +22,8 @@ value, the TPU-friendly layout splash uses too), saved for the backward pass; th
 per query head, dk / dv (summed over the GQA group outside the kernel, ``g`` x the key/value size in float32).
 
 Layouts: q ``[B, H, T, E]`` (already scaled by 1/sqrt(E)), k / v ``[B, K, S, E]`` with ``H = K * g``, ``kv_end``
-int32 ``[B, S]``; T and S multiples of the blocks. Queries are rows ``0..T-1`` in key order (``in_order``).
+int32 ``[B, S]``; T and S multiples of the blocks, E a multiple of 128 (``tree_flash_attention`` pads). Queries
+are rows ``0..T-1`` in key order (``in_order``).
 ``interpret=True`` runs the same kernels in Pallas TPU interpret mode (any backend; the CPU tests).
 """
 
@@ -336,7 +337,8 @@ def tree_flash_attention(
     q_bthe, k_bske, v_bske, kv_end_bs, *, interpret: bool = False, blocks: Blocks | None = None
 ) -> jax.Array:
     """Attention of rows in key order under ``s <= t < kv_end[s]`` (the module docstring), [B, T, H, E] in q's
-    dtype; scores and softmax in float32. Differentiable (its own backward kernels). ``blocks``: the tile,
+    dtype; scores and softmax in float32. Differentiable (its own backward kernels). A head_dim that is not a
+    multiple of 128 (Qwen2.5-0.5B / 1.5B: 64) runs zero-padded to one, output sliced. ``blocks``: the tile,
     by default the tuning table's for the chip the program is compiled for (``choose_blocks``); one that is
     not a multiple of ``BLOCK`` or does not divide the rows raises ``ValueError`` naming it."""
     t, s, e = q_bthe.shape[1], k_bske.shape[1], q_bthe.shape[3]
@@ -347,7 +349,8 @@ def tree_flash_attention(
         if size % BLOCK or t % size or s % size:
             raise ValueError(f"tree_flash_attention: Blocks.{name}={size} must be a multiple of {BLOCK} dividing "
                              f"T={t} and S={s}; pick another or leave blocks=None for the tuning table")  # fmt: skip
-    q = (q_bthe * (1.0 / float(e) ** 0.5)).astype(q_bthe.dtype).transpose(0, 2, 1, 3)
-    k, v = k_bske.transpose(0, 2, 1, 3), v_bske.transpose(0, 2, 1, 3)
+    # head_dim padded with zeros to whole lanes (q . k and p v unchanged; the scale is the true head_dim's)
+    pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, -e % LANES),)).transpose(0, 2, 1, 3)
+    q = pad((q_bthe * (1.0 / float(e) ** 0.5)).astype(q_bthe.dtype))
     end_b1s = kv_end_bs.astype(jnp.int32)[:, None, :]
-    return _tree_flash(q, k, v, end_b1s, interpret, blocks).transpose(0, 2, 1, 3)
+    return _tree_flash(q, pad(k_bske), pad(v_bske), end_b1s, interpret, blocks).transpose(0, 2, 1, 3)[..., :e]
