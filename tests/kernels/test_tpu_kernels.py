@@ -253,6 +253,27 @@ def test_tpu_training_forward_backward_on_fsdp_runs_the_kernels(tree):
         assert hlo.summarize(text, devices=4).flops == pytest.approx(without + layers * stated)
 
 
+@pytest.mark.parametrize("topology,chip", [("v5p:2x2x1", "v5p"), ("v6e:2x2", "v6e")])
+def test_the_tpu_compiler_takes_each_chips_table_tile_and_states_its_cost(topology, chip):
+    """The tree kernel's forward + backward alone on 4 abstract chips of each generation (``fsdp``=4, rows of
+    1,024): the TPU compiler (Mosaic) accepts the table's tile (VMEM, layouts), and the program states the cost
+    of that tile, read from the chip compiled for. Mutant caught: the tile chosen without the target's chip
+    (the default 128 x 128 everywhere: other FLOPs)."""
+    mesh = mesh_lib.make_mesh(data=1, fsdp=4, tensor=1, devices=tpu_devices(topology))
+    b, t, h, kv, e = 4, 1024, 2, 1, 128
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.batch_sharding(mesh))
+    q, k, ends = spec(b, t, h, e), spec(b, t, kv, e), spec(b, t, dtype=jnp.int32)
+    run = lambda q, k, ends: attention_lib.splash_attention(q, k, k, None, ends, True).astype(jnp.float32).sum()
+    compiled = jax.jit(mesh_lib.traced_under(mesh, jax.grad(run, argnums=(0, 1)))).lower(q, k, ends).compile()
+    blocks = tree_attention.choose_blocks(chip, e, t, t)
+    assert blocks != tree_attention.DEFAULT_BLOCKS  # premise: the table gives this chip its own tile
+    stated = sum(tree_attention.cost(n, b // 4, h, t, t, e, 2, blocks).flops for n in ("forward", "dq", "dkv"))
+    text = compiled.as_text()
+    assert hlo.kernel_names(text) == {f"tree_attention_{n}": 1 for n in ("forward", "dq", "dkv")}
+    without = hlo.summarize(text.replace('"cost_estimate"', '"no_estimate"'), devices=4).flops
+    assert hlo.summarize(text, devices=4).flops == pytest.approx(without + stated)
+
+
 def _engine(devices, **axes):
     config = EngineConfig(max_slots=8, max_len=256, steps_per_call=4, page_size=16)
     return Engine.for_model(TPU_QWEN, config, SamplingLayout(mesh_lib.make_mesh(fsdp=1, devices=devices, **axes)))
