@@ -76,6 +76,100 @@ def test_the_tree_kernel_matches_the_reference_forward_and_backward(mask):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+TABLE_BLOCKS = sorted(set(tree_attention.BLOCK_TABLE.values()), key=lambda b: (b.resident, b.streamed))
+
+
+@pytest.mark.parametrize("blocks", TABLE_BLOCKS, ids=lambda b: f"{b.resident}x{b.streamed}")
+def test_each_tuning_table_tile_matches_the_reference_forward_and_backward(blocks):
+    """Interpret mode, float32, one row of 1,024 tree-packed tokens, one head, through each tile of the tuning
+    table: outputs and gradients equal the reference to 1e-5; where the rows hold more than one resident block,
+    with tiles skipped after live ones (the fetch table's re-used blocks). Mutants caught: a wrong clamp in the
+    fetch table (a skipped tile's block that no earlier step holds, or a live tile fetching another block), a
+    tile's mask built at the default block size."""
+    rng = np.random.default_rng(1)
+    t = 1024
+    q, k, v = _qkv(rng, 1, t, 1, 1, 128)
+    ends = _tree_ends(rng, 1, t)
+    if blocks.resident < t:
+        table = np.asarray(tree_attention.fetch_table(ends, t, blocks.resident, blocks.streamed, False))
+        live = table == np.arange(table.shape[2])
+        assert (~live & (np.arange(table.shape[2]) > live.argmax(axis=2)[..., None])).any(), "premise: re-used"
+    index = jnp.broadcast_to(jnp.arange(t), (1, t))
+    reference = lambda q, k, v: attention_lib.reference_attention(q, k, v, index, ends, True)
+    kernel = lambda q, k, v: tree_flash_attention(q, k, v, ends, interpret=True, blocks=blocks)
+    np.testing.assert_allclose(kernel(q, k, v), reference(q, k, v), atol=1e-5)
+    weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    grads = lambda fn: jax.grad(lambda *x: (fn(*x) * weights).sum(), argnums=(0, 1, 2))(q, k, v)
+    for got, want in zip(grads(kernel), grads(reference), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_head_dim_64_runs_padded_to_whole_lanes_and_matches_the_reference():
+    """Qwen2.5-0.5B's head_dim 64 through the tree kernel (interpret mode, float32, one head): zero-padded to 128
+    lanes, output sliced, the softmax scale of the true head_dim; outputs and gradients equal the reference to
+    1e-5. Mutant caught: the scale taken from the padded head_dim (1/sqrt(128))."""
+    rng = np.random.default_rng(3)
+    t = 256
+    q, k, v = _qkv(rng, 1, t, 1, 1, 64)
+    ends = _tree_ends(rng, 1, t)
+    index = jnp.broadcast_to(jnp.arange(t), (1, t))
+    reference = lambda q, k, v: attention_lib.reference_attention(q, k, v, index, ends, True)
+    kernel = lambda q, k, v: tree_flash_attention(q, k, v, ends, interpret=True)
+    assert kernel(q, k, v).shape == q.shape
+    np.testing.assert_allclose(kernel(q, k, v), reference(q, k, v), atol=1e-5)
+    weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    grads = lambda fn: jax.grad(lambda *x: (fn(*x) * weights).sum(), argnums=(0, 1, 2))(q, k, v)
+    for got, want in zip(grads(kernel), grads(reference), strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def _visible_tiles(ends, t, block_q, block_k, keys_outer):
+    """bool [B, outer, inner]: tiles holding a pair ``s <= t < kv_end[s]``, by brute force."""
+    ends = np.asarray(ends)
+    rows, keys = np.arange(t)[:, None], np.arange(ends.shape[1])[None, :]
+    pairs = (keys <= rows)[None] & (rows[None] < ends[:, None, :])  # [B, T, S]
+    b = ends.shape[0]
+    tiles = pairs.reshape(b, t // block_q, block_q, -1, block_k).any(axis=(2, 4))
+    return tiles.transpose(0, 2, 1) if keys_outer else tiles
+
+
+def test_the_fetch_table_fetches_nothing_for_skipped_tiles():
+    """Along each reduction a new block is fetched only at a tile that holds a visible pair (or at the first
+    step): a tile the mask skips, causally or by the tree, names the block already resident. Mutant caught:
+    skipped tiles found by causality only (tree-masked tiles fetched)."""
+    rng = np.random.default_rng(2)
+    t = 1024
+    ends = _tree_ends(rng, 2, t)
+    for block_q, block_k, keys_outer in ((512, 128, False), (128, 512, True), (128, 128, False)):
+        table = np.asarray(tree_attention.fetch_table(ends, t, block_q, block_k, keys_outer))
+        visible, causal = [_visible_tiles(x, t, block_q, block_k, keys_outer) for x in (ends, np.full(ends.shape, t))]
+        steps = np.arange(table.shape[2])
+        assert (causal & ~visible).any(), "premise: the tree hides tiles causality would show"
+        fetched = np.concatenate([np.ones_like(table[..., :1], bool), table[..., 1:] != table[..., :-1]], axis=2)
+        assert not (fetched & ~visible & (steps > 0)).any()
+        assert ((table == steps) >= visible).all()  # every visible tile is computed
+    blocks = tree_attention.Blocks(512, 128)
+    assert (
+        tree_attention.cost("forward", 1, 1, 4096, 4096, 128, 2, blocks).bytes_accessed
+        < tree_attention.cost("forward", 1, 1, 4096, 4096, 128, 2).bytes_accessed
+    )
+
+
+def test_the_tuning_table_fits_its_tile_to_the_rows_and_refuses_a_tile_that_does_not():
+    """The table's tile for a chip, halved until it divides the rows; the default elsewhere; a tile that is not
+    a multiple of 128 dividing the rows is refused naming it."""
+    choose = tree_attention.choose_blocks
+    assert choose("v6e", 128, 4096, 4096) == tree_attention.Blocks(1024, 128)
+    assert choose("v6e", 128, 1536, 1536) == tree_attention.Blocks(512, 128)
+    assert choose("v5p", 128, 384, 384) == choose(None, 128, 4096, 4096) == tree_attention.DEFAULT_BLOCKS
+    q = jnp.zeros((1, 384, 1, 128), jnp.float32)
+    ends = jnp.full((1, 384), 384, jnp.int32)
+    for bad in (tree_attention.Blocks(256, 128), tree_attention.Blocks(128, 192)):
+        with pytest.raises(ValueError, match="Blocks"):
+            tree_flash_attention(q, q, q, ends, interpret=True, blocks=bad)
+
+
 def test_training_kernels_in_interpret_mode_equal_the_reference(monkeypatch):
     """``implementation="splash"`` with no mesh, run by the Pallas interpreter on CPU (the closest check possible
     without a TPU): causal rows by splash, tree rows by the tree kernel (a tree mask is data: it computes it per
@@ -152,10 +246,32 @@ def test_tpu_training_forward_backward_on_fsdp_runs_the_kernels(tree):
     if tree:  # the tree kernels name themselves and state their FLOPs, which the step-time model counts
         assert hlo.kernel_names(text) == {f"tree_attention_{k}": 1 for k in ("forward", "dq", "dkv")}
         b, h, e = ROWS // 4, TPU_QWEN.num_heads, TPU_QWEN.head_dim
-        stated = sum(tree_attention.cost(k, b, h, SEQ, SEQ, e, 2).flops for k in ("forward", "dq", "dkv"))
+        blocks = tree_attention.choose_blocks("v5p", e, SEQ, SEQ)
+        stated = sum(tree_attention.cost(k, b, h, SEQ, SEQ, e, 2, blocks).flops for k in ("forward", "dq", "dkv"))
         without = hlo.summarize(text.replace('"cost_estimate"', '"no_estimate"'), devices=4).flops
         layers = TPU_QWEN.num_layers
         assert hlo.summarize(text, devices=4).flops == pytest.approx(without + layers * stated)
+
+
+@pytest.mark.parametrize("topology,chip", [("v5p:2x2x1", "v5p"), ("v6e:2x2", "v6e")])
+def test_the_tpu_compiler_takes_each_chips_table_tile_and_states_its_cost(topology, chip):
+    """The tree kernel's forward + backward alone on 4 abstract chips of each generation (``fsdp``=4, rows of
+    1,024): the TPU compiler (Mosaic) accepts the table's tile (VMEM, layouts), and the program states the cost
+    of that tile, read from the chip compiled for. Mutant caught: the tile chosen without the target's chip
+    (the default 128 x 128 everywhere: other FLOPs)."""
+    mesh = mesh_lib.make_mesh(data=1, fsdp=4, tensor=1, devices=tpu_devices(topology))
+    b, t, h, kv, e = 4, 1024, 2, 1, 128
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.batch_sharding(mesh))
+    q, k, ends = spec(b, t, h, e), spec(b, t, kv, e), spec(b, t, dtype=jnp.int32)
+    run = lambda q, k, ends: attention_lib.splash_attention(q, k, k, None, ends, True).astype(jnp.float32).sum()
+    compiled = jax.jit(mesh_lib.traced_under(mesh, jax.grad(run, argnums=(0, 1)))).lower(q, k, ends).compile()
+    blocks = tree_attention.choose_blocks(chip, e, t, t)
+    assert blocks != tree_attention.DEFAULT_BLOCKS  # premise: the table gives this chip its own tile
+    stated = sum(tree_attention.cost(n, b // 4, h, t, t, e, 2, blocks).flops for n in ("forward", "dq", "dkv"))
+    text = compiled.as_text()
+    assert hlo.kernel_names(text) == {f"tree_attention_{n}": 1 for n in ("forward", "dq", "dkv")}
+    without = hlo.summarize(text.replace('"cost_estimate"', '"no_estimate"'), devices=4).flops
+    assert hlo.summarize(text, devices=4).flops == pytest.approx(without + stated)
 
 
 def _engine(devices, **axes):

@@ -62,3 +62,40 @@ def test_the_decode_kernel_follows_the_engine_devices_and_its_constraints():
         assert "page_size=12" in Engine.for_model(head128, odd_pages).decode_attention
     finally:
         pages.KERNEL_INTERPRET = False
+
+
+def test_a_stopped_slot_past_its_table_does_not_overwrite_the_shards_last_page():
+    """A stopped slot decodes at ``max_len`` (past its table) while a live slot owns the shard's last page: the
+    stopped slot's write is dropped and that page keeps the live slot's keys and values (one shard, interpret
+    mode). Mutant caught: the past-the-table page clamped to ``num_local_pages - 1`` instead of out of bounds."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    page_size, pages_per_slot, num_pages, head_dim = 8, 2, 4, 128
+    max_len = page_size * pages_per_slot
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    kernel = pages.DecodeKernel(mesh, ("data",), None, pages_per_slot, interpret=True)
+    rng = np.random.default_rng(0)
+    pool = lambda: jnp.asarray(rng.standard_normal((1, 1, num_pages, page_size, head_dim)), jnp.float32)
+    k_pages, v_pages = pool(), pool()
+    last = num_pages - 1
+    # Slot 0 (live) owns pages 2 and the shard's last page 3, decoding position 10 (page 3, offset 2); slot 1
+    # (stopped) owns page 1 and decodes at max_len, past its table.
+    table_bp = jnp.asarray([[2, last], [1, 0]], jnp.int32)
+    positions_bt = jnp.asarray([[10], [max_len]], jnp.int32)
+    cache = pages.PagedKVCache(
+        k_pages, v_pages, table_bp, jnp.asarray([10, max_len], jnp.int32), jnp.arange(max_len), jnp.float32
+    )
+    new = lambda: jnp.asarray(rng.standard_normal((2, 1, 1, head_dim)), jnp.float32)
+    q, k_new, v_new = jnp.asarray(rng.standard_normal((2, 1, 2, head_dim)), jnp.float32), new(), new()
+    _, written = kernel.decode(cache, 0, q, k_new, v_new, positions_bt)
+    # Premises: the stopped slot is past its table and lands at offset 0; the live slot's write landed.
+    assert max_len // page_size == pages_per_slot and max_len % page_size == 0
+    np.testing.assert_array_equal(written.k_pages[0, 0, last, 2], k_new[0, 0, 0])
+    untouched = np.ones(page_size, bool)
+    untouched[2] = False
+    for before, after in ((k_pages, written.k_pages), (v_pages, written.v_pages)):
+        np.testing.assert_array_equal(after[0, 0, last, untouched], before[0, 0, last, untouched])
+        np.testing.assert_array_equal(after[0, 0, :last], before[0, 0, :last])

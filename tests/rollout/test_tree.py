@@ -65,3 +65,20 @@ def test_single_outcome_tree_is_not_mixed():
     tree.add_turn(ROOT, [2], reward=1.0)
     tree.add_turn(ROOT, [3], reward=1.0)
     assert not tree.is_mixed()
+
+
+def test_record_routing_puts_each_position_on_its_node_three_turns_deep():
+    """One record of a three-turn history (observations after the first two turns) lands each position's row
+    on the node that holds it; a second record from inside the history fills only what was unset. Mutant
+    caught: ancestors' offsets walked by ``len(node.token_ids)`` (their observations left out)."""
+    tree = RolloutTree([1, 2, 3])
+    a = tree.add_turn(ROOT, [4, 5], observation_ids=[6])
+    b = tree.add_turn(a, [7], observation_ids=[8, 9])
+    c = tree.add_turn(b, [10, 11])
+    assert tree[c].depth == 3 and tree.prefix_length(c) == 11  # premise: observations on the walked path
+    position_rows = lambda first, last: np.arange(first, last, dtype=np.int32).reshape(-1, 1, 1)
+    tree.record_routing(c, position_rows(0, 9), start=0)  # every position but c's last two
+    tree.record_routing(c, position_rows(1005, 1011), start=5)  # positions 5..10: only c's are unset
+    expected = {ROOT: [0, 1, 2], a: [3, 4, 5], b: [6, 7, 8], c: [1009, 1010]}
+    for node_id, rows in expected.items():
+        np.testing.assert_array_equal(tree[node_id].routed_experts[:, 0, 0], rows)
