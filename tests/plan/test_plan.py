@@ -12,7 +12,7 @@ import pytest
 from trace_jax.models import ModelConfig, num_params
 from trace_jax.parallel.mesh import make_mesh
 from trace_jax.plan import compile as plan_compile
-from trace_jax.plan.__main__ import slots_per_chip
+from trace_jax.plan.__main__ import build_parser, slots_per_chip
 from trace_jax.plan.compile import generate_memory, train_step_memory
 from trace_jax.plan.topology import GIB, parse_topology
 
@@ -59,6 +59,12 @@ def test_the_loss_path_does_not_grow_with_the_vocabulary_beyond_one_chunk():
     assert grown < full_logits / 4, (grown, full_logits)
     # Params-shaped temporaries (gradient accumulator, optimizer update) plus a few chunk-sized buffers.
     assert grown <= 4 * params_grown + 4 * one_chunk, (grown, params_grown, one_chunk)
+
+
+def test_every_plan_option_has_help_text():
+    actions = [a for a in build_parser()._actions if a.dest != "help"]
+    assert any(a.dest == "depth_check" for a in actions)  # the premise: add_arguments' options are in it
+    assert [a.option_strings for a in actions if not (a.help or "").strip()] == []
 
 
 def test_topologies_count_chips_and_memory():
