@@ -172,7 +172,8 @@ def test_the_planner_compiles_a_mixture_of_experts_on_an_expert_axis(tmp_path):
 def test_the_moe_estimate_counts_the_dispatch_rows_and_the_gathered_experts():
     """Fails if the rough estimate drops a mixture of experts' terms (top-k copies of each token's row, one
     layer's experts gathered and kept for the backward pass): it then says ~104 GiB for a qwen3-30b-a3b
-    candidate whose compiled step held 320.1 GiB of temporaries per chip (docs/benchmarks.md#will-it-fit)."""
+    candidate whose compiled step held 320.1 GiB of temporaries per chip (docs/log/benchmarks-2026-12-01-to-05.md,
+    "Will it fit")."""
     from trace_jax.plan.__main__ import _activation_estimate, _moe_terms
 
     moe = ModelConfig.preset("qwen3-30b-a3b", dtype="bfloat16")
