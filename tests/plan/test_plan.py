@@ -13,7 +13,7 @@ from trace_jax.models import ModelConfig, num_params
 from trace_jax.parallel.mesh import make_mesh
 from trace_jax.plan import compile as plan_compile
 from trace_jax.plan.__main__ import build_parser, slots_per_chip
-from trace_jax.plan.compile import generate_memory, train_step_memory
+from trace_jax.plan.compile import generate_memory, update_programs
 from trace_jax.plan.topology import GIB, parse_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,9 +37,7 @@ def _one_device():
 
 def test_full_remat_keeps_at_most_a_third_of_the_temporaries():
     temps = {
-        remat: train_step_memory(
-            dataclasses.replace(FOUR_LAYERS, remat=remat), _one_device(), 1, 2048, 1, 256
-        ).temporaries
+        remat: update_programs(dataclasses.replace(FOUR_LAYERS, remat=remat), _one_device(), 1, 2048, 256).temporaries
         for remat in ("none", "full")
     }
     assert temps["full"] <= temps["none"] / 3, temps
@@ -49,7 +47,7 @@ def test_the_loss_path_does_not_grow_with_the_vocabulary_beyond_one_chunk():
     rows, seq, chunk = 1, 1024, 128
     small, large = 256, 4096
     reports = {
-        v: train_step_memory(dataclasses.replace(FOUR_LAYERS, vocab_size=v), _one_device(), rows, seq, 1, chunk)
+        v: update_programs(dataclasses.replace(FOUR_LAYERS, vocab_size=v), _one_device(), rows, seq, chunk)
         for v in (small, large)
     }
     grown = reports[large].temporaries - reports[small].temporaries

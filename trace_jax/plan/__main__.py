@@ -496,7 +496,7 @@ def _row(entry: dict[str, Any]) -> str:
     s = entry["settings"]
     what = (
         f"micro={s['micro_batches']} remat={s['remat']}"
-        if entry["program"] in ("train_step", "update")
+        if entry["program"] == "update"
         else f"slots={s['slots']} len={s['max_len']}"
     )
     kinds = " ".join(f"{k}={v:.2f}" for k, v in entry["per_device_gib"].items())
