@@ -12,9 +12,9 @@ are up to 6 turns.
 
 The policy is the default tiny Qwen3 (2 layers, width 64, ~0.14M parameters with the 1024-token BPE) with 1,200
 SFT steps. ``configs/realistic_large.py`` is the same run with a 3.4M-parameter policy (4 layers, width 256,
-2,000 SFT steps; its warm-start time is in docs/evidence.md, "A 3.4M-parameter policy"). ``POLICY_OVERRIDES``
-changes the policy here. What this preset gives after the warm start is measured by ``python -m
-trace_jax.bench.difficulty`` (docs/evidence.md, "The realistic-difficulty pool").
+2,000 SFT steps; its warm-start time is in docs/log/evidence-2026-11-30-to-12-03.md, "A 3.4M-parameter
+policy"). ``POLICY_OVERRIDES`` changes the policy here. What this preset gives after the warm start is measured
+by ``python -m trace_jax.bench.difficulty`` (docs/evidence.md, "The realistic-difficulty pool").
 
 The policy argument is as for ``configs/ablation.py`` (default ``trace``).
 """

@@ -3,8 +3,8 @@
 Everything but the policy is ``configs/realistic.py``'s: the same world, tokenizer, ReAct settings and SFT data.
 The policy is the Qwen3 architecture at 4 layers and width 256 (4 heads of 64, MLP 768; 3,410,688 parameters
 with the 1,024-token BPE), warm-started for 2,000 SFT steps. What it gives after the warm start is measured by
-``python -m trace_jax.bench.difficulty --config configs/realistic_large.py`` (docs/evidence.md, "A 3.4M-parameter
-policy").
+``python -m trace_jax.bench.difficulty --config configs/realistic_large.py`` (docs/log/evidence-2026-11-30-to-12-03.md,
+"A 3.4M-parameter policy").
 
 The policy argument is as for ``configs/ablation.py`` (default ``trace``).
 """

@@ -13,7 +13,7 @@ safetensors and the tokenizer files; ``model.tokenizer_dir`` points elsewhere fo
 ``--config.eval.split=dev``; a split the directory lacks stops the run at start, exit code 2). A row's
 ``prompt`` chat messages are rendered with the checkpoint's chat template, as Search-R1 trains on them; rows
 with only a ``question`` get the ``react.template`` instruction. The retriever is a
-Search-R1 HTTP server at ``retriever.url`` (``python -m trace_jax.envs.retrieval.retriever serve --corpus ...``), or
+Search-R1 HTTP server at ``retriever.url`` (``python -m trace_jax.envs.retrieval serve --corpus ...``), or
 ``--config.retriever.kind=bm25 --config.retriever.corpus=<corpus.jsonl>`` in process. No SFT warm start.
 """
 

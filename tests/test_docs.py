@@ -1,4 +1,5 @@
-"""The documentation: no build-history wording, every relative link resolves, the README stays a guide."""
+"""The documentation: no build-history wording, every relative link resolves, the README stays a guide, and every
+figure quoted from a reference page (docs/benchmarks.md, docs/evidence.md) equals the figure there."""
 
 import pathlib
 import re
@@ -21,6 +22,14 @@ INLINE_CODE = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
 EXTERNAL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+HTML_ANCHOR = re.compile(r'<a id="([\w-]+)"></a>')
+
+# The reference pages: one current figure per claim. A figure others quote is a table row whose first cell starts
+# with its anchor, <a id="fig-..."></a>, and whose second cell is the figure; a quote is a link whose text is the
+# figure and whose target is that anchor.
+REFERENCE_PAGES = ("docs/benchmarks.md", "docs/evidence.md")
+FIGURE_ROW = re.compile(r'^\|\s*<a id="(fig-[\w-]+)"></a>[^|]*\|\s*([^|]*?)\s*\|', re.MULTILINE)
+FIGURE_QUOTE = re.compile(r"\[([^\[\]]+)\]\(((?:[\w./-]*/)?(?:benchmarks|evidence)\.md)#(fig-[\w-]+)\)")
 
 
 def markdown_files() -> list[pathlib.Path]:
@@ -58,11 +67,12 @@ def github_slug(heading: str) -> str:
 def anchors(path: pathlib.Path) -> set[str]:
     seen: dict[str, int] = {}
     result = set()
-    for match in HEADING.finditer(FENCE.sub("", path.read_text())):
+    text = FENCE.sub("", path.read_text())
+    for match in HEADING.finditer(text):
         slug = github_slug(match.group(1))
         result.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
         seen[slug] = seen.get(slug, 0) + 1
-    return result
+    return result | set(HTML_ANCHOR.findall(text))
 
 
 def broken_links(path: pathlib.Path) -> list[str]:
@@ -137,6 +147,73 @@ def test_every_docs_image_is_shown_somewhere():
     assert images
     orphans = [p.relative_to(ROOT) for p in images if p.name not in text]
     assert not orphans, f"images no Markdown file links to: {orphans}"
+
+
+# ------------------------------------------------------------------------------------------ quoted figures
+def reference_figures(texts: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """``(page#anchor -> figure, anchors defined more than once across the pages)`` of reference page texts."""
+    figures, seen, twice = {}, set(), []
+    for page, text in texts.items():
+        for anchor, value in FIGURE_ROW.findall(text):
+            if anchor in seen:
+                twice.append(anchor)
+            seen.add(anchor)
+            figures[f"{page}#{anchor}"] = value.replace("**", "").strip()
+    return figures, twice
+
+
+def misquoted_figures(path: pathlib.Path, text: str, figures: dict[str, str]) -> list[str]:
+    """Links of ``text`` (a file at ``path``) to a reference figure whose text is not that figure, or whose
+    anchor names no figure."""
+    wrong = []
+    for quoted, target, anchor in FIGURE_QUOTE.findall(without_code(text)):
+        page = (path.parent / target).resolve().relative_to(ROOT).as_posix()
+        value = figures.get(f"{page}#{anchor}")
+        if value != quoted.replace("**", "").strip():
+            wrong.append(f"{path.name}: [{quoted}] -> {page}#{anchor} holds {value!r}")
+    return wrong
+
+
+def test_the_figure_check_finds_planted_misquotes(tmp_path):
+    page = '| claim | figure |\n|---|---|\n| <a id="fig-speed"></a>speed | **4.89×** |\n'
+    figures, twice = reference_figures({"docs/benchmarks.md": page, "docs/evidence.md": page})
+    assert figures == {"docs/benchmarks.md#fig-speed": "4.89×", "docs/evidence.md#fig-speed": "4.89×"}
+    assert twice == ["fig-speed"]
+    readme = ROOT / "README.md"
+    good = "[4.89×](docs/benchmarks.md#fig-speed) and **[4.89×](docs/benchmarks.md#fig-speed)**"
+    assert misquoted_figures(readme, good, figures) == []
+    bad = "[4.05×](docs/benchmarks.md#fig-speed) [1×](docs/benchmarks.md#fig-gone) `[9×](docs/benchmarks.md#fig-x)`"
+    assert misquoted_figures(readme, bad, figures) == [
+        "README.md: [4.05×] -> docs/benchmarks.md#fig-speed holds '4.89×'",
+        "README.md: [1×] -> docs/benchmarks.md#fig-gone holds None",
+    ]
+
+
+def test_every_quoted_figure_equals_its_reference_and_each_claim_has_one_row():
+    texts = {page: (ROOT / page).read_text() for page in REFERENCE_PAGES}
+    figures, twice = reference_figures(texts)
+    assert not twice, f"figures defined twice on the reference pages: {twice}"
+    quotes = {path: path.read_text() for path in markdown_files()}
+    assert len(FIGURE_QUOTE.findall(quotes[ROOT / "README.md"])) >= 20  # the premise: the README quotes by anchor
+    wrong = [w for path, text in quotes.items() for w in misquoted_figures(path, text, figures)]
+    assert not wrong, "figures that differ from their reference row:\n" + "\n".join(wrong)
+
+
+def test_the_readme_em_table_is_the_reference_pages():
+    table = re.compile(r"^\| group \| n \| EM after SFT \| EM after TRACE RL \|\n(?:\|.*\|\n)+", re.MULTILINE)
+    (readme,) = table.findall((ROOT / "README.md").read_text())
+    (reference,) = table.findall((ROOT / "docs" / "benchmarks.md").read_text())
+    assert readme == reference
+
+
+def test_the_reference_pages_are_not_logs():
+    """Runs, pilots and superseded tables live in docs/log/; a reference page names no commit (a figure of
+    earlier code is a log entry; the tiny run's 12-digit record digest is no commit) and links to its log."""
+    for page in REFERENCE_PAGES:
+        text = (ROOT / page).read_text()
+        assert "](log/" in text, page
+        commits = re.findall(r"`(?:[0-9a-f]{7,10}|[0-9a-f]{40})`", text)  # git's short or full hashes
+        assert not commits, f"{page} cites commits {commits}: that run belongs in docs/log/"
 
 
 # ------------------------------------------------------------------------------------------ the README's size

@@ -153,6 +153,10 @@ def test_performance_at_a_glance_links_each_figure_to_its_section():
     assert 5 <= len(rows) <= 8
     for row in rows:
         assert re.search(r"\]\(docs/(benchmarks|evidence)\.md#[\w-]+\)", row), row
+        figure = row.split("|")[2]
+        assert re.search(r"\]\(docs/(benchmarks|evidence)\.md#fig-[\w-]+\)", figure), (
+            f"quotes no reference figure: {row}"
+        )
 
 
 def test_the_default_run_shows_one_em_table_and_its_plot():

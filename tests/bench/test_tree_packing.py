@@ -2,13 +2,13 @@
 
 import json
 
-from trace_jax.bench import train_step
+from trace_jax.bench import update
 
 
 def test_tree_packing_bench_reports_both_layouts_and_the_same_objective(tmp_path):
     out = tmp_path / "tree_packing.json"
     argv = ["--trees", "default", "--prompts", "3", "--warmup", "0", "--steps", "1", "--tiny-model"]
-    results = train_step.main([*argv, "--out", str(out)])
+    results = update.main([*argv, "--out", str(out)])
     assert json.loads(out.read_text()) == results
     packed, per_path = results["layouts"]["packed"], results["layouts"]["per_path"]
     assert results["trees"]["count"] == 3 and results["trees"]["path_tokens"] > results["trees"]["unique_tokens"]

@@ -13,6 +13,7 @@ import pytest
 
 from trace_jax.data import synthetic
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
+from trace_jax.envs.retrieval import __main__ as serve_command
 from trace_jax.envs.retrieval import retriever as R
 
 ROWS = [
@@ -92,7 +93,7 @@ def test_served_index_returns_the_same_passages_as_in_process(corpus_file):
         [
             sys.executable,
             "-m",
-            "trace_jax.envs.retrieval.retriever",
+            "trace_jax.envs.retrieval",
             "serve",
             "--corpus",
             str(corpus_file),
@@ -208,7 +209,7 @@ def test_serve_synthetic_world_corpus(tmp_path):
     corpus = tmp_path / "world.jsonl"
     synthetic.main(["corpus", "--world", json.dumps(world), "--out", str(corpus)])
     server = subprocess.Popen(
-        [sys.executable, "-m", "trace_jax.envs.retrieval.retriever", "serve", "--corpus", str(corpus), "--port", "0"],
+        [sys.executable, "-m", "trace_jax.envs.retrieval", "serve", "--corpus", str(corpus), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -234,7 +235,7 @@ def test_serve_synthetic_world_corpus(tmp_path):
 )
 def test_serve_mistakes_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
-        R.main(["serve", *argv])
+        serve_command.main(["serve", *argv])
     assert re.search(message, capsys.readouterr().err)
 
 
@@ -247,3 +248,16 @@ def test_corpus_command_mistakes_are_one_line_errors(world, message, capsys, tmp
         synthetic.main(["corpus", "--world", world, "--out", str(tmp_path / "c.jsonl")])
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "c.jsonl").exists()
+
+
+def test_serve_command_runs_without_a_runpy_warning():
+    # `python -m` warns when the package's __init__ already imported the module it runs: the command must be a
+    # module nothing imports. -W error turns that RuntimeWarning into a failed start.
+    out = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "trace_jax.envs.retrieval", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "--corpus" in out.stdout and "RuntimeWarning" not in out.stderr

@@ -12,8 +12,8 @@ import pytest
 from trace_jax.models import ModelConfig, num_params
 from trace_jax.parallel.mesh import make_mesh
 from trace_jax.plan import compile as plan_compile
-from trace_jax.plan.__main__ import slots_per_chip
-from trace_jax.plan.compile import generate_memory, train_step_memory
+from trace_jax.plan.__main__ import build_parser, slots_per_chip
+from trace_jax.plan.compile import generate_memory, update_programs
 from trace_jax.plan.topology import GIB, parse_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,9 +37,7 @@ def _one_device():
 
 def test_full_remat_keeps_at_most_a_third_of_the_temporaries():
     temps = {
-        remat: train_step_memory(
-            dataclasses.replace(FOUR_LAYERS, remat=remat), _one_device(), 1, 2048, 1, 256
-        ).temporaries
+        remat: update_programs(dataclasses.replace(FOUR_LAYERS, remat=remat), _one_device(), 1, 2048, 256).temporaries
         for remat in ("none", "full")
     }
     assert temps["full"] <= temps["none"] / 3, temps
@@ -49,7 +47,7 @@ def test_the_loss_path_does_not_grow_with_the_vocabulary_beyond_one_chunk():
     rows, seq, chunk = 1, 1024, 128
     small, large = 256, 4096
     reports = {
-        v: train_step_memory(dataclasses.replace(FOUR_LAYERS, vocab_size=v), _one_device(), rows, seq, 1, chunk)
+        v: update_programs(dataclasses.replace(FOUR_LAYERS, vocab_size=v), _one_device(), rows, seq, chunk)
         for v in (small, large)
     }
     grown = reports[large].temporaries - reports[small].temporaries
@@ -59,6 +57,12 @@ def test_the_loss_path_does_not_grow_with_the_vocabulary_beyond_one_chunk():
     assert grown < full_logits / 4, (grown, full_logits)
     # Params-shaped temporaries (gradient accumulator, optimizer update) plus a few chunk-sized buffers.
     assert grown <= 4 * params_grown + 4 * one_chunk, (grown, params_grown, one_chunk)
+
+
+def test_every_plan_option_has_help_text():
+    actions = [a for a in build_parser()._actions if a.dest != "help"]
+    assert any(a.dest == "depth_check" for a in actions)  # the premise: add_arguments' options are in it
+    assert [a.option_strings for a in actions if not (a.help or "").strip()] == []
 
 
 def test_topologies_count_chips_and_memory():
@@ -166,7 +170,8 @@ def test_the_planner_compiles_a_mixture_of_experts_on_an_expert_axis(tmp_path):
 def test_the_moe_estimate_counts_the_dispatch_rows_and_the_gathered_experts():
     """Fails if the rough estimate drops a mixture of experts' terms (top-k copies of each token's row, one
     layer's experts gathered and kept for the backward pass): it then says ~104 GiB for a qwen3-30b-a3b
-    candidate whose compiled step held 320.1 GiB of temporaries per chip (docs/benchmarks.md#will-it-fit)."""
+    candidate whose compiled step held 320.1 GiB of temporaries per chip (docs/log/benchmarks-2026-12-01-to-05.md,
+    "Will it fit")."""
     from trace_jax.plan.__main__ import _activation_estimate, _moe_terms
 
     moe = ModelConfig.preset("qwen3-30b-a3b", dtype="bfloat16")

@@ -1,12 +1,13 @@
-"""Per-device memory of a mixture of experts' train step with each expert dispatch, side by side.
+"""Per-device memory of a mixture of experts' update with each expert dispatch, side by side.
 
     python -m trace_jax.bench.moe_dispatch [--rows 8] [--seq-len 512] [--remat none] [--out FILE]
 
-Compiles ``RLTrainer``'s step (``plan.compile.train_step_memory``: XLA's ``memory_analysis()`` on fake CPU
-devices) for a scaled-down Qwen3-MoE (hidden 256, 16 experts, top-4, expert width 128, 2 sparse layers,
-vocabulary 1,024; bf16 compute, fp32 weights) on 8 fake devices as fsdp 2 x expert 4, once with
-``expert_dispatch="gather"`` and once with ``"all_to_all"``, and prints the per-device MiB of each part and
-the ratio of temporaries. Nothing runs: these are compile-time estimates (XLA:CPU's schedule).
+Compiles ``RLTrainer.update``'s programs (``plan.compile.update_programs``, one micro-batch of ``--rows``
+rows: XLA's ``memory_analysis()`` on fake CPU devices) for a scaled-down Qwen3-MoE (hidden 256, 16 experts,
+top-4, expert width 128, 2 sparse layers, vocabulary 1,024; bf16 compute, fp32 weights) on 8 fake devices as
+fsdp 2 x expert 4, once with ``expert_dispatch="gather"`` and once with ``"all_to_all"``, and prints the
+per-device MiB of each part and the ratio of temporaries. Nothing runs: these are compile-time estimates
+(XLA:CPU's schedule).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from trace_jax.models import ModelConfig
     from trace_jax.parallel.mesh import make_mesh
-    from trace_jax.plan.compile import train_step_memory
+    from trace_jax.plan.compile import update_programs
 
     base = ModelConfig.preset(
         "qwen3-moe-tiny",
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"config": dataclasses.asdict(base), "mesh": MESH, "rows": args.rows, "seq_len": args.seq_len}
     for dispatch in DISPATCHES:
         config = dataclasses.replace(base, expert_dispatch=dispatch)
-        report = train_step_memory(config, mesh, args.rows, args.seq_len)
+        report = update_programs(config, mesh, args.rows, args.seq_len)
         result[dispatch] = {
             "per_device_mib": {k: round(v / MIB, 1) for k, v in {**report.by_kind, "peak": report.peak}.items()},
             "temporaries_mib": round(report.temporaries / MIB, 1),

@@ -3,7 +3,7 @@
 ``python -m trace_jax.bench.retrieval [--docs 2000] [--clients 8] [--requests-per-client 200]
 [--large-queries 10000] [--out bench_results/retrieval.json]`` prints JSON (also written to ``--out``).
 
-The server is a real ``python -m trace_jax.envs.retrieval.retriever serve`` subprocess (default limits) over the
+The server is a real ``python -m trace_jax.envs.retrieval serve`` subprocess (default limits) over the
 first ``--docs`` passages of a synthetic world; the clients are :class:`HttpRetriever` threads in this
 process, each request one question of the world, top-3.
 
@@ -65,7 +65,7 @@ def _start_server(corpus_path: pathlib.Path, server_args: list[str]) -> tuple[su
     command = [
         sys.executable,
         "-m",
-        "trace_jax.envs.retrieval.retriever",
+        "trace_jax.envs.retrieval",
         "serve",
         "--corpus",
         str(corpus_path),

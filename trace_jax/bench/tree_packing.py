@@ -45,7 +45,7 @@ from trace_jax.models import create_model
 from trace_jax.optim import make_optimizer
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batch import build_batch
-from trace_jax.rl.trainer import RLTrainer, UpdateConfig
+from trace_jax.rl.trainer import RLTrainer
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "default.py"
 
@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     graphdef, params = nnx.split(create_model(model_config, nnx.Rngs(args.seed)), nnx.Param)
     optimizer = make_optimizer(schema.optimizer_config(config))
-    trainer = RLTrainer(graphdef, optimizer, loss, update=UpdateConfig(ppo_epochs=1, mini_batches=1))
+    # The job's update (its micro-batches), one epoch of one mini-batch: one optimizer step a call.
+    trainer = RLTrainer(graphdef, optimizer, loss, update=dataclasses.replace(config.ppo, ppo_epochs=1, mini_batches=1))
 
     layouts: dict[str, dict[str, Any]] = {}
     batches, states = {}, {}
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batches[name] = batch
         states[name] = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
         compile_start = time.perf_counter()
-        states[name], first = trainer.train_step(states[name], batches[name])  # compiles this shape
+        states[name], first = trainer.update(states[name], batches[name])  # compiles this shape
         layouts[name] = {
             "layout": layout,
             "rows": info.num_rows,
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for _ in range(args.steps):
         for name in layouts:
             step_start = time.perf_counter()
-            states[name], metrics = trainer.train_step(states[name], batches[name])
+            states[name], metrics = trainer.update(states[name], batches[name])
             layouts[name]["step_seconds"].append(time.perf_counter() - step_start)
             layouts[name]["loss"] = metrics["loss"]
     for stats in layouts.values():

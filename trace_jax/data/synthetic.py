@@ -23,7 +23,7 @@ so the same seed gives a byte-identical world. Questions are Search-R1-style row
 ``golden_answers``, ``data_source``) with extra fields ``id``, ``hops``, ``chain`` and ``gold_turns``.
 
 Write a world's corpus as jsonl (``{"id", "title", "text"}`` rows, e.g. for
-``python -m trace_jax.envs.retrieval.retriever serve --corpus``)::
+``python -m trace_jax.envs.retrieval serve --corpus``)::
 
     python -m trace_jax.data.synthetic corpus --out world.jsonl                                  # the defaults
     python -m trace_jax.data.synthetic corpus --world '{"scale": 10}' --out world.jsonl          # WorldConfig fields

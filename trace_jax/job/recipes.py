@@ -18,7 +18,6 @@ Each kind is a :class:`RecipeSource` in ``SOURCES``. Export a run's newest polic
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import tempfile
 from collections.abc import Callable
@@ -28,7 +27,7 @@ import jax
 from flax import nnx
 
 from trace_jax import paths
-from trace_jax.checkpoint.hf import HF_SIDE_FILES, load_hf, save_hf
+from trace_jax.checkpoint.hf import HF_SIDE_FILES, TOKEN_ID_KEYS, hf_token_ids, load_hf, save_hf
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.configs import RECIPES, Reads, RunConfig, schema
 from trace_jax.data.prompts import PromptStream
@@ -46,8 +45,6 @@ EXPORT_DIR = "hf_export"
 # Everything of a HF checkpoint directory that describes its tokenizer and generation defaults.
 TOKENIZER_FILES = HF_SIDE_FILES
 GENERATION_CONFIG = "generation_config.json"
-# The keys of a checkpoint's config.json that are not architecture but are kept in its export.
-TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 @dataclasses.dataclass
@@ -139,12 +136,6 @@ def _tokenizer_token_ids(tokenizer: Any) -> dict[str, int]:
     return {key: int(value) for key, value in ids.items() if value is not None}
 
 
-def _checkpoint_token_ids(hf_dir: str) -> dict[str, Any]:
-    """The token ids a HF checkpoint's config.json names (an id or a list of ids each)."""
-    hf_config = json.loads((paths.as_path(hf_dir) / "config.json").read_text())
-    return {key: hf_config[key] for key in TOKEN_ID_KEYS if hf_config.get(key) is not None}
-
-
 def _check_splits(config: RunConfig) -> None:
     """Fails before anything is loaded when ``data.train_split`` or ``eval.split`` is not a file in ``data.dir``
     (a ``cli.ConfigError``: one line naming the splits found)."""
@@ -207,7 +198,7 @@ class SearchR1Source:
         world = build.World(data, tokenizer, env)
         source = f"hf checkpoint {hf_dir}"
         message = f"policy: {hf_dir}"
-        token_ids = _checkpoint_token_ids(hf_dir)
+        token_ids = hf_token_ids(hf_dir)
         return Start(world, model_config, params, source, message, facts, hf_dir, _tokenizer_dir(config), token_ids)
 
     def prompt_stream(self, config, world):

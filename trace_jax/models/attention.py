@@ -53,7 +53,7 @@ from trace_jax.registry import Registry
 
 # Query rows per block of the reference path; a block's float32 scores are [B, H, REFERENCE_BLOCK, S]. 128, not
 # 512: the default RL step's temporaries drop 2.27 -> 0.74 GiB (XLA memory analysis) at the same CPU time per
-# step (bench.train_step's model, 4 x 512 tokens, fwd+bwd side by side in one process: 12.2 vs 12.0 CPU-s).
+# step (bench.update's model, 4 x 512 tokens, fwd+bwd side by side in one process: 12.2 vs 12.0 CPU-s).
 REFERENCE_BLOCK = 128
 # Rows in key order up to this many query blocks are unrolled, each block reading only the keys before its end;
 # longer rows (pod-scale 4,096-token rows: 32 blocks) keep the one-block ``lax.map`` (compile time and the

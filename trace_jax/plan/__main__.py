@@ -496,7 +496,7 @@ def _row(entry: dict[str, Any]) -> str:
     s = entry["settings"]
     what = (
         f"micro={s['micro_batches']} remat={s['remat']}"
-        if entry["program"] in ("train_step", "update")
+        if entry["program"] == "update"
         else f"slots={s['slots']} len={s['max_len']}"
     )
     kinds = " ".join(f"{k}={v:.2f}" for k, v in entry["per_device_gib"].items())
@@ -569,11 +569,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="train rows a step (0: skip it; -1 with --mesh: micro-rows x mini-batches)",
     )
-    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens of a train row (prompt + sampled)")
     parser.add_argument("--slots", type=int, default=256, help="engine decode slots (0: skip the engine)")
     parser.add_argument("--engine-len", type=int, default=0, help="cache positions per slot (default: --seq-len)")
-    parser.add_argument("--steps-per-call", type=int, default=64)
-    parser.add_argument("--logprob-chunk", type=int, default=512)
+    parser.add_argument(
+        "--steps-per-call", type=int, default=64, help="engine decode steps one compiled call runs (EngineConfig)"
+    )
+    parser.add_argument(
+        "--logprob-chunk",
+        type=int,
+        default=512,
+        help="positions per LM-head chunk of the train log-probs (peak logits [rows, chunk, vocab])",
+    )
     parser.add_argument("--dtype", default="bfloat16", help="train compute dtype")
     parser.add_argument("--param-dtype", default="float32", help="train weights (and optimizer state) dtype")
     parser.add_argument("--engine-dtype", default="bfloat16", help="engine weights, compute and KV cache dtype")
@@ -589,7 +596,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--margin", type=float, default=0.1, help="fraction of chip memory kept free")
     parser.add_argument("--prune", type=float, default=1.5, help="skip candidates estimated above prune x budget")
     parser.add_argument("--max-compiles", type=int, default=4, help="train-step compiles at most")
-    parser.add_argument("--no-depth-check", dest="depth_check", action="store_false")
+    parser.add_argument(
+        "--no-depth-check",
+        dest="depth_check",
+        action="store_false",
+        help="skip the second compile of the chosen layout at 4 layers (compile time against depth)",
+    )
     parser.add_argument(
         "--no-slots-fit", dest="slots_fit", action="store_false", help="skip the engine's second compile (2x slots)"
     )
@@ -614,14 +626,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's parser: every option has its ``--help`` line."""
     parser = argparse.ArgumentParser(prog="python -m trace_jax.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="a ModelConfig preset, e.g. qwen3-8b")
     parser.add_argument(
         "--topology", required=True, help="e.g. v5p-64, v5e-64, v6e-64, v4-32, h100-8, or libtpu's v5p:2x4x4"
     )
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
     start = time.perf_counter()
     if args.hlo_dir:
         from trace_jax.plan import compile as plan_compile  # imports jax: only once the backend's device flags are set

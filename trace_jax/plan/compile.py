@@ -1,4 +1,4 @@
-"""Abstract train / decode state on a mesh, AOT compilation of the real step and engine, memory by kind.
+"""Abstract train / decode state on a mesh, AOT compilation of the job's update and engine, memory by kind.
 
 Nothing here allocates model-sized memory: parameters, optimizer state, batches and caches are
 ``jax.ShapeDtypeStruct`` with shardings (``nnx.eval_shape`` / ``jax.eval_shape``), and
@@ -166,14 +166,7 @@ def _compiled_report(program, lowered, mesh: Mesh, settings: dict, by_kind: dict
     )
 
 
-def _compile(program: str, fn: Any, args: tuple, mesh: Mesh, settings: dict, by_kind: dict) -> MemoryReport:
-    start = time.perf_counter()
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # activation constraints see the mesh
-        lowered = fn.lower(*args)
-    return _compiled_report(program, lowered, mesh, settings, by_kind, start)
-
-
-# ---------------------------------------------------------------------------------------- train step
+# -------------------------------------------------------------------------------------------- update
 _FLOAT_FIELDS = ("weights", "advantages", "adv_pos", "adv_neg", "paths")  # and every "*logprob*" field
 _ROW_FIELDS = ("lengths", "paths")  # [rows]; every other field is [rows, seq_len]
 
@@ -267,41 +260,6 @@ def update_programs(
     )
     report.error = errors[0] if errors else None
     return report
-
-
-def train_step_memory(
-    config: ModelConfig,
-    mesh: Mesh,
-    rows: int,
-    seq_len: int,
-    micro_batches: int = 1,
-    logprob_chunk: int | None = 512,
-    loss_config: LossConfig | None = None,
-) -> MemoryReport:
-    """Compiles ``RLTrainer``'s jitted step (AdamW, the trainer's own sharding of state and batch) for
-    ``rows x seq_len`` tokens on ``mesh`` and returns its per-device memory. ``config.remat`` is the policy."""
-    loss_config = loss_config or LossConfig()
-    graphdef, state, optimizer = abstract_train_state(config, mesh)
-    trainer = RLTrainer(
-        graphdef, optimizer, loss_config, mesh=mesh, micro_batches=micro_batches, logprob_chunk=logprob_chunk
-    )
-    batch = abstract_batch(rows, seq_len, mesh, with_ref=bool(loss_config.kl_coef))
-    by_kind = {
-        "weights": shard_bytes(state.params),
-        "optimizer": shard_bytes(state.opt_state),
-        "gradients": shard_bytes(state.params),
-        "batch": shard_bytes(batch),
-    }
-    settings = {
-        "rows": rows,
-        "seq_len": seq_len,
-        "micro_batches": micro_batches,
-        "remat": config.remat,
-        "logprob_chunk": logprob_chunk,
-        "param_dtype": config.param_dtype,
-        "dtype": config.dtype,
-    }
-    return _compile("train_step", trainer._compile(state), (state, batch), mesh, settings, by_kind)
 
 
 # --------------------------------------------------------------------------------------- engine

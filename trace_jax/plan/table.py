@@ -25,7 +25,7 @@ def _cell(part: dict[str, Any]) -> str:
         return f"no ({len(part['tried'])} compiled)"
     mesh = "x".join(f"{k}{v}" for k, v in chosen["mesh"].items() if v > 1)
     s = chosen["settings"]
-    what = f", micro {s['micro_batches']}, remat {s['remat']}" if chosen["program"] == "train_step" else ""
+    what = f", micro {s['micro_batches']}, remat {s['remat']}" if chosen["program"] == "update" else ""
     fit = chosen.get("slots_per_chip")
     more = f"; {fit['fit']} slots a chip fit" if fit else ""
     return f"yes: {mesh}{what}, {chosen['peak_gib']:.1f} GiB{more}"

@@ -2,9 +2,9 @@
 
     from trace_jax.envs.retrieval import RetrieverConfig, build_retriever
 
-``retriever`` picks a retriever from a config and is the command that serves one (``python -m
-trace_jax.envs.retrieval.retriever serve``); ``bm25`` indexes a corpus in process; ``client`` and ``server`` are
-the two ends of the HTTP protocol; ``base`` holds what they share.
+``retriever`` picks a retriever from a config; ``bm25`` indexes a corpus in process; ``client`` and ``server``
+are the two ends of the HTTP protocol; ``base`` holds what they share; ``__main__`` is the command that serves one
+(``python -m trace_jax.envs.retrieval serve``).
 """
 
 from trace_jax.envs.retrieval.retriever import RetrieverConfig, build_retriever

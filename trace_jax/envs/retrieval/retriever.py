@@ -12,7 +12,7 @@ Every retriever answers ``search(queries, topk) -> [[Passage, ...], ...]`` and r
 
 Serve a corpus (``server.py`` says what the server guarantees)::
 
-    python -m trace_jax.envs.retrieval.retriever serve --corpus corpus.jsonl --port 8000
+    python -m trace_jax.envs.retrieval serve --corpus corpus.jsonl --port 8000
     python -m trace_jax.data.synthetic corpus --world runs/x/config.json --out world.jsonl  # a run's world
 
 This module imports no JAX and runs no JAX op (``bm25s`` is imported when a BM25 index is built).
@@ -20,10 +20,7 @@ This module imports no JAX and runs no JAX op (``bm25s`` is imported when a BM25
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -119,49 +116,3 @@ def build_retriever(config: RetrieverConfig, rows: Rows | None = None) -> Retrie
     """The retriever ``config`` names; ``rows`` (``{"id", "title", "text"}`` or Search-R1 ``contents``
     rows) is the corpus of a bm25 retriever whose config names no corpus file."""
     return RETRIEVERS[config.kind](config, rows)
-
-
-# ------------------------------------------------------------------------------------------------- CLI
-def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
-    for field in dataclasses.fields(ServerLimits):
-        parser.add_argument(
-            "--" + field.name.replace("_", "-"),
-            type=type(field.default),
-            default=field.default,
-            help=f"ServerLimits.{field.name} (default %(default)s)",
-        )
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trace_jax.envs.retrieval.retriever")
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve BM25 retrieval over Search-R1's POST /retrieve")
-    source = serve.add_mutually_exclusive_group(required=True)
-    source.add_argument("--corpus", help="jsonl corpus (title/text or Search-R1 contents rows) or a saved index")
-    source.add_argument("--index", help="directory written by BM25Retriever.save")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    _add_limit_flags(serve)
-    args = parser.parse_args(argv)
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
-        retriever = BM25Retriever.from_path(args.corpus or args.index)
-        server = make_server(retriever, args.host, args.port, limits)
-    except (OSError, ValueError) as e:  # a missing or malformed corpus, a bad limit, a port in use
-        serve.error(str(e))
-    # The line tests and launch scripts wait for; flushed so a pipe sees it at once.
-    print(f"serving {len(retriever.passages)} passages on http://{args.host}:{server.server_port}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-
-
-if __name__ == "__main__":
-    # bm25s runs a JAX op when imported; a retrieval server never needs an accelerator, so keep JAX off it.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    main()

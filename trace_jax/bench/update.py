@@ -1,19 +1,20 @@
-"""Train-step benchmark: the RL step's achieved FLOP/s against a jitted matmul measured in the same process.
+"""Update benchmark: the achieved FLOP/s of the job's update against a jitted matmul measured in the same process.
 
-``python -m trace_jax.bench.train_step [--quick] [--out bench_results/train_step.json]`` prints JSON.
-``python -m trace_jax.bench.train_step --trees default [flags of bench.tree_packing]`` measures instead the
+``python -m trace_jax.bench.update [--quick] [--out bench_results/update.json]`` prints JSON.
+``python -m trace_jax.bench.update --trees default [flags of bench.tree_packing]`` measures instead the
 tokens and step time of tree-packed against per-path training on the default run's trees
 (``trace_jax.bench.tree_packing``).
 
 The model is a ~50M-parameter Qwen3 (``BENCH_MODEL``: 10 layers, hidden 512, vocab 32,000, tied). One step
-is ``RLTrainer.train_step`` (forward, chunked log-probs, PPO-clip loss, backward, AdamW) on a synthetic batch
-of ``rows x seq_len`` tokens, all trained. Achieved FLOP/s = model FLOPs / best step time, where model FLOPs
+is ``RLTrainer.update`` as the job runs it, set to one epoch of one mini-batch in one micro-batch (its zero,
+accumulate and apply programs: forward, chunked log-probs, PPO-clip loss, backward, AdamW) on a synthetic
+batch of ``rows x seq_len`` tokens, all trained. Achieved FLOP/s = model FLOPs / best step time, where model FLOPs
 = 6 x non-embedding params x tokens + 6 x LM-head params x tokens + attention (12 x layers x rows x T^2 x
 heads x head_dim / 2 for the causal half): the work a step must do, without remat recompute. XLA's own
-count (``cost_analysis()``, recompute included) is reported beside it. The peak is the best of a few jitted
-``[n, n] @ [n, n]`` matmuls in the same dtype, in the same process (the CPU's practical peak, under whatever
-load the machine has at that moment); ``fraction_of_peak`` is the ratio. Steps and matmuls alternate so
-that load from other processes hits both alike.
+count (``cost_analysis()`` of the accumulate and apply programs, recompute included) is reported beside it.
+The peak is the best of a few jitted ``[n, n] @ [n, n]`` matmuls in the same dtype, in the same process (the
+CPU's practical peak, under whatever load the machine has at that moment); ``fraction_of_peak`` is the ratio.
+Steps and matmuls alternate so that load from other processes hits both alike.
 """
 
 from __future__ import annotations
@@ -86,6 +87,21 @@ def matmul_peak(n: int, dtype: Any, repeats: int) -> float:
     return 2 * n**3 / best
 
 
+def _xla_flops(trainer: RLTrainer, state: Any, batch: TrainBatch) -> float | None:
+    """XLA's FLOPs of one optimizer step of ``update``: its accumulate and apply programs (best effort: not
+    every backend reports a cost analysis)."""
+    try:
+        lowered = trainer.lower_update(state, batch)
+        total = 0.0
+        for name in ("accumulate", "apply"):
+            cost = lowered[name].compile().cost_analysis()
+            cost = cost[0] if isinstance(cost, list) else cost
+            total += float(cost.get("flops", 0.0))
+        return total or None
+    except Exception:
+        return None
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -98,26 +114,19 @@ def run(rows: int, seq_len: int, steps: int, chunk: int, remat: str, dtype: str,
     model = create_sharded(lambda: create_model(config, nnx.Rngs(0)), mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     optimizer = make_optimizer(learning_rate=1e-5, schedule="constant")
-    # One optimizer step per train_step call (one epoch, one mini-batch): the FLOPs below are one step's.
-    update = UpdateConfig(ppo_epochs=1, mini_batches=1)
+    # One optimizer step per update call (one epoch, one mini-batch, one micro-batch): the FLOPs below are one step's.
+    update = UpdateConfig(ppo_epochs=1, mini_batches=1, micro_rows=rows)
     trainer = RLTrainer(graphdef, optimizer, LossConfig(), mesh=mesh, logprob_chunk=chunk, update=update)
     state = trainer.init_state(params, jax.random.key(0))
     batch = synthetic_batch(rows, seq_len, config.vocab_size)
     start = time.perf_counter()
-    state, _ = trainer.train_step(state, batch)  # compile + first step
+    state, _ = trainer.update(state, batch)  # compile + first step
     first = time.perf_counter() - start
-    device_batch = trainer._put_batch(batch)
-    xla_flops = None
-    try:
-        cost = trainer._step_fn.lower(state, device_batch).compile().cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        xla_flops = float(cost.get("flops", 0.0)) or None
-    except Exception:  # cost analysis is best effort (not every backend reports it)
-        xla_flops = None
+    xla_flops = _xla_flops(trainer, state, batch)
     step_times, peaks = [], []
     for _ in range(steps):
         start = time.perf_counter()
-        state, metrics = trainer.train_step(state, device_batch)
+        state, metrics = trainer.update(state, batch)
         step_times.append(time.perf_counter() - start)
         peaks.append(matmul_peak(matmul_n, config.compute_dtype, repeats=3))
     flops = model_flops(config, rows, seq_len)
@@ -151,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     chosen, rest = trees.parse_known_args(sys.argv[1:] if argv is None else argv)
     if chosen.trees:
         return tree_packing.main(rest)
-    parser = argparse.ArgumentParser(prog="python -m trace_jax.bench.train_step", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trace_jax.bench.update", description=__doc__.split("\n")[0])
     parser.add_argument("--trees", choices=TREE_SETS, help="packed vs per-path training on these trees instead")
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -161,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--matmul-n", type=int, default=2048)
     parser.add_argument("--quick", action="store_true", help="2 rows x 256 tokens, 2 steps")
-    parser.add_argument("--out", default="bench_results/train_step.json")
+    parser.add_argument("--out", default="bench_results/update.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.seq_len, args.steps = 2, 256, 2
