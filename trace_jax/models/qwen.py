@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.models import attention as attention_lib
+from trace_jax.models import lora
 from trace_jax.parallel.mesh import constrain
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -352,6 +353,8 @@ def rope(x_bthe: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
     """Grouped-query attention with optional q/k/v bias (Qwen2) or q/k RMSNorm (Qwen3)."""
 
+    LORA_TARGETS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2}  # projection -> its input axes
+
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         d, h, k, e = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
@@ -369,7 +372,7 @@ class Attention(nnx.Module):
 
     def _project(self, x_btd: jax.Array, name: str) -> jax.Array:
         dtype = x_btd.dtype
-        out = token_matmul(x_btd, getattr(self, f"{name}_proj").value.astype(dtype))
+        out = token_matmul(x_btd, lora.weight(self, f"{name}_proj").astype(dtype))
         if self.config.qkv_bias:
             out = out + getattr(self, f"{name}_bias").value.astype(dtype)
         if self.config.qk_norm and name in ("q", "k"):
@@ -405,12 +408,14 @@ class Attention(nnx.Module):
             attended_bthe, cache = attention_lib.attend_cached(
                 cache, layer, q_bthe, k_btke, v_btke, positions_bt, cfg.attention
             )
-        out_btd = token_matmul(attended_bthe, self.o_proj.value.astype(x_btd.dtype), contract=2)
+        out_btd = token_matmul(attended_bthe, lora.weight(self, "o_proj").astype(x_btd.dtype), contract=2)
         return out_btd, cache
 
 
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    LORA_TARGETS = {"gate_proj": 1, "up_proj": 1, "down_proj": 1}  # projection -> its input axes
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
@@ -420,10 +425,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dtype = x_btd.dtype
-        gate_btf = jax.nn.silu(token_matmul(x_btd, self.gate_proj.value.astype(dtype)))
-        hidden_btf = gate_btf * token_matmul(x_btd, self.up_proj.value.astype(dtype))
+        gate_btf = jax.nn.silu(token_matmul(x_btd, lora.weight(self, "gate_proj").astype(dtype)))
+        hidden_btf = gate_btf * token_matmul(x_btd, lora.weight(self, "up_proj").astype(dtype))
         hidden_btf = constrain(hidden_btf, ("batch", "length", "mlp"))
-        return token_matmul(hidden_btf, self.down_proj.value.astype(dtype))
+        return token_matmul(hidden_btf, lora.weight(self, "down_proj").astype(dtype))
 
 
 class DecoderLayer(nnx.Module):
