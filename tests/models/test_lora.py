@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from trace_jax.models import ModelConfig, create_model
-from trace_jax.models.lora import LoRAConfig, LoRAParam, add_adapters, adapter_state, frozen_base, without_adapters
+from trace_jax.models.lora import LoRAConfig, LoRAParam, adapter_state, add_adapters, frozen_base, without_adapters
 
 _CONFIG = ModelConfig(
     vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
@@ -19,7 +19,9 @@ _TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 7)), jnp
 
 def _adapted(rank=4, targets="q,k,v,o,gate,up,down"):
     model = create_model(_CONFIG, nnx.Rngs(0))
-    assert add_adapters(model, LoRAConfig(rank=rank, alpha=8.0, targets=targets), nnx.Rngs(1)) == len(targets.split(","))
+    assert add_adapters(model, LoRAConfig(rank=rank, alpha=8.0, targets=targets), nnx.Rngs(1)) == len(
+        targets.split(",")
+    )
     return model
 
 
@@ -91,7 +93,9 @@ def test_updates_leave_base_bit_identical():
 
     @jax.jit
     def step(params, opt_state):
-        grads = jax.grad(lambda p: jnp.mean(jax.nn.log_softmax(nnx.merge(graphdef, p)(_TOKENS).logits_btv)[..., 3]))(params)
+        grads = jax.grad(lambda p: jnp.mean(jax.nn.log_softmax(nnx.merge(graphdef, p)(_TOKENS).logits_btv)[..., 3]))(
+            params
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -102,7 +106,7 @@ def test_updates_leave_base_bit_identical():
     assert any(jax.tree.leaves(moved))  # premise: the adapters trained
     base_before = before.filter(lambda path, _: not str(path[-1]).endswith(("_lora_a", "_lora_b")))
     base_after = params.filter(lambda path, _: not str(path[-1]).endswith(("_lora_a", "_lora_b")))
-    for x, y in zip(jax.tree.leaves(base_before), jax.tree.leaves(base_after)):
+    for x, y in zip(jax.tree.leaves(base_before), jax.tree.leaves(base_after), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # Optimizer moments exist for the adapters alone.
     moments = sum(x.size for x in jax.tree.leaves(opt_state) if hasattr(x, "size") and x.ndim > 0)

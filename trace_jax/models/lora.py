@@ -126,12 +126,36 @@ def add_adapters(model: nnx.Module, config: LoRAConfig, rngs: nnx.Rngs) -> int:
             a_shape = (*base.value.shape[:split], config.rank)
             b_shape = (base.value.shape[0], config.rank, *base.value.shape[split:])
             a = jax.random.normal(rngs.params(), a_shape, jnp.float32) / math.sqrt(fan_in)
-            setattr(module, _a_name(projection), LoRAParam(a.astype(base.value.dtype), logical_axes=(*axes[:split], None)))
+            setattr(
+                module, _a_name(projection), LoRAParam(a.astype(base.value.dtype), logical_axes=(*axes[:split], None))
+            )
             b = jnp.zeros(b_shape, base.value.dtype)
             setattr(module, _b_name(projection), LoRAParam(b, logical_axes=(axes[0], None, *axes[split:])))
             module.lora_scale = config.scale
             adapted += 1
     return adapted
+
+
+def with_adapters(params: Any, model_config: Any, rngs: nnx.Rngs) -> Any:
+    """Base ``params`` (an ``nnx.State`` of a model without adapters) plus fresh adapters for
+    ``model_config.lora``: the params of ``create_model(model_config)`` whose base is ``params``."""
+    from trace_jax.models.family import abstract_model  # family imports qwen, which imports this module
+
+    base_config = dataclasses.replace(model_config, lora_rank=0)
+    model = nnx.merge(abstract_model(base_config)[0], params)
+    add_adapters(model, model_config.lora, rngs)
+    return nnx.split(model, nnx.Param)[1]
+
+
+def adapt(model_config: Any, params: Any, config: LoRAConfig, seed: int) -> tuple[Any, Any]:
+    """``(model config, params)`` of the policy ``config`` asks for, from a base without adapters: unchanged with
+    rank 0, else the config carrying the adapters and the base plus fresh adapters (initialised from ``seed``)."""
+    if not config.rank:
+        return model_config, params
+    adapted = dataclasses.replace(
+        model_config, lora_rank=config.rank, lora_alpha=config.alpha, lora_targets=config.targets
+    )
+    return adapted, with_adapters(params, adapted, nnx.Rngs(seed))
 
 
 def is_adapter_path(path: tuple[Any, ...]) -> bool:
