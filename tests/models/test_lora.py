@@ -8,8 +8,16 @@ import optax
 import pytest
 from flax import nnx
 
-from trace_jax.models import ModelConfig, create_model
-from trace_jax.models.lora import LoRAConfig, LoRAParam, adapter_state, add_adapters, frozen_base, without_adapters
+from trace_jax.models import ModelConfig, abstract_model, create_model
+from trace_jax.models.lora import (
+    LoRAConfig,
+    LoRAParam,
+    adapt,
+    adapter_state,
+    add_adapters,
+    frozen_base,
+    without_adapters,
+)
 
 _CONFIG = ModelConfig(
     vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
@@ -121,3 +129,14 @@ def test_updates_leave_base_bit_identical():
 def test_bad_config_names_the_key(bad):
     with pytest.raises(ValueError, match="lora"):
         LoRAConfig(**bad)
+
+
+def test_adapt_is_the_identity_at_rank_zero_and_matches_the_adapted_architecture():
+    params = nnx.split(create_model(_CONFIG, nnx.Rngs(0)), nnx.Param)[1]
+    same_config, same_params = adapt(_CONFIG, params, LoRAConfig(), seed=0)
+    assert same_config is _CONFIG and same_params is params
+    config, adapted = adapt(_CONFIG, params, LoRAConfig(rank=2, targets="q,down"), seed=0)
+    assert (config.lora_rank, config.lora_targets) == (2, "q,down")
+    abstract = abstract_model(config)[1]
+    assert jax.tree.map(lambda x: x.shape, adapted) == jax.tree.map(lambda x: x.shape, abstract)
+    assert adapter_state(adapted)["layers"]["attn"]["q_proj_lora_a"].value.shape == (2, 64, 2)
