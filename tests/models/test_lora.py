@@ -8,11 +8,10 @@ import optax
 import pytest
 from flax import nnx
 
-from trace_jax.models import ModelConfig, abstract_model, create_model
+from trace_jax.models import ModelConfig, abstract_model, adapt, create_model
 from trace_jax.models.lora import (
     LoRAConfig,
     LoRAParam,
-    adapt,
     adapter_state,
     add_adapters,
     frozen_base,

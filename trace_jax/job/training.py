@@ -26,7 +26,7 @@ from trace_jax.job import recipes, rundir
 from trace_jax.job.cli import TERMINATION, Console
 from trace_jax.job.sampling import SamplingSide
 from trace_jax.job.sampling_process import SamplingProcess
-from trace_jax.models import abstract_model, lora
+from trace_jax.models import abstract_model, adapt, lora
 from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import shard_state
 from trace_jax.rl.advantages import compute_advantages
@@ -82,7 +82,7 @@ class Training:
         with timer.phase("setup"):
             # lora.rank > 0: the policy is the warm start's weights, frozen, plus fresh adapters (the only ones
             # trained); the reference policy is the base, the adapters off.
-            self.model_config, params = lora.adapt(self.start.model_config, self.start.params, config.lora, config.seed)
+            self.model_config, params = adapt(self.start.model_config, self.start.params, config.lora, config.seed)
             params = shard_state(params, self.mesh)
             self.start.params = None  # the train state holds the policy from here on
             loss_config = config.loss

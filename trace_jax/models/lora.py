@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -136,28 +136,6 @@ def add_adapters(model: nnx.Module, config: LoRAConfig, rngs: nnx.Rngs) -> int:
     return adapted
 
 
-def with_adapters(params: Any, model_config: Any, rngs: nnx.Rngs) -> Any:
-    """Base ``params`` (an ``nnx.State`` of a model without adapters) plus fresh adapters for
-    ``model_config.lora``: the params of ``create_model(model_config)`` whose base is ``params``."""
-    from trace_jax.models.family import abstract_model  # family imports qwen, which imports this module
-
-    base_config = dataclasses.replace(model_config, lora_rank=0)
-    model = nnx.merge(abstract_model(base_config)[0], params)
-    add_adapters(model, model_config.lora, rngs)
-    return nnx.split(model, nnx.Param)[1]
-
-
-def adapt(model_config: Any, params: Any, config: LoRAConfig, seed: int) -> tuple[Any, Any]:
-    """``(model config, params)`` of the policy ``config`` asks for, from a base without adapters: unchanged with
-    rank 0, else the config carrying the adapters and the base plus fresh adapters (initialised from ``seed``)."""
-    if not config.rank:
-        return model_config, params
-    adapted = dataclasses.replace(
-        model_config, lora_rank=config.rank, lora_alpha=config.alpha, lora_targets=config.targets
-    )
-    return adapted, with_adapters(params, adapted, nnx.Rngs(seed))
-
-
 def is_adapter_path(path: tuple[Any, ...]) -> bool:
     """Whether a state path names a LoRA factor (its last key ends in ``_lora_a`` / ``_lora_b``)."""
     return str(path[-1]).endswith(("_lora_a", "_lora_b"))
@@ -169,10 +147,36 @@ def has_adapters(params: Any) -> bool:
 
 
 def frozen_base(optimizer: optax.GradientTransformation, params: Any) -> optax.GradientTransformation:
-    """``optimizer`` on the LoRA factors of ``params`` only; every other leaf gets a zero update and no
-    optimizer state (weight decay and clipping see only the adapters)."""
-    labels = nnx.map_state(lambda path, _: "lora" if is_adapter_path(path) else "base", params)
-    return optax.multi_transform({"lora": optimizer, "base": optax.set_to_zero()}, labels)
+    """``optimizer`` on the LoRA factors only: its state holds the adapters' moments alone, clipping and weight
+    decay see only them, and every base leaf gets a zero update. ``params`` (unused beyond the signature shared
+    with other wrappers) is the state it will run on.
+
+    A wrapper rather than ``optax.multi_transform``: the latter's masked state leaves ``MaskedNode`` where the
+    base is, which ``optax.tree_map_params`` (the sharded init, ``trace_jax.optim.optimizer_shardings``) cannot
+    pair with the full params tree."""
+    del params
+
+    def init(params: Any) -> Any:
+        # ``optax.tree_map_params`` initialises with a placeholder standing for the (already chosen) subset.
+        return optimizer.init(adapter_state(params) if isinstance(params, nnx.State) else params)
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        updates, state = optimizer.update(
+            adapter_state(grads), state, None if params is None else adapter_state(params)
+        )
+        base = grads.filter(lambda path, _: not is_adapter_path(path))
+        return nnx.merge_state(jax.tree.map(jnp.zeros_like, base), updates), state
+
+    return TrainedSubset(init, update, adapter_state)
+
+
+class TrainedSubset(NamedTuple):
+    """An optax transformation whose state covers only ``subset(params)`` (``trace_jax.optim``'s sharded init
+    reads ``subset`` to pair the state's moments with those params' shardings)."""
+
+    init: Any
+    update: Any
+    subset: Any
 
 
 def adapter_state(params: Any) -> Any:
