@@ -14,6 +14,7 @@ from trace_jax.configs import (
     DistributedConfig,
     EngineConfig,
     EvalConfig,
+    LoRAConfig,
     LossConfig,
     MeshConfig,
     OptimizerConfig,
@@ -61,6 +62,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # The tiny policy's learning rate, held constant (OptimizerConfig's generic defaults: 1e-5, cosine). The
     # schedule's length and warm-up are derived from rl.steps and rl.warmup_steps (schema.derived).
     config.optim = section(OptimizerConfig(learning_rate=2e-4, max_grad_norm=1.0, schedule="constant"))
+    config.lora = section(LoRAConfig())  # rank 0: full fine-tuning; --config.lora.rank=8 trains adapters only
     config.rl = section(
         RLConfig(
             steps=30,

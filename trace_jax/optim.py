@@ -182,6 +182,9 @@ def optimizer_shardings(optimizer: optax.GradientTransformation, params: Any, pa
     ``params`` may be abstract (``jax.ShapeDtypeStruct``); nothing is allocated. Use the result as
     ``jax.jit(optimizer.init, out_shardings=...)`` so the state is born sharded, never whole on a device.
     """
+    subset = getattr(optimizer, "subset", None)  # a state over some params only (``models.lora.TrainedSubset``)
+    if subset is not None:
+        params, param_shardings = subset(params), subset(param_shardings)
     abstract_state = jax.eval_shape(optimizer.init, params)
     return optax.tree_map_params(
         optimizer,

@@ -33,6 +33,7 @@ _WHERE: dict[str, str] = {
     "LossConfig": "trace_jax.rl.losses",
     "MeshConfig": "trace_jax.configs.sections",
     "ModelSourceConfig": "trace_jax.configs.sections",
+    "LoRAConfig": "trace_jax.models.lora",
     "OptimizerConfig": "trace_jax.optim",
     "RLConfig": "trace_jax.configs.sections",
     "ReActConfig": "trace_jax.envs.react",

@@ -40,6 +40,7 @@ from trace_jax.data.search_r1 import SearchR1DataConfig
 from trace_jax.data.synthetic import WorldConfig
 from trace_jax.envs.react import ReActConfig
 from trace_jax.envs.retrieval.retriever import RetrieverConfig
+from trace_jax.models.lora import LoRAConfig
 from trace_jax.optim import OptimizerConfig
 from trace_jax.parallel.distributed import DistributedConfig
 from trace_jax.rl.batch import BatchConfig
@@ -66,6 +67,7 @@ SECTIONS: dict[str, type] = {
     "loss": LossConfig,
     "ppo": UpdateConfig,
     "optim": OptimizerConfig,
+    "lora": LoRAConfig,
     "rl": RLConfig,
     "eval": EvalConfig,
     "mesh": MeshConfig,
@@ -87,7 +89,19 @@ class Reads:
         return dotted == "seed" or (section in self.sections and dotted not in self.skipped)
 
 
-_SAMPLING_AND_TRAINING = ("engine", "runner", "allocation", "batch", "loss", "ppo", "optim", "rl", "eval", "mesh")
+_SAMPLING_AND_TRAINING = (
+    "engine",
+    "runner",
+    "allocation",
+    "batch",
+    "loss",
+    "ppo",
+    "optim",
+    "lora",
+    "rl",
+    "eval",
+    "mesh",
+)
 RECIPES: dict[str, Reads] = {
     "synthetic": Reads(
         (
@@ -253,6 +267,7 @@ class RunConfig:
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     ppo: UpdateConfig = dataclasses.field(default_factory=UpdateConfig)
     optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)

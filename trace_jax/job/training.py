@@ -26,7 +26,7 @@ from trace_jax.job import recipes, rundir
 from trace_jax.job.cli import TERMINATION, Console
 from trace_jax.job.sampling import SamplingSide
 from trace_jax.job.sampling_process import SamplingProcess
-from trace_jax.models import abstract_model
+from trace_jax.models import abstract_model, adapt, lora
 from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import shard_state
 from trace_jax.rl.advantages import compute_advantages
@@ -80,16 +80,20 @@ class Training:
         console.info(self.start.message)
         self.world = self.start.world
         with timer.phase("setup"):
-            self.model_config = self.start.model_config
-            params = shard_state(self.start.params, self.mesh)
+            # lora.rank > 0: the policy is the warm start's weights, frozen, plus fresh adapters (the only ones
+            # trained); the reference policy is the base, the adapters off.
+            self.model_config, params = adapt(self.start.model_config, self.start.params, config.lora, config.seed)
+            params = shard_state(params, self.mesh)
             self.start.params = None  # the train state holds the policy from here on
             loss_config = config.loss
+            optimizer = make_optimizer(schema.optimizer_config(config))  # the schedule in optimizer steps, from rl.*
+            reference = lora.without_adapters(params) if lora.has_adapters(params) else params
             self.trainer = RLTrainer(
                 abstract_model(self.model_config)[0],
-                make_optimizer(schema.optimizer_config(config)),  # the schedule in optimizer steps, from rl.*
+                lora.frozen_base(optimizer, params) if lora.has_adapters(params) else optimizer,
                 loss_config,
                 mesh=self.mesh,
-                reference_params=params if loss_config.kl_coef else None,  # the trainer keeps its own copy
+                reference_params=reference if loss_config.kl_coef else None,  # the trainer keeps its own copy
                 update=config.ppo,
                 sampling=config.engine.sampling,  # the policy trained is the one sampled
                 # None: the trainer's own default chunk.

@@ -9,12 +9,13 @@
 that implements it, through which ``create_model`` and ``abstract_model`` dispatch; ``qwen`` holds the
 Qwen2/Qwen3 dense decoder (families "qwen2" and "qwen3"); ``moe`` the Qwen3-MoE decoder built from it (family
 "qwen3_moe": ``MoeConfig``, ``QwenMoe``, the load-balancing ``router_aux_loss``); ``attention`` the attention
-kernels they call.
+kernels they call; ``lora`` the low-rank adapters a ``ModelConfig`` may carry (``adapt`` adds them to a base).
 """
 
 from trace_jax.models.family import (
     MODEL_FAMILIES,
     abstract_model,
+    adapt,
     config_from_dict,
     config_to_dict,
     create_model,
@@ -35,6 +36,7 @@ __all__ = [
     "QwenMoe",
     "RouterStats",
     "abstract_model",
+    "adapt",
     "config_from_dict",
     "config_to_dict",
     "create_model",

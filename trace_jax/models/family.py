@@ -22,6 +22,7 @@ from typing import Any
 
 from flax import nnx
 
+from trace_jax.models import lora
 from trace_jax.models.moe import QwenMoe
 from trace_jax.models.qwen import ModelConfig, Qwen
 from trace_jax.registry import Registry
@@ -61,3 +62,23 @@ def abstract_model(config: ModelConfig | Any) -> tuple[nnx.GraphDef, nnx.State]:
     """``(graphdef, abstract params)`` of ``create_model(config, nnx.Rngs(0))``: shapes, dtypes and logical
     axes, no memory. ``nnx.merge(graphdef, params)`` turns any matching params into a model."""
     return nnx.split(nnx.eval_shape(lambda: create_model(config, nnx.Rngs(0))), nnx.Param)
+
+
+def with_adapters(params: Any, model_config: Any, rngs: nnx.Rngs) -> Any:
+    """Base ``params`` (an ``nnx.State`` of a model without adapters) plus fresh adapters for
+    ``model_config.lora``: the params of ``create_model(model_config)`` whose base is ``params``."""
+    base_config = dataclasses.replace(model_config, lora_rank=0)
+    model = nnx.merge(abstract_model(base_config)[0], params)
+    lora.add_adapters(model, model_config.lora, rngs)
+    return nnx.split(model, nnx.Param)[1]
+
+
+def adapt(model_config: Any, params: Any, config: lora.LoRAConfig, seed: int) -> tuple[Any, Any]:
+    """``(model config, params)`` of the policy ``config`` asks for, from a base without adapters: unchanged with
+    rank 0, else the config carrying the adapters and the base plus fresh adapters (initialised from ``seed``)."""
+    if not config.rank:
+        return model_config, params
+    adapted = dataclasses.replace(
+        model_config, lora_rank=config.rank, lora_alpha=config.alpha, lora_targets=config.targets
+    )
+    return adapted, with_adapters(params, adapted, nnx.Rngs(seed))

@@ -39,13 +39,14 @@ import json
 import math
 import os
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.models import attention as attention_lib
+from trace_jax.models import lora as lora_lib
 from trace_jax.parallel.mesh import constrain
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -82,6 +83,10 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "none"  # a key of REMAT_POLICIES: what the layer scan keeps for the backward pass
     attention: str = "auto"  # a key of attention.ATTENTION or "auto" (per backend)
+    # Low-rank adapters on the projections (``trace_jax.models.lora.LoRAConfig`` documents them); rank 0: none.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: str = "q,k,v,o,gate,up,down"
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):
@@ -93,6 +98,11 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads} (GQA groups)"
             )
+
+    @property
+    def lora(self) -> lora_lib.LoRAConfig:
+        """The adapters this architecture carries (``rank == 0``: none)."""
+        return lora_lib.LoRAConfig(rank=self.lora_rank, alpha=self.lora_alpha, targets=self.lora_targets)
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -352,6 +362,13 @@ def rope(x_bthe: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
     """Grouped-query attention with optional q/k/v bias (Qwen2) or q/k RMSNorm (Qwen3)."""
 
+    LORA_TARGETS: ClassVar[dict[str, int]] = {
+        "q_proj": 1,
+        "k_proj": 1,
+        "v_proj": 1,
+        "o_proj": 2,
+    }  # projection -> its input axes
+
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         d, h, k, e = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
@@ -369,7 +386,7 @@ class Attention(nnx.Module):
 
     def _project(self, x_btd: jax.Array, name: str) -> jax.Array:
         dtype = x_btd.dtype
-        out = token_matmul(x_btd, getattr(self, f"{name}_proj").value.astype(dtype))
+        out = token_matmul(x_btd, lora_lib.weight(self, f"{name}_proj").astype(dtype))
         if self.config.qkv_bias:
             out = out + getattr(self, f"{name}_bias").value.astype(dtype)
         if self.config.qk_norm and name in ("q", "k"):
@@ -405,12 +422,18 @@ class Attention(nnx.Module):
             attended_bthe, cache = attention_lib.attend_cached(
                 cache, layer, q_bthe, k_btke, v_btke, positions_bt, cfg.attention
             )
-        out_btd = token_matmul(attended_bthe, self.o_proj.value.astype(x_btd.dtype), contract=2)
+        out_btd = token_matmul(attended_bthe, lora_lib.weight(self, "o_proj").astype(x_btd.dtype), contract=2)
         return out_btd, cache
 
 
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    LORA_TARGETS: ClassVar[dict[str, int]] = {
+        "gate_proj": 1,
+        "up_proj": 1,
+        "down_proj": 1,
+    }  # projection -> its input axes
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
@@ -420,10 +443,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dtype = x_btd.dtype
-        gate_btf = jax.nn.silu(token_matmul(x_btd, self.gate_proj.value.astype(dtype)))
-        hidden_btf = gate_btf * token_matmul(x_btd, self.up_proj.value.astype(dtype))
+        gate_btf = jax.nn.silu(token_matmul(x_btd, lora_lib.weight(self, "gate_proj").astype(dtype)))
+        hidden_btf = gate_btf * token_matmul(x_btd, lora_lib.weight(self, "up_proj").astype(dtype))
         hidden_btf = constrain(hidden_btf, ("batch", "length", "mlp"))
-        return token_matmul(hidden_btf, self.down_proj.value.astype(dtype))
+        return token_matmul(hidden_btf, lora_lib.weight(self, "down_proj").astype(dtype))
 
 
 class DecoderLayer(nnx.Module):
@@ -531,6 +554,7 @@ class Qwen(nnx.Module):
         self.final_norm = RMSNorm(config, d, "embed")
         if not config.tie_word_embeddings:
             self.lm_head = _param(rngs, config, (d, v), ("embed", "vocab"), d)
+        lora_lib.add_adapters(self, config.lora, rngs)  # last: the base initialises the same with or without them
 
     def init_layers(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         """Builds the decoder layers (``layers``: one stack of dense ``DecoderLayer``s)."""

@@ -1,0 +1,141 @@
+"""LoRA adapters on the tiny Qwen3: the base is unchanged at init, frozen under updates, and the factors'
+gradient is the dense weight gradient projected through them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from trace_jax.models import ModelConfig, abstract_model, adapt, create_model
+from trace_jax.models.lora import (
+    LoRAConfig,
+    LoRAParam,
+    adapter_state,
+    add_adapters,
+    frozen_base,
+    without_adapters,
+)
+
+_CONFIG = ModelConfig(
+    vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+)
+_TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 7)), jnp.int32)
+
+
+def _adapted(rank=4, targets="q,k,v,o,gate,up,down"):
+    model = create_model(_CONFIG, nnx.Rngs(0))
+    assert add_adapters(model, LoRAConfig(rank=rank, alpha=8.0, targets=targets), nnx.Rngs(1)) == len(
+        targets.split(",")
+    )
+    return model
+
+
+def _loss(graphdef, adapters, base):
+    logits = nnx.merge(graphdef, adapters, base)(_TOKENS).logits_btv
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 3])
+
+
+def _randomized_b(adapters):
+    """Adapters with nonzero B (a zero B makes dL/dA vanish and the identity trivial)."""
+    keys = iter(jax.random.split(jax.random.key(2), 64))
+    return jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape), adapters)
+
+
+def test_rank_zero_adds_nothing():
+    model = create_model(_CONFIG, nnx.Rngs(0))
+    assert add_adapters(model, LoRAConfig(), nnx.Rngs(1)) == 0
+    assert not nnx.state(model, LoRAParam)
+
+
+def test_fresh_adapters_leave_outputs_unchanged():
+    plain = create_model(_CONFIG, nnx.Rngs(0))(_TOKENS).logits_btv
+    adapted = _adapted()(_TOKENS).logits_btv
+    np.testing.assert_array_equal(np.asarray(adapted), np.asarray(plain))
+
+
+_PROJECTIONS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def _as_matrices(a, b):
+    """``A [l, *in, r]``, ``B [l, r, *out]`` as ``[l, In, r]``, ``[l, r, Out]``."""
+    return a.reshape(a.shape[0], -1, a.shape[-1]), b.reshape(b.shape[0], b.shape[1], -1)
+
+
+def test_adapter_gradient_is_dense_gradient_projected():
+    graphdef, adapters, base = nnx.split(_adapted(), LoRAParam, nnx.Param)
+    adapters = _randomized_b(adapters)
+    grads, base_grads = jax.grad(_loss, argnums=(1, 2))(graphdef, adapters, base)
+    # Adapted projections are frozen in the forward: no gradient reaches their base weights.
+    for block, projections in _PROJECTIONS.items():
+        for proj in projections:
+            assert not bool(jnp.any(base_grads["layers"][block][proj].value != 0)), proj
+    scale = 8.0 / 4
+    # The dense gradient G of the effective weights W + s A B, from a plain model holding those sums.
+    plain_graphdef, merged = nnx.split(create_model(_CONFIG, nnx.Rngs(0)), nnx.Param)
+    factors = {}
+    for block, projections in _PROJECTIONS.items():
+        for proj in projections:
+            a2, b2 = _as_matrices(*(adapters["layers"][block][f"{proj}_lora_{x}"].value for x in "ab"))
+            factors[block, proj] = a2, b2
+            w = base["layers"][block][proj].value
+            merged["layers"][block][proj].value = w + scale * jnp.einsum("lir,lro->lio", a2, b2).reshape(w.shape)
+    dense = jax.grad(lambda p: _loss(plain_graphdef, p, nnx.State({})))(merged)
+    for (block, proj), (a2, b2) in factors.items():
+        g = dense["layers"][block][proj].value.reshape(a2.shape[0], a2.shape[1], b2.shape[2])
+        want = {"a": scale * jnp.einsum("lio,lro->lir", g, b2), "b": scale * jnp.einsum("lir,lio->lro", a2, g)}
+        for x, want_x in want.items():
+            got = grads["layers"][block][f"{proj}_lora_{x}"].value.reshape(want_x.shape)
+            assert float(jnp.abs(want_x).max()) > 0  # premise: a gradient to compare
+            rel = float(jnp.linalg.norm(got - want_x) / jnp.linalg.norm(want_x))
+            assert rel <= 1e-5, (proj, x, rel)
+
+
+def test_updates_leave_base_bit_identical():
+    model = _adapted()
+    graphdef, params = nnx.split(model, nnx.Param)
+    optimizer = frozen_base(optax.adamw(1e-2, weight_decay=0.1), params)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        grads = jax.grad(lambda p: jnp.mean(jax.nn.log_softmax(nnx.merge(graphdef, p)(_TOKENS).logits_btv)[..., 3]))(
+            params
+        )
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    before = params
+    for _ in range(3):
+        params, opt_state = step(params, opt_state)
+    moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), adapter_state(params), adapter_state(before))
+    assert any(jax.tree.leaves(moved))  # premise: the adapters trained
+    base_before = before.filter(lambda path, _: not str(path[-1]).endswith(("_lora_a", "_lora_b")))
+    base_after = params.filter(lambda path, _: not str(path[-1]).endswith(("_lora_a", "_lora_b")))
+    for x, y in zip(jax.tree.leaves(base_before), jax.tree.leaves(base_after), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Optimizer moments exist for the adapters alone.
+    moments = sum(x.size for x in jax.tree.leaves(opt_state) if hasattr(x, "size") and x.ndim > 0)
+    assert moments == 2 * sum(x.size for x in jax.tree.leaves(adapter_state(params)))
+    # The reference (adapters off) computes what the base model does.
+    reference = nnx.merge(graphdef, without_adapters(params))(_TOKENS).logits_btv
+    plain = create_model(_CONFIG, nnx.Rngs(0))(_TOKENS).logits_btv
+    np.testing.assert_array_equal(np.asarray(reference), np.asarray(plain))
+
+
+@pytest.mark.parametrize("bad", [dict(rank=-1), dict(rank=4, targets="q,x"), dict(rank=4, targets="")])
+def test_bad_config_names_the_key(bad):
+    with pytest.raises(ValueError, match="lora"):
+        LoRAConfig(**bad)
+
+
+def test_adapt_is_the_identity_at_rank_zero_and_matches_the_adapted_architecture():
+    params = nnx.split(create_model(_CONFIG, nnx.Rngs(0)), nnx.Param)[1]
+    same_config, same_params = adapt(_CONFIG, params, LoRAConfig(), seed=0)
+    assert same_config is _CONFIG and same_params is params
+    config, adapted = adapt(_CONFIG, params, LoRAConfig(rank=2, targets="q,down"), seed=0)
+    assert (config.lora_rank, config.lora_targets) == (2, "q,down")
+    abstract = abstract_model(config)[1]
+    assert jax.tree.map(lambda x: x.shape, adapted) == jax.tree.map(lambda x: x.shape, abstract)
+    assert adapter_state(adapted)["layers"]["attn"]["q_proj_lora_a"].value.shape == (2, 64, 2)

@@ -1,0 +1,189 @@
+"""Low-rank adapters (LoRA) on a policy's projections, written as nnx variables of their own.
+
+A projection ``W`` (stacked over layers: ``[l, *in, *out]``) with adapters computes with
+``W_eff = stop_gradient(W) + s * A @ B``, ``A [l, *in, r]``, ``B [l, r, *out]``, ``s = alpha / r``. ``A`` starts
+random (scaled by its fan-in) and ``B`` at zero, so a freshly adapted model computes exactly what the base does.
+The factors are ``LoRAParam`` (an ``nnx.Param`` subclass): ``nnx.split(model, LoRAParam, nnx.Param)`` parts
+the trained adapters from the frozen base, and ``frozen_base`` keeps an optimizer off the base.
+
+The gradient reaching the factors is the dense weight gradient ``G = dL/dW_eff`` projected through them:
+``dL/dA = s * G @ B^T`` and ``dL/dB = s * A^T @ G``; the base gets none (``stop_gradient``), so a backward pass
+computes no base weight gradient. The merge happens where the layer takes its weight (``weight``), inside the
+layer scan, one layer at a time: training and the decode programs run base + adapters with no merged copy kept,
+and a weight sync after an update needs only the ``LoRAParam`` leaves.
+
+Why our own variables rather than ``qwix.LoraProvider``: qwix intercepts ``dot_general``/``einsum`` by the
+module path of the op, while these models run their layers by ``lax.scan`` over ``nnx.split`` state and
+contract through ``token_matmul``'s reshapes, so the interception point is not the projection's; adapters as
+variables of the layer ride the scan, the sharding table (their ``logical_axes``) and checkpoints unchanged.
+
+Which projections take adapters: a module lists them in its class attribute ``LORA_TARGETS`` (projection
+attribute -> number of leading input axes after the layers axis); the dense ``Attention`` and ``MLP`` do, a
+mixture of experts' expert stacks do not (not adapted here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from trace_jax.config_utils import documented
+
+# A config target name -> the projection attribute it adapts.
+TARGETS = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "o_proj",
+    "gate": "gate_proj",
+    "up": "up_proj",
+    "down": "down_proj",
+}
+
+
+class LoRAParam(nnx.Param):
+    """A LoRA factor (``A`` or ``B``): the trained part of an adapted model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters on the policy: the base weights stay frozen and only the adapters train."""
+
+    rank: int = documented(0, "adapter rank r; 0 (the default) trains every weight of the policy (no adapters).")
+    alpha: float = documented(16.0, "adapter scale numerator: the update is (alpha / rank) * A @ B.")
+    targets: str = documented(
+        "q,k,v,o,gate,up,down",
+        "comma-separated projections that take adapters, from q, k, v, o (attention) and gate, up, down (the "
+        "dense feed-forward block; a mixture of experts' expert weights take none).",
+    )
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise ValueError(f"lora.rank={self.rank}; use 0 (no adapters) or a positive rank")
+        unknown = sorted(set(self.target_names) - set(TARGETS))
+        if unknown:
+            raise ValueError(f"lora.targets names {unknown}; choose from {', '.join(TARGETS)}")
+        if self.rank and not self.target_names:
+            raise ValueError("lora.targets is empty; name at least one projection (e.g. 'q,v')")
+
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        return tuple(name.strip() for name in self.targets.split(",") if name.strip())
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def _a_name(projection: str) -> str:
+    return f"{projection}_lora_a"
+
+
+def _b_name(projection: str) -> str:
+    return f"{projection}_lora_b"
+
+
+def weight(module: nnx.Module, projection: str) -> jax.Array:
+    """The weight ``module.<projection>`` computes with: the base alone, or with adapters
+    ``stop_gradient(W) + s * A @ B`` in the base's dtype (``s`` is ``module.lora_scale``)."""
+    base = getattr(module, projection).value
+    a = getattr(module, _a_name(projection), None)
+    if a is None:
+        return base
+    b = getattr(module, _b_name(projection)).value
+    delta = jnp.tensordot(a.value.astype(jnp.float32), b.astype(jnp.float32), axes=1) * module.lora_scale
+    return jax.lax.stop_gradient(base) + delta.astype(base.dtype)
+
+
+def add_adapters(model: nnx.Module, config: LoRAConfig, rngs: nnx.Rngs) -> int:
+    """Attaches ``A``/``B`` factors (``LoRAParam``) to every targeted projection of ``model`` in place and
+    returns how many projections took them (0 with ``config.rank == 0``: the model is left untouched).
+
+    Each adapted module gets ``<projection>_lora_a`` ``[l, *in, r]`` (normal / sqrt(fan-in)),
+    ``<projection>_lora_b`` ``[l, r, *out]`` (zeros) and ``lora_scale``; factors carry the base's logical axes
+    (the rank axis unnamed, never sharded) and its dtype."""
+    if not config.rank:
+        return 0
+    wanted = {TARGETS[name] for name in config.target_names}
+    adapted = 0
+    for _, module in list(nnx.iter_graph(model)):
+        targets = getattr(type(module), "LORA_TARGETS", None)
+        if not isinstance(module, nnx.Module) or not targets:
+            continue
+        for projection, in_axes in targets.items():
+            if projection not in wanted:
+                continue
+            base = getattr(module, projection)
+            axes = base.get_metadata()["logical_axes"]
+            split = 1 + in_axes  # the layers axis, then the input axes
+            fan_in = math.prod(base.value.shape[1:split])
+            a_shape = (*base.value.shape[:split], config.rank)
+            b_shape = (base.value.shape[0], config.rank, *base.value.shape[split:])
+            a = jax.random.normal(rngs.params(), a_shape, jnp.float32) / math.sqrt(fan_in)
+            setattr(
+                module, _a_name(projection), LoRAParam(a.astype(base.value.dtype), logical_axes=(*axes[:split], None))
+            )
+            b = jnp.zeros(b_shape, base.value.dtype)
+            setattr(module, _b_name(projection), LoRAParam(b, logical_axes=(axes[0], None, *axes[split:])))
+            module.lora_scale = config.scale
+            adapted += 1
+    return adapted
+
+
+def is_adapter_path(path: tuple[Any, ...]) -> bool:
+    """Whether a state path names a LoRA factor (its last key ends in ``_lora_a`` / ``_lora_b``)."""
+    return str(path[-1]).endswith(("_lora_a", "_lora_b"))
+
+
+def has_adapters(params: Any) -> bool:
+    """Whether an ``nnx.State`` of params holds LoRA factors."""
+    return any(is_adapter_path(path) for path, _ in nnx.to_flat_state(params))
+
+
+def frozen_base(optimizer: optax.GradientTransformation, params: Any) -> optax.GradientTransformation:
+    """``optimizer`` on the LoRA factors only: its state holds the adapters' moments alone, clipping and weight
+    decay see only them, and every base leaf gets a zero update. ``params`` (unused beyond the signature shared
+    with other wrappers) is the state it will run on.
+
+    A wrapper rather than ``optax.multi_transform``: the latter's masked state leaves ``MaskedNode`` where the
+    base is, which ``optax.tree_map_params`` (the sharded init, ``trace_jax.optim.optimizer_shardings``) cannot
+    pair with the full params tree."""
+    del params
+
+    def init(params: Any) -> Any:
+        # ``optax.tree_map_params`` initialises with a placeholder standing for the (already chosen) subset.
+        return optimizer.init(adapter_state(params) if isinstance(params, nnx.State) else params)
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        updates, state = optimizer.update(
+            adapter_state(grads), state, None if params is None else adapter_state(params)
+        )
+        base = grads.filter(lambda path, _: not is_adapter_path(path))
+        return nnx.merge_state(jax.tree.map(jnp.zeros_like, base), updates), state
+
+    return TrainedSubset(init, update, adapter_state)
+
+
+class TrainedSubset(NamedTuple):
+    """An optax transformation whose state covers only ``subset(params)`` (``trace_jax.optim``'s sharded init
+    reads ``subset`` to pair the state's moments with those params' shardings)."""
+
+    init: Any
+    update: Any
+    subset: Any
+
+
+def adapter_state(params: Any) -> Any:
+    """The LoRA factors of an ``nnx.State`` of params (what a weight sync or an adapter export moves)."""
+    return params.filter(lambda path, _: is_adapter_path(path))
+
+
+def without_adapters(params: Any) -> Any:
+    """``params`` with every ``B`` factor zero: the base policy (the reference), sharing the base arrays."""
+    return nnx.map_state(lambda path, x: jnp.zeros_like(x) if str(path[-1]).endswith("_lora_b") else x, params)
