@@ -92,14 +92,16 @@ def libtpu_available() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
-def target_devices(topology: Topology) -> list[Any]:
-    """Abstract devices of a TPU slice (``jax.experimental.topologies``, needs libtpu; no TPU needed): a mesh
-    over them is compiled by the TPU compiler for that slice, on any host."""
+def target_devices(topology: Topology, slices: int = 1) -> list[Any]:
+    """Abstract devices of a TPU slice, or of ``slices`` such slices joined over DCN (each device's
+    ``slice_index`` says which) (``jax.experimental.topologies``, needs libtpu; no TPU needed): a mesh over them
+    is compiled by the TPU compiler for that topology, on any host."""
     from jax.experimental import topologies  # answers only where libtpu is installed
 
     # Compiling only: several processes may load libtpu at once (it otherwise takes a lock for the chips).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology.libtpu_name).devices)
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topology.libtpu_name, num_slices=slices)
+    return list(desc.devices)
 
 
 def _platform(mesh: Mesh) -> str:
