@@ -17,7 +17,12 @@ def main():
     assert len(jax.devices()) == 4, jax.devices()
     two = make_mesh(fsdp=2, slices=2)
     assert two.shape["slice"] == 2 and two.shape["fsdp"] == 2, two.shape
-    batch = _batch(row_multiple=8, n_trees=4)
+    batch = _batch(row_multiple=8, n_trees=8)  # trained rows 0-3 of 16
+    # Micro-batch m takes rows m, m+2, ...: rows 8-15 land on slice 1. Move trained rows there so both slices train.
+    perm = np.arange(16)
+    perm[[1, 8, 3, 9]] = perm[[8, 1, 9, 3]]
+    batch = jax.tree.map(lambda x: x[perm], batch)
+    assert np.asarray(batch.weights)[8:].sum() > 0 and np.asarray(batch.weights)[:8].sum() > 0  # premise
     one_slice, one_metrics = run(make_mesh(fsdp=4), batch, steps=1)
     two_slices, two_metrics = run(two, batch, steps=1)
     # The accumulators really were per slice: the gradient went through the slice-stacked path.
