@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import pytest
@@ -54,8 +55,26 @@ def test_random_init_is_born_sharded(eight_device_run):
 
 def test_logical_rules_skip_axes_that_do_not_divide():
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
-    assert mesh.shape == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert mesh.shape == {"slice": 1, "data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
     assert mesh_lib.logical_to_spec(("embed", "mlp"), mesh) == PartitionSpec(None, None)
+
+
+def test_slices_group_devices_by_slice_index_and_refuse_a_mixed_slice():
+    # Devices listed interleaved: slice i of the mesh must hold exactly the devices whose slice_index is i.
+    fake = lambda i, s: types.SimpleNamespace(id=i, slice_index=s, process_index=0)
+    devices = [fake(0, 0), fake(1, 1), fake(2, 0), fake(3, 1)]
+    ordered = mesh_lib._slice_ordered(devices, slices=2)
+    assert [d.slice_index for d in ordered] == [0, 0, 1, 1] and [d.id for d in ordered] == [0, 2, 1, 3]
+    with pytest.raises(ValueError, match="mix slice_index"):
+        mesh_lib._slice_ordered([*devices, fake(4, 2), fake(5, 2)], slices=2)  # 3 slices' devices in 2 groups
+
+
+def test_only_the_batch_shards_across_slices():
+    mesh = mesh_lib.make_mesh(fsdp=1, devices=jax.devices()[:1])
+    assert mesh_lib.LOGICAL_AXIS_RULES["batch"][0] == mesh_lib.SLICE_AXIS
+    others = [rule for name, rule in mesh_lib.LOGICAL_AXIS_RULES.items() if name != "batch" and rule]
+    assert all(mesh_lib.SLICE_AXIS not in ((r,) if isinstance(r, str) else r) for r in others), others
+    assert mesh.axis_names[0] == mesh_lib.SLICE_AXIS
 
 
 def test_bad_mesh_shapes_are_clear_errors():

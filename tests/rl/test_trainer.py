@@ -404,6 +404,13 @@ def test_sharded_step_matches_one_device():
     assert "SHARDED_OK" in result.stdout
 
 
+@pytest.mark.slow
+def test_two_slices_match_one_slice():
+    # 4 fake CPU devices as 2 slices x fsdp 2 (per-slice gradients, summed once per step) against fsdp 4.
+    result = run_with_fake_devices("tests.rl.multislice_check", timeout=300, devices=4)
+    assert "MULTISLICE_OK" in result.stdout
+
+
 def _gradient_recorder() -> optax.GradientTransformation:
     """An "optimizer" that never moves the params and sums every gradient it is given into its state."""
     return optax.GradientTransformation(

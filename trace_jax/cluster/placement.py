@@ -35,7 +35,7 @@ class Placement:
         the training ``tensor`` size divides them."""
         axes = {axis: getattr(mesh_config, axis) for axis in MESH_AXES}
         sampling, training = split_devices(jax.devices() if devices is None else devices, mesh_config.rollout_devices)
-        train_mesh = make_mesh(**axes, devices=training)
+        train_mesh = make_mesh(**axes, devices=training, slices=mesh_config.slices)
         if not sampling:
             return cls(train_mesh)
         tensor = train_mesh.shape["tensor"]

@@ -107,6 +107,13 @@ class MeshConfig:
         "the expert-parallel axis: a mixture-of-experts model's experts are split over it (and the batch with data and "
         "fsdp); 1 (the default) changes nothing, and dense models have no expert weights.",
     )
+    slices: int = documented(
+        1,
+        "how many TPU slices the job spans over DCN (the outermost mesh axis ``slice``): the batch splits across "
+        "them and each slice holds whole parameters and optimizer state (sharded by the axes above within it); "
+        "gradients cross slices once per optimizer step. The axes above lay out one slice. On CPU, devices are "
+        "grouped by process as stand-ins. 1 (the default): one slice.",
+    )
     rollout_devices: int = documented(
         0,
         "how many devices only sample: the first ones of ``jax.devices()``; the engine decodes on them (slots split "

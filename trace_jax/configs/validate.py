@@ -165,6 +165,7 @@ RULES: list[Rule] = [
     Rule("seed", _is_int, "an integer"),
     Rule("mesh.rollout_devices", at_least(0), "an integer >= 0 (0: the engine decodes on the training devices)"),
     Rule("mesh.rollout_cpus", at_least(0), "an integer >= 0 (0: sampling in the trainer's process)"),
+    Rule("mesh.slices", at_least(1), "an integer >= 1 (the number of TPU slices)"),
     *(
         Rule(f"mesh.{axis}", lambda v: _is_int(v) and (v >= 1 or v == -1), "an integer >= 1, or -1")
         for axis in MESH_AXES
@@ -338,7 +339,13 @@ def check_mesh(config: RunConfig, device_count: int, process_count: int = 1) -> 
             f"config.mesh.rollout_devices={sampling} leaves no device to train: {device_count} device(s) are "
             f"available; allowed 0 (colocated) to {device_count - 1}"
         )
-    training = device_count - sampling
+    slices = config.mesh.slices
+    if (device_count - sampling) % slices:
+        raise ConfigError(
+            f"config.mesh.slices={slices} does not divide the {device_count - sampling} training device(s): set "
+            "mesh.slices to the number of slices the job runs on"
+        )
+    training = (device_count - sampling) // slices
     sizes = {axis: getattr(config.mesh, axis) for axis in MESH_AXES}
     known = math.prod(s for s in sizes.values() if s != -1)
     fits = training % known == 0 if -1 in sizes.values() else known == training
@@ -348,7 +355,7 @@ def check_mesh(config: RunConfig, device_count: int, process_count: int = 1) -> 
             f"training device(s) ({device_count} minus mesh.rollout_devices={sampling})"
             if sampling
             else "available device(s)"
-        )
+        ) + (f" per slice (mesh.slices={slices})" if slices > 1 else "")
         raise ConfigError(
             f"config {shown} does not fit the {training} {which}: the axes' product must equal {training} (one "
             "axis may be -1 to take the rest)"

@@ -6,6 +6,11 @@ knows how those names land on the mesh axes ``data``, ``fsdp``, ``expert`` and `
 style), their head / mlp / vocab axes over ``tensor`` (Megatron style) and a mixture of experts' ``expert``
 axis over ``expert`` (expert parallelism: each device group holds a slice of the experts, with fsdp / tensor
 still splitting inside an expert). ``expert`` defaults to size 1, where it changes nothing for dense models.
+
+Several TPU slices run as one job over the data-center network (DCN), far slower per chip than a slice's ICI. The
+outermost axis ``slice`` spans them: only the batch shards over it (data parallel across slices), so parameters and
+optimizer state shard within a slice and are whole on each slice, and the only traffic over DCN is the gradient
+reduction (``trace_jax.rl.trainer`` keeps per-slice partial gradients and reduces them once per optimizer step).
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")  # the axes within a slice (over ICI)
+SLICE_AXIS = "slice"  # across slices (over DCN), outermost
+MESH_AXIS_NAMES = (SLICE_AXIS, *MESH_AXES)  # every mesh ``make_mesh`` builds has these axes, in this order
 
 # Logical axis name -> mesh axis (or axes, or None for replicated). One table for the whole framework.
 LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp", "expert"),
+    "batch": (SLICE_AXIS, "data", "fsdp", "expert"),
     "length": None,
     "embed": "fsdp",
     "mlp": "tensor",
@@ -40,26 +47,54 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
 
 
 def make_mesh(
-    data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None, *, expert: int = 1
+    data: int = 1,
+    fsdp: int = -1,
+    tensor: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    expert: int = 1,
+    slices: int = 1,
 ) -> Mesh:
-    """A (data, fsdp, expert, tensor) mesh with Auto axis types. One axis may be -1: it takes the remaining
-    devices. ``tensor`` is the innermost (fastest-varying) axis of the device grid."""
-    devices = list(jax.devices() if devices is None else devices)
+    """A (slice, data, fsdp, expert, tensor) mesh with Auto axis types. One of data / fsdp / expert / tensor may
+    be -1: it takes the devices left in a slice. ``tensor`` is the innermost (fastest-varying) axis of the grid.
+
+    ``slices`` splits ``devices`` into that many equal groups along the outermost axis ``slice``: by each device's
+    ``slice_index`` when devices carry one (TPU slices joined over DCN), else by ``process_index`` (CPU stand-ins:
+    consecutive devices of one process form a group)."""
+    devices = _slice_ordered(list(jax.devices() if devices is None else devices), slices)
+    per_slice = len(devices) // slices
     sizes = [data, fsdp, expert, tensor]
     if sizes.count(-1) > 1:
         raise ValueError(f"mesh axes {dict(zip(MESH_AXES, sizes, strict=True))}: at most one may be -1")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
-        if len(devices) % known:
-            raise ValueError(f"{len(devices)} devices do not divide into mesh axes {sizes}")
-        sizes[sizes.index(-1)] = len(devices) // known
-    if math.prod(sizes) != len(devices):
+        if per_slice % known:
+            raise ValueError(f"{per_slice} devices per slice do not divide into mesh axes {sizes}")
+        sizes[sizes.index(-1)] = per_slice // known
+    if math.prod(sizes) != per_slice:
         raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {math.prod(sizes)} devices, "
-            f"{len(devices)} are available"
+            f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {math.prod(sizes)} devices per slice, "
+            f"{per_slice} are available in each of {slices} slice(s)"
         )
-    grid = np.asarray(devices, dtype=object).reshape(sizes)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    grid = np.asarray(devices, dtype=object).reshape([slices, *sizes])
+    return Mesh(grid, MESH_AXIS_NAMES, axis_types=(AxisType.Auto,) * len(MESH_AXIS_NAMES))
+
+
+def _slice_ordered(devices: list[jax.Device], slices: int) -> list[jax.Device]:
+    """``devices`` grouped slice by slice (stable within a slice); checks each group is one slice or process."""
+    if slices < 1 or len(devices) % slices:
+        raise ValueError(f"mesh.slices={slices} must be >= 1 and divide the {len(devices)} devices")
+    key = "slice_index" if all(getattr(d, "slice_index", None) is not None for d in devices) else "process_index"
+    ordered = sorted(devices, key=lambda d: getattr(d, key))
+    per_slice = len(ordered) // slices
+    for first in range(0, len(ordered), per_slice):
+        group = {getattr(d, key) for d in ordered[first : first + per_slice]}
+        if slices > 1 and len(group) > 1:
+            raise ValueError(
+                f"mesh.slices={slices}: a slice of {per_slice} devices would mix {key} values {sorted(group)}; "
+                f"set mesh.slices to the number of distinct {key} values or a multiple of it"
+            )
+    return ordered
 
 
 def split_devices(devices: Sequence[jax.Device], sampling: int) -> tuple[list[jax.Device], list[jax.Device]]:
@@ -89,7 +124,8 @@ def logical_to_spec(
             raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(LOGICAL_AXIS_RULES)}")
         rule = LOGICAL_AXIS_RULES.get(name) if name else None
         axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
-        axes = tuple(a for a in axes if a not in used and mesh.shape.get(a, 1) > 1)
+        manual = set(getattr(mesh, "manual_axes", ()))  # inside a shard_map each shard already is its part
+        axes = tuple(a for a in axes if a not in used and a not in manual and mesh.shape.get(a, 1) > 1)
         if shape is not None and axes and shape[i] % math.prod(mesh.shape[a] for a in axes):
             axes = ()
         used.update(axes)
@@ -124,7 +160,7 @@ def logical_sharding(mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequ
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Sharding of a [batch, ...] array: the batch over (data, fsdp, expert), the rest replicated."""
+    """Sharding of a [batch, ...] array: the batch over (slice, data, fsdp, expert), the rest replicated."""
     return logical_sharding(mesh, ("batch",) + (None,) * (ndim - 1))
 
 

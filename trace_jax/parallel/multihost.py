@@ -33,7 +33,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trace_jax.parallel.mesh import MESH_AXES, batch_sharding, make_mesh
+from trace_jax.parallel.mesh import MESH_AXIS_NAMES, batch_sharding, make_mesh
 
 T = TypeVar("T")
 REDUCTIONS = ("mean", "sum", "max", "min")
@@ -242,7 +242,7 @@ def copy_to_each_process(tree: Any, mesh: Mesh, shardings: Any = None) -> Any:
     """
     count, me = jax.process_count(), jax.process_index()
     mine = _process_devices(me)
-    if mesh.axis_names != MESH_AXES or not all(d in mine for d in mesh.devices.flat):
+    if mesh.axis_names != MESH_AXIS_NAMES or not all(d in mine for d in mesh.devices.flat):
         raise ValueError("copy_to_each_process needs a (data, fsdp, tensor) mesh of this process's devices")
     if shardings is None:
         shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), tree)
@@ -254,7 +254,7 @@ def copy_to_each_process(tree: Any, mesh: Mesh, shardings: Any = None) -> Any:
         grids = [
             np.asarray(_process_devices(p), dtype=object)[positions].reshape(mesh.devices.shape) for p in range(count)
         ]
-        stacked = Mesh(np.stack(grids), (PROCESS_AXIS, *MESH_AXES))
+        stacked = Mesh(np.stack(grids), (PROCESS_AXIS, *MESH_AXIS_NAMES))
     else:
         stacked = Mesh(np.asarray([_process_devices(p) for p in range(count)], dtype=object), (PROCESS_AXIS, "local"))
         everything_here = Mesh(np.asarray(mine, dtype=object), ("local",))

@@ -34,6 +34,7 @@ import sys
 import time
 from typing import Any
 
+from trace_jax.plan.multislice import dcn_plan
 from trace_jax.plan.topology import GIB, Topology, parse_topology
 
 REMATS = ("none", "save_dots", "full")
@@ -487,7 +488,17 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         mesh = parse_mesh(args.mesh, topology.chips)
         args.micro_rows = args.micro_rows or mesh["data"] * mesh["fsdp"] * mesh["expert"]
         args.rows = args.micro_rows * args.mini_batches
-    return plan_one(Planner(args, topology.chips, topology), topology, args.depth_check)
+    slices = getattr(args, "slices", 1)
+    if slices > 1:  # each slice plans its share of the rows; the update is then compiled over all slices
+        if args.rows % slices:
+            raise SystemExit(f"--rows {args.rows} must divide over --slices {slices}")
+        args.rows //= slices
+    planner = Planner(args, topology.chips, topology)
+    result = plan_one(planner, topology, args.depth_check)
+    if slices > 1:
+        args.rows *= slices
+        result["dcn"] = dcn_plan(planner, topology, slices, result)
+    return result
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -558,6 +569,16 @@ def summary(result: dict[str, Any]) -> str:
             f"compile time: {d['layers']} layers {d['compile_seconds']}s vs 4 layers {d['layers_4_compile_seconds']}s "
             f"(x{d['ratio']})"
         )
+    update = (result.get("dcn") or {}).get("update")
+    if update:
+        step = update["dcn_per_optimizer_step"]
+        ratio = update["dcn_over_compute"]
+        lines.append(
+            f"{result['dcn']['slices']} slices over DCN: {step['bytes'] / 1e6:.1f} MB a chip each optimizer step in "
+            f"{step['count']:.0f} transfers, {update['predicted_dcn_s']:.4f} s at {result['dcn']['dcn_gbps_per_chip']} "
+            f"Gbps a chip" + (f" ({ratio:.2f}x the step's compute)" if ratio is not None else "") + f"; per-chip peak "
+            f"{update['peak_gib']} GiB; the engine samples within its slice: 0 bytes"
+        )
     return "\n".join(lines)
 
 
@@ -606,6 +627,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-slots-fit", dest="slots_fit", action="store_false", help="skip the engine's second compile (2x slots)"
     )
     parser.add_argument("--json", help="also write the result here")
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=1,
+        help="slices of --topology joined over DCN (mesh.slices): each plans its share of --rows, and the chosen "
+        "update is compiled for all of them with its DCN bytes per optimizer step",
+    )
     parser.add_argument(
         "--backend", default="auto", choices=("auto", "tpu", "cpu"), help="compiler (auto: TPU where libtpu is)"
     )

@@ -37,6 +37,7 @@ from trace_jax.models import ModelConfig, abstract_model
 from trace_jax.optim import make_optimizer, optimizer_shardings
 from trace_jax.parallel import mesh as mesh_lib
 from trace_jax.plan import hlo
+from trace_jax.plan.dcn import dcn_traffic
 from trace_jax.plan.topology import Topology
 from trace_jax.rl.batch import TrainBatch
 from trace_jax.rl.losses import LossConfig
@@ -92,14 +93,23 @@ def libtpu_available() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
-def target_devices(topology: Topology) -> list[Any]:
-    """Abstract devices of a TPU slice (``jax.experimental.topologies``, needs libtpu; no TPU needed): a mesh
-    over them is compiled by the TPU compiler for that slice, on any host."""
+def target_devices(topology: Topology, slices: int = 1) -> list[Any]:
+    """Abstract devices of a TPU slice, or of ``slices`` such slices joined over DCN (each device's
+    ``slice_index`` says which) (``jax.experimental.topologies``, needs libtpu; no TPU needed): a mesh over them
+    is compiled by the TPU compiler for that topology, on any host."""
     from jax.experimental import topologies  # answers only where libtpu is installed
 
     # Compiling only: several processes may load libtpu at once (it otherwise takes a lock for the chips).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology.libtpu_name).devices)
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topology.libtpu_name, num_slices=slices)
+    return list(desc.devices)
+
+
+def mesh_sizes(mesh: Mesh) -> dict[str, int]:
+    """``mesh``'s axis sizes as ``make_mesh`` takes them back: the axes within a slice, and ``slices`` when more
+    than one."""
+    slices = mesh.shape.get(mesh_lib.SLICE_AXIS, 1)
+    return {**({"slices": slices} if slices > 1 else {}), **{a: mesh.shape[a] for a in mesh_lib.MESH_AXES}}
 
 
 def _platform(mesh: Mesh) -> str:
@@ -143,7 +153,7 @@ def _compiled_report(program, lowered, mesh: Mesh, settings: dict, by_kind: dict
         args = sum(v for k, v in by_kind.items() if k != "gradients")
         seconds = time.perf_counter() - start
         report = MemoryReport(
-            program, dict(mesh.shape), settings, by_kind, needed, args + needed, seconds, _platform(mesh)
+            program, mesh_sizes(mesh), settings, by_kind, needed, args + needed, seconds, _platform(mesh)
         )
         report.error = str(e).strip().splitlines()[0][:300]
         return report
@@ -161,8 +171,11 @@ def _compiled_report(program, lowered, mesh: Mesh, settings: dict, by_kind: dict
         with gzip.open(os.path.join(HLO_DIR, f"{program}_{digest}.hlo.txt.gz"), "wt") as f:
             f.write(text)
     summary = hlo.summarize(text, mesh.devices.size).as_dict()
+    slices = mesh.shape.get(mesh_lib.SLICE_AXIS, 1)
+    if slices > 1:  # what crosses slices over DCN, apart from the ICI collectives counted above
+        summary["dcn"] = dcn_traffic(text, mesh.devices.size, slices).as_dict()
     return MemoryReport(
-        program, dict(mesh.shape), settings, by_kind, stats.temp_size_in_bytes, peak, seconds, _platform(mesh), summary
+        program, mesh_sizes(mesh), settings, by_kind, stats.temp_size_in_bytes, peak, seconds, _platform(mesh), summary
     )
 
 
@@ -256,7 +269,7 @@ def update_programs(
     seconds = time.perf_counter() - start
     errors = [p["error"] for p in programs.values() if "error" in p]
     report = MemoryReport(
-        "update", dict(mesh.shape), settings, by_kind, max(temps), max(peaks), seconds, _platform(mesh), None, programs
+        "update", mesh_sizes(mesh), settings, by_kind, max(temps), max(peaks), seconds, _platform(mesh), None, programs
     )
     report.error = errors[0] if errors else None
     return report

@@ -21,16 +21,19 @@ class Family:
     note: str
     libtpu: str | None = None  # e.g. "v5p" in "v5p:2x4x4"; None: not a TPU
     grid_rank: int = 0
+    dcn_gbps_per_chip: float | None = None  # data-center network between slices, per chip (None: not stated)
 
 
 # Public figures: HBM per chip (TPU v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB; H100 80 GB, H200 141 GB).
+# DCN per chip, from the Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/v5p, /v5e, /v6e): v5p states
+# 50 Gbps per chip; v5e 2 x 100 Gbps NICs per 8-chip host (25 per chip); v6e 4 x 200 Gbps per 8-chip host (100).
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         Family("v4", 32 * GIB, 2, "TPU v4: v4-N has N TensorCores, N/2 chips", "v4", 3),
-        Family("v5e", 16 * GIB, 1, "TPU v5e (v5litepod-N): N chips", "v5e", 2),
-        Family("v5p", 95 * GIB, 2, "TPU v5p: v5p-N has N TensorCores, N/2 chips", "v5p", 3),
-        Family("v6e", 32 * GIB, 1, "TPU v6e (Trillium): N chips", "v6e", 2),
+        Family("v5e", 16 * GIB, 1, "TPU v5e (v5litepod-N): N chips", "v5e", 2, 25.0),
+        Family("v5p", 95 * GIB, 2, "TPU v5p: v5p-N has N TensorCores, N/2 chips", "v5p", 3, 50.0),
+        Family("v6e", 32 * GIB, 1, "TPU v6e (Trillium): N chips", "v6e", 2, 100.0),
         Family("h100", 80 * 10**9, 1, "NVIDIA H100 80 GB: h100-N is N GPUs"),
         Family("h200", 141 * 10**9, 1, "NVIDIA H200 141 GB: h200-N is N GPUs"),
     )

@@ -61,6 +61,7 @@ from trace_jax.models.moe import RouterStats, router_aux_loss
 from trace_jax.optim import guarded_update, init_sharded
 from trace_jax.parallel import multihost
 from trace_jax.parallel.mesh import batch_sharding, traced_under
+from trace_jax.parallel.slices import per_slice, slice_count, stacked_sharding
 from trace_jax.rl.batch import TrainBatch, take_rows
 from trace_jax.rl.logprobs import DEFAULT_CHUNK, behaviour_logprobs, policy_forward, predecessor_forward
 from trace_jax.rl.losses import (
@@ -176,6 +177,14 @@ def _step_router_aux_loss(stats: RouterStats, counts: RouterCounts) -> jax.Array
     return counts.scale * stats.chosen_e.shape[0] * jnp.sum((counts.chosen_e / rows) * (stats.prob_e / rows))
 
 
+def _sum_slices(acc: Any) -> Any:
+    """Per-slice accumulators (loss, grads, metric pairs; leading slice axis) as one: summed, ``*_max`` by max."""
+    loss, grads, metrics = acc
+    reduce = lambda key: jnp.max if key.endswith("_max") else jnp.sum
+    pooled = {k: tuple(reduce(k)(x, axis=0) for x in pair) for k, pair in metrics.items()}
+    return jnp.sum(loss, axis=0), jax.tree.map(lambda g: jnp.sum(g, axis=0), grads), pooled
+
+
 def _nonfinite_behaviour_tokens(batch: TrainBatch) -> float:
     """Trained tokens of ``batch`` whose behaviour log-prob is −inf or NaN (the loss leaves them out)."""
     old = np.asarray(multihost.to_host(batch.old_logprobs))
@@ -280,8 +289,9 @@ class RLTrainer:
 
     @staticmethod
     def step_row_multiple_of(mesh: Mesh | None, micro_batches: int) -> int:
-        # The batch splits over (data, fsdp, expert): ``trace_jax.parallel.mesh``'s "batch" axis.
-        shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape.get("expert", 1)
+        # The batch splits over (slice, data, fsdp, expert): ``trace_jax.parallel.mesh``'s "batch" axis.
+        axes = ("slice", "data", "fsdp", "expert")
+        shards = 1 if mesh is None else int(np.prod([mesh.shape.get(a, 1) for a in axes]))
         return shards * micro_batches
 
     def _replicated(self) -> NamedSharding | None:
@@ -347,7 +357,7 @@ class RLTrainer:
         count = self.micro_rows
         if count % self.step_row_multiple_of(self.mesh, 1):
             raise ValueError(
-                f"ppo.micro_rows={count} must be a multiple of the batch shards (data × fsdp × expert = "
+                f"ppo.micro_rows={count} must be a multiple of the batch shards (slices × data × fsdp × expert = "
                 f"{self.step_row_multiple_of(self.mesh, 1)})"
             )
         return self._put_batch(take_rows(batch, rows, count), self.step_row_multiple_of(self.mesh, 1))
@@ -482,7 +492,13 @@ class RLTrainer:
         return jax.tree.map(split, batch)
 
     def _zero_acc(self, params: Any, micro: TrainBatch) -> tuple[jax.Array, Any, dict[str, Any]]:
-        """Accumulators (loss, grads like ``params``, metric pairs) for one optimizer step, all zero."""
+        """Accumulators (loss, grads like ``params``, metric pairs) for one optimizer step, all zero; on several
+        slices each leaf has a leading slice axis (each slice's partial sums, reduced once by ``_apply``)."""
+        zeros = self._zero_one_acc(params, micro)
+        slices = slice_count(self.mesh)
+        return zeros if slices == 1 else jax.tree.map(lambda x: jnp.broadcast_to(x, (slices, *x.shape)), zeros)
+
+    def _zero_one_acc(self, params: Any, micro: TrainBatch) -> tuple[jax.Array, Any, dict[str, Any]]:
         metric_shapes = jax.eval_shape(lambda p, b: self._loss_and_metrics(p, b, 1.0)[1], params, micro)
         return (
             jnp.zeros((), jnp.float32),
@@ -502,6 +518,8 @@ class RLTrainer:
             micro = micro._replace(ref_logprobs=None)
         loss_sum, grads_sum, metrics_sum = acc
         grad_fn = jax.value_and_grad(self._loss_and_metrics, has_aux=True)
+        if slice_count(self.mesh) > 1:  # each slice keeps its own partial gradient: nothing crosses DCN here
+            grad_fn = per_slice(grad_fn, self.mesh, split=(1,))
         (loss, metrics), grads = grad_fn(params, micro, denominator, counts)
         return loss_sum + loss, jax.tree.map(jnp.add, grads_sum, grads), combine_metrics(metrics_sum, metrics)
 
@@ -520,7 +538,10 @@ class RLTrainer:
         return self._apply(state, acc)
 
     def _apply(self, state: TrainState, acc: Any) -> tuple[TrainState, dict[str, Any]]:
-        """The optimizer step on the accumulated gradient (skipped when non-finite)."""
+        """The optimizer step on the accumulated gradient (skipped when non-finite); on several slices it first
+        sums the slices' partial accumulators: the one reduction over DCN of an optimizer step."""
+        if slice_count(self.mesh) > 1:
+            acc = _sum_slices(acc)
         loss, grads, metrics = acc
         metrics = _pooled_router_aux_loss(metrics)
         update = guarded_update(self.optimizer, grads, state.opt_state, state.params, loss)
@@ -562,6 +583,8 @@ class RLTrainer:
         replicated = self._replicated()
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
         acc_shardings = (replicated, state_shardings.params, replicated)  # grads shard like their params
+        if slice_count(self.mesh) > 1:  # per-slice partial sums: a leading slice axis on every accumulator
+            acc_shardings = jax.tree.map(stacked_sharding, acc_shardings)
         return {
             "zero": jit(self._zero_acc, out_shardings=acc_shardings),
             "accumulate": jit(self._accumulate, out_shardings=acc_shardings, donate_argnums=1),
