@@ -288,7 +288,7 @@ def test_the_readme_pod_example_passes_the_launchers_own_checks():
     done = launch("tpu_pod.sh", *shlex.split(line)[1:])
     assert done.returncode == 0, done.stderr
     job = shlex.split(flag(gcloud(commands(done.stdout), "ssh")[1], "command"))
-    assert "--config.model.hf_dir=/tmp/Qwen3-8B" in job and "--workdir=gs://b/runs/qwen3-8b" in job
+    assert "--config.model.hf_dir=gs://b/Qwen3-8B" in job and "--workdir=gs://b/runs/qwen3-8b" in job
     assert any(arg.startswith("--config=") and arg.endswith("configs/search_r1.py:qwen3-8b") for arg in job), job
 
 
