@@ -1,7 +1,7 @@
 """Run by test_optimizer_sharding.py in a fresh interpreter with 8 fake CPU devices (XLA_FLAGS set by the caller).
 
 On a (fsdp=4, tensor=2) mesh: every optimizer-state leaf that mirrors a parameter has exactly that parameter's
-sharding after ``init_state``, after one train step and after a checkpoint restore, and the per-device optimizer
+sharding after ``init_state``, after one ``update`` step and after a checkpoint restore, and the per-device optimizer
 bytes stay within 2.1x the per-device parameter bytes (Adam: two moments). Prints one JSON line.
 """
 
@@ -22,7 +22,7 @@ from trace_jax.models import Qwen
 from trace_jax.optim import make_optimizer
 from trace_jax.parallel.mesh import create_sharded, make_mesh
 from trace_jax.rl.losses import LossConfig
-from trace_jax.rl.trainer import RLTrainer, TrainState
+from trace_jax.rl.trainer import RLTrainer, TrainState, UpdateConfig
 
 
 def per_device_bytes(tree) -> int:
@@ -67,7 +67,10 @@ def main():
     replicated = NamedSharding(mesh, PartitionSpec())
     graphdef, params = nnx.split(create_sharded(lambda: Qwen(CONFIG, rngs=nnx.Rngs(0)), mesh), nnx.Param)
     optimizer = make_optimizer(learning_rate=1e-3, weight_decay=0.1, schedule="constant")
-    trainer = RLTrainer(graphdef, optimizer, LossConfig(kl_coef=0.05), mesh=mesh, reference_params=params)
+    update = UpdateConfig(ppo_epochs=1, mini_batches=1)  # one optimizer step
+    trainer = RLTrainer(
+        graphdef, optimizer, LossConfig(kl_coef=0.05), mesh=mesh, reference_params=params, update=update
+    )
     state = trainer.init_state(params, jax.random.key(0))
     mu = optax.tree_utils.tree_get(state.opt_state, "mu")  # Adam's first moment, a params-shaped tree
     report = {
@@ -81,7 +84,7 @@ def main():
         ),
     }
     before = jax.tree.map(jnp.copy, state.opt_state)
-    state, metrics = trainer.train_step(state, trainer.prepare(state, _batch(trainer.row_multiple, n_trees=4)))
+    state, metrics = trainer.update(state, _batch(n_trees=4))
     report["update_applied"] = metrics["update_applied"]
     report["moments_moved"] = any(
         bool(jnp.any(a != b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.opt_state), strict=True)

@@ -1,14 +1,14 @@
 """Run by test_trainer.py in a fresh interpreter with 4 fake CPU devices (XLA_FLAGS set by the caller).
 
 A 2-slice run (2 slices x fsdp 2: per-slice partial gradients, summed once per optimizer step) against the same
-steps on a 1-slice mesh (fsdp 4): one ``train_step`` (micro-batches scanned) and one ``update`` (micro-batch
-programs) give the same params and metrics. Prints MULTISLICE_OK and the largest differences on success.
+steps on a 1-slice mesh (fsdp 4): two ``update`` calls (one optimizer step each, over two micro-batches) give
+the same params and metrics. Prints MULTISLICE_OK and the largest differences on success.
 """
 
 import jax
 import numpy as np
 
-from tests.rl.sharded_step_check import run
+from tests.rl.sharded_step_check import MICRO_ROWS, run
 from tests.rl.test_trainer import _batch
 from trace_jax.parallel.mesh import make_mesh
 
@@ -17,14 +17,12 @@ def main():
     assert len(jax.devices()) == 4, jax.devices()
     two = make_mesh(fsdp=2, slices=2)
     assert two.shape["slice"] == 2 and two.shape["fsdp"] == 2, two.shape
-    batch = _batch(row_multiple=8, n_trees=8)  # trained rows 0-3 of 16
-    # Micro-batch m takes rows m, m+2, ...: rows 8-15 land on slice 1. Move trained rows there so both slices train.
-    perm = np.arange(16)
-    perm[[1, 8, 3, 9]] = perm[[8, 1, 9, 3]]
-    batch = jax.tree.map(lambda x: x[perm], batch)
-    assert np.asarray(batch.weights)[8:].sum() > 0 and np.asarray(batch.weights)[:8].sum() > 0  # premise
-    one_slice, one_metrics = run(make_mesh(fsdp=4), batch, steps=1)
-    two_slices, two_metrics = run(two, batch, steps=1)
+    batch = _batch(n_trees=10)
+    # A micro-batch's rows split over the 4 batch shards, the first half on slice 0: the first micro-batch's four
+    # trained rows put two on each slice, so both slices train.
+    assert (batch.lengths > 0).sum() > MICRO_ROWS, "premise: a micro-batch of trained rows only"
+    one_slice, one_metrics = run(make_mesh(fsdp=4), batch, steps=2)
+    two_slices, two_metrics = run(two, batch, steps=2)
     # The accumulators really were per slice: the gradient went through the slice-stacked path.
     assert all(x.sharding.mesh == two for x in jax.tree.leaves(two_slices.params))
     params_diff = max(

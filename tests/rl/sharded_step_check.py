@@ -1,8 +1,9 @@
 """Run by test_trainer.py in a fresh interpreter with 8 fake CPU devices (XLA_FLAGS set by the caller).
 
-Checks that two RL train steps and one ``update`` on a 2×2×2 (data, fsdp, tensor) mesh give the params of
-the same steps on one device, that the state keeps its shardings, and that a checkpoint of the sharded
-state restores into the same shardings. Prints SHARDED_OK on success.
+Checks that three ``update`` calls (one optimizer step each, its gradient accumulated over two micro-batches of
+four rows) on a 2×2×2 (data, fsdp, tensor) mesh give the params of the same steps on one device, that the state
+keeps its shardings, and that a checkpoint of the sharded state restores into the same shardings.
+Prints SHARDED_OK on success.
 """
 
 import tempfile
@@ -18,9 +19,13 @@ from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.models import Qwen
 from trace_jax.parallel.mesh import create_sharded, make_mesh
 from trace_jax.rl.losses import LossConfig
+from trace_jax.rl.trainer import UpdateConfig
+
+# Four rows a micro-batch: one per batch shard of both meshes (data 2 x fsdp 2; 2 slices x fsdp 2 or fsdp 4).
+MICRO_ROWS = 4
 
 
-def run(mesh, batch, steps=2):
+def run(mesh, batch, steps=3):
     factory = lambda: Qwen(CONFIG, rngs=nnx.Rngs(0))
     model = factory() if mesh is None else create_sharded(factory, mesh)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -30,23 +35,22 @@ def run(mesh, batch, steps=2):
     # reduction order, which sharding changes. A larger eps makes the update proportional to g there.
     # The sharded run also uses the chunked LM head, so it is checked against the plain one as well.
     chunk = 64 if mesh is None else 8
+    update = UpdateConfig(ppo_epochs=1, mini_batches=1, micro_rows=MICRO_ROWS)
     trainer = _trainer(
-        graphdef, micro_batches=2, eps=1e-4, mesh=mesh, loss=loss, reference_params=reference, logprob_chunk=chunk
+        graphdef, eps=1e-4, mesh=mesh, loss=loss, reference_params=reference, logprob_chunk=chunk, update=update
     )
     state = trainer.init_state(params, jax.random.key(0))
     for _ in range(steps):
-        state, metrics = trainer.train_step(state, trainer.prepare(state, batch))
-        assert metrics["update_applied"] == 1.0, metrics
-    # Then the PPO update's fixed-shape micro-batch programs (one step here), on the same layout.
-    state, update_metrics = trainer.update(state, batch)
-    assert update_metrics["update_applied"] == 1.0, update_metrics
+        state, metrics = trainer.update(state, batch)
+        assert metrics["update_applied"] == 1.0 and metrics["micro_batches"] == 2, metrics
     return state, metrics
 
 
 def main():
     assert len(jax.devices()) == 8, jax.devices()
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
-    batch = _batch(row_multiple=8, n_trees=4)
+    batch = _batch(n_trees=10)
+    assert MICRO_ROWS < (batch.lengths > 0).sum() <= 2 * MICRO_ROWS, "premise: two micro-batches a step"
     single, single_metrics = run(None, batch)
     sharded, sharded_metrics = run(mesh, batch)
     for (path, a), b in zip(

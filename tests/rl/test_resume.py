@@ -2,18 +2,18 @@ import jax
 import numpy as np
 
 from tests.helpers import abstract_like
-from tests.rl.test_trainer import _batch, fresh_state, shared_setup
+from tests.rl.test_trainer import _batch, _step, fresh_state, shared_setup
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.rl.trainer import TrainState
 
 
 def test_resume_from_checkpoint_reproduces_the_uninterrupted_run_exactly(tmp_path):
-    _, _, trainer = shared_setup()  # one trainer: the compiled step is reused by both runs
+    _, _, trainer = shared_setup()  # one trainer: the compiled programs are reused by both runs
     batches = [_batch(seed=s) for s in range(4)]  # what step s trains on depends on s only
 
     def train(state, first, last, ckpt=None):
         for step in range(first, last):
-            state, _ = trainer.train_step(state, batches[step])
+            state, _ = _step(trainer, state, batches[step])
             if ckpt is not None:
                 ckpt.save(step + 1, state._asdict(), metadata={"data_position": step + 1})
         return state

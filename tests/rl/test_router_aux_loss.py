@@ -114,20 +114,3 @@ def test_the_coefficient_adds_exactly_coef_times_transformers_loss_under_every_a
     delta = moved(params_off) - moved(params_on)  # = coef x the gradient of the load-balancing loss
     assert np.abs(want_grad).max() > 1e-3  # premise: the router gets a gradient from the loss
     np.testing.assert_allclose(delta, coef * want_grad, atol=2e-6, rtol=1e-4)
-
-
-def test_the_one_program_step_adds_the_same_term(checkpoint):
-    """``train_step`` (the whole batch in one program, its micro-batches scanned) adds coef x transformers' loss of
-    the batch too: fails if its counts are per micro-batch or the term goes through the denominator."""
-    config, params, reference = checkpoint
-    batch = _batch(LossConfig())
-    want = _transformers_aux(reference, batch)
-    losses = {}
-    for coef in (0.0, 0.5):
-        loss = LossConfig(router_aux_loss_coef=coef)
-        trainer = RLTrainer(abstract_model(config)[0], optax.sgd(1.0), loss, micro_batches=3)
-        state = trainer.init_state(jax.tree.map(lambda x: x.copy(), params), jax.random.key(0))
-        _, metrics = trainer.train_step(state, trainer.prepare(state, batch))
-        losses[coef] = metrics["loss"]
-        assert metrics["router_aux_loss"] == pytest.approx(want, abs=2e-6)
-    assert losses[0.5] - losses[0.0] == pytest.approx(0.5 * want, abs=2e-6)

@@ -34,11 +34,10 @@ def _model(seed=0):
 BATCH_CONFIG = BatchConfig(length_buckets=(32,), row_buckets=(16, 32))
 
 
-def _batch(row_multiple=1, seed=0, n_trees=3):
+def _batch(seed=0, n_trees=3):
     rng = np.random.default_rng(seed)
     trees = [branching_tree()] + [random_tree(rng) for _ in range(n_trees - 1)]
-    config = dataclasses.replace(BATCH_CONFIG, row_multiple=row_multiple)
-    return build_batch(trees, compute_advantages("grpo", trees), config)[0]
+    return build_batch(trees, compute_advantages("grpo", trees), BATCH_CONFIG)[0]
 
 
 def _path_batch(seed, n_trees):
@@ -63,20 +62,34 @@ def shared_setup():
     return graphdef, params, _trainer(graphdef, reference_params=jax.tree.map(jnp.copy, params))
 
 
+@functools.cache
+def whole_batch_trainer():
+    """A trainer whose update is one optimizer step over the whole batch in one micro-batch (shared: one compile)."""
+    return _trainer(shared_setup()[0], update=WHOLE_BATCH)
+
+
 def fresh_state(seed=0):
     _, params, trainer = shared_setup()
     return trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(seed))
 
 
+# One optimizer step an update, its gradient accumulated over micro-batches of one row (one per batch shard).
 ONE_STEP = UpdateConfig(ppo_epochs=1, mini_batches=1)
+# One optimizer step on the whole batch in one micro-batch (the batches of these tests have at most 32 rows).
+WHOLE_BATCH = UpdateConfig(ppo_epochs=1, mini_batches=1, micro_rows=32)
 
 
-def _trainer(graphdef, micro_batches=1, eps=1e-8, learning_rate=1e-3, **kwargs):
+def _trainer(graphdef, eps=1e-8, learning_rate=1e-3, **kwargs):
     optimizer = make_optimizer(
         learning_rate=learning_rate, warmup_steps=0, total_steps=10, schedule="constant", eps=eps
     )
     kwargs.setdefault("update", ONE_STEP)
-    return RLTrainer(graphdef, optimizer, kwargs.pop("loss", LossConfig()), micro_batches=micro_batches, **kwargs)
+    return RLTrainer(graphdef, optimizer, kwargs.pop("loss", LossConfig()), **kwargs)
+
+
+def _step(trainer, state, batch):
+    """One ``update`` of ``batch`` as given (``prepare``'s output, or the sampler's log-probs used as they are)."""
+    return trainer.update(state, batch, already_prepared=True)
 
 
 def test_logprobs_match_the_model_and_do_not_depend_on_the_chunk():
@@ -106,14 +119,15 @@ def test_logprobs_match_the_model_and_do_not_depend_on_the_chunk():
 
 
 def test_micro_batches_give_the_same_update():
-    graphdef, params, shared = shared_setup()
-    batch = _batch(row_multiple=2)
+    _, params, shared = shared_setup()
+    batch = _path_batch(seed=1, n_trees=3)  # one row per path: rows for several micro-batches of one row
     results = []
-    for trainer in (shared, _trainer(graphdef, micro_batches=2)):
+    for trainer in (whole_batch_trainer(), shared):
         state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
-        state, metrics = trainer.train_step(state, batch)
+        state, metrics = _step(trainer, state, batch)
         results.append((_host(state.params), metrics))
     (p1, m1), (p2, m2) = results
+    assert m1["micro_batches"] == 1 < m2["micro_batches"], "premise: one micro-batch against several"
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5)
@@ -129,7 +143,7 @@ def test_training_raises_the_likelihood_of_the_better_leaf():
     before = np.asarray(trainer.logprobs(state.params, batch))
     first = None
     for _ in range(5):
-        state, metrics = trainer.train_step(state, trainer.prepare(state, batch, recompute_old_logprobs=True))
+        state, metrics = _step(trainer, state, trainer.prepare(state, batch, recompute_old_logprobs=True))
         first = first or metrics
     after = np.asarray(trainer.logprobs(state.params, batch))
     # Packed row: prompt 0-2 | a 3-4 | a's observation 5-6 | b 7 | c 8-9 | d 10.
@@ -146,8 +160,8 @@ def test_kl_term_uses_the_reference_and_reports_drift():
     trainer = _trainer(graphdef, loss=LossConfig(kl_coef=0.1), reference_params=params)
     state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
     batch = _batch()
-    state, first = trainer.train_step(state, trainer.prepare(state, batch, recompute_old_logprobs=True))
-    state, second = trainer.train_step(state, trainer.prepare(state, batch, recompute_old_logprobs=True))
+    state, first = _step(trainer, state, trainer.prepare(state, batch, recompute_old_logprobs=True))
+    state, second = _step(trainer, state, trainer.prepare(state, batch, recompute_old_logprobs=True))
     assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6) and second["kl_ref"] > 0
     assert shared_setup()[2].reference_params is None  # kl_coef = 0: no reference copy is kept
 
@@ -165,13 +179,15 @@ def test_ppo_epochs_move_the_ratio_and_the_clip_acts_at_a_large_learning_rate():
 
 
 def test_update_over_fixed_micro_batches_equals_one_step_on_the_whole_batch():
-    graphdef, params, shared = shared_setup()
+    graphdef, params, _ = shared_setup()
     batch = _path_batch(seed=0, n_trees=4)
     real = int((batch.lengths > 0).sum())
     assert real > 2 and real % 2, "premise: the rows split into micro-batches of 2 with a padded last one"
-    one = shared.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
-    batch = shared.prepare(one, batch, recompute_old_logprobs=True)  # the trees' own log-probs are made up
-    one, reference = shared.train_step(one, batch)
+    whole = whole_batch_trainer()
+    one = whole.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
+    batch = whole.prepare(one, batch, recompute_old_logprobs=True)  # the trees' own log-probs are made up
+    one, reference = _step(whole, one, batch)
+    assert reference["micro_batches"] == 1, "premise: the reference step is one micro-batch of the whole batch"
     trainer = _trainer(graphdef, update=UpdateConfig(ppo_epochs=1, mini_batches=1, micro_rows=2))
     state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
     state, metrics = trainer.update(state, batch)
@@ -240,7 +256,7 @@ def test_zero_micro_rows_runs_one_row_per_batch_shard():
     for micro_rows in (0, 1):
         update = UpdateConfig(ppo_epochs=2, mini_batches=2, micro_rows=micro_rows, behaviour_logprobs="recompute")
         trainer = _trainer(graphdef, update=update)
-        assert trainer.micro_rows == trainer.step_row_multiple_of(trainer.mesh, 1) == 1  # no mesh: one shard
+        assert trainer.micro_rows == trainer.batch_shards == 1  # no mesh: one shard
         state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
         state, metrics = trainer.update(state, batch)
         results.append((_host(state.params), metrics))
@@ -254,7 +270,6 @@ def test_zero_micro_rows_runs_one_row_per_batch_shard():
 def test_update_runs_epochs_times_mini_batches_steps_on_shuffled_rows():
     graphdef, params, _ = shared_setup()
     trainer = _trainer(graphdef, update=UpdateConfig(ppo_epochs=3, mini_batches=2, behaviour_logprobs="recompute"))
-    assert trainer.row_multiple == 2
     state = trainer.init_state(jax.tree.map(jnp.copy, params), jax.random.key(0))
     batch = _path_batch(seed=0, n_trees=3)
     assert (batch.lengths > 0).sum() >= 2, "premise: a row for each mini-batch"
@@ -373,11 +388,11 @@ def test_non_finite_loss_skips_the_update_and_training_goes_on():
     batch = jax.device_get(trainer.prepare(state, _batch(), recompute_old_logprobs=True))
     before = _host(state.params)
     poisoned = batch._replace(adv_pos=np.where(batch.weights > 0, np.nan, 0.0).astype(np.float32))
-    state, metrics = trainer.train_step(state, poisoned)
+    state, metrics = _step(trainer, state, poisoned)
     assert metrics["update_applied"] == 0.0 and metrics["skipped_steps"] == 1.0
     for a, b in zip(jax.tree.leaves(_host(state.params)), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(a, b)
-    state, metrics = trainer.train_step(state, batch)
+    state, metrics = _step(trainer, state, batch)
     assert metrics["update_applied"] == 1.0 and metrics["skipped_steps"] == 1.0 and int(state.step) == 2
     assert any(
         not np.array_equal(a, b)
@@ -385,12 +400,9 @@ def test_non_finite_loss_skips_the_update_and_training_goes_on():
     )
 
 
-def test_wrong_row_count_and_missing_reference_are_clear_errors():
+def test_missing_reference_and_greedy_sampling_are_clear_errors():
     graphdef, params = nnx.split(_model(), nnx.Param)
-    trainer = _trainer(graphdef, micro_batches=3)
-    state = trainer.init_state(params, jax.random.key(0))
-    with pytest.raises(ValueError, match="row_multiple"):
-        trainer.train_step(state, _batch(row_multiple=1))
+    state = _trainer(graphdef).init_state(params, jax.random.key(0))
     kl_trainer = _trainer(graphdef, loss=LossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="reference_params"):
         kl_trainer.prepare(state, _batch())

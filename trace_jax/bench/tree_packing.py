@@ -116,7 +116,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             config.batch,
             layout=layout,
             pack_length=args.pack_length,
-            row_multiple=trainer.row_multiple,
             row_buckets=(32, 64, 96, 128, 192, 256),  # a few padded row counts: a handful of programs
             skip_zero_advantage=False,  # every tree in both layouts: this compares the layouts, not the skip
             **fixed,

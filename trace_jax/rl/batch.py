@@ -141,9 +141,9 @@ class BatchConfig:
     )
     row_multiple: int = documented(
         1,
-        "the row count is padded to a multiple of this (data × fsdp shards × micro-batches × mini-batches: "
-        "``RLTrainer.row_multiple``). Both row paddings are for ``RLTrainer.train_step``'s fixed shapes; "
-        "``RLTrainer.update`` runs only the rows that hold tokens, so the main job sets neither.",
+        "the row count is padded to a multiple of this. ``RLTrainer.update`` runs only the rows that hold tokens "
+        "(in micro-batches of ``RLTrainer.micro_rows``, which the main job sets here so the tree packing fills "
+        "whole micro-batches) and drops the padding rows.",
     )
     pack_length: int | None = documented(
         None,

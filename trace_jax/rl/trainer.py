@@ -27,8 +27,7 @@ Programs. ``update`` cuts every mini-batch into micro-batches of exactly ``Updat
 accumulate one micro-batch's gradient, apply the optimizer. With a fixed row length
 (``BatchConfig.fixed_length``) a run therefore compiles its update once, at the first step, whatever the
 size of later batches (``programs`` lists what was compiled; ``update`` logs its size as ``programs``).
-Behaviour and reference log-probs run over the same fixed micro-batches. ``train_step`` is the
-one-program form (the whole given batch, ``micro_batches`` parts, scanned): benchmarks and the planner.
+Behaviour and reference log-probs run over the same fixed micro-batches.
 A non-finite loss or gradient leaves params and optimizer state untouched, increments ``skipped_steps``
 and the run goes on.
 
@@ -60,7 +59,7 @@ from trace_jax.config_utils import documented
 from trace_jax.models.moe import RouterStats, router_aux_loss
 from trace_jax.optim import guarded_update, init_sharded
 from trace_jax.parallel import multihost
-from trace_jax.parallel.mesh import batch_sharding, traced_under
+from trace_jax.parallel.mesh import traced_under
 from trace_jax.parallel.slices import per_slice, slice_count, stacked_sharding
 from trace_jax.rl.batch import TrainBatch, take_rows
 from trace_jax.rl.logprobs import DEFAULT_CHUNK, behaviour_logprobs, policy_forward, predecessor_forward
@@ -209,7 +208,7 @@ class TrainState(NamedTuple):
 
 
 class RLTrainer:
-    """Builds the jit'd train step for one policy.
+    """Builds the jit'd update programs (``update``) for one policy.
 
     Args:
       graphdef: the policy's graph definition (``nnx.split(model, nnx.Param)[0]``); its model must have
@@ -217,7 +216,6 @@ class RLTrainer:
       optimizer: e.g. ``trace_jax.optim.make_optimizer(...)``.
       loss_config: what the loss does (``LossConfig``).
       mesh: device mesh with axes (data, fsdp, tensor); None runs on the default device.
-      micro_batches: gradient accumulation steps of ``train_step`` (``update`` uses ``UpdateConfig.micro_rows``).
       reference_params: frozen params of the reference policy (needed when ``kl_coef != 0``, unused otherwise).
       update: PPO epochs / mini-batches / behaviour log-probs (``UpdateConfig``; default ``UpdateConfig()``).
       sampling: the transform rollouts were sampled with (temperature for the trained policy; temperature,
@@ -232,14 +230,11 @@ class RLTrainer:
         loss_config: LossConfig,
         *,
         mesh: Mesh | None = None,
-        micro_batches: int = 1,
         reference_params: Any = None,
         update: UpdateConfig | None = None,
         sampling: SamplingConfig | None = None,
         logprob_chunk: int = DEFAULT_CHUNK,
     ):
-        if micro_batches < 1:
-            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         if logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1, got {logprob_chunk}")
         update = update or UpdateConfig()
@@ -247,7 +242,6 @@ class RLTrainer:
         self.optimizer = optimizer
         self.loss_config = loss_config
         self.mesh = mesh
-        self.micro_batches = micro_batches
         self.update_config = update
         self.sampling = sampling or SamplingConfig()
         if self.sampling.greedy:
@@ -256,7 +250,6 @@ class RLTrainer:
         # A private copy: the caller's params usually become the train state, whose buffers each step donates.
         keep_reference = reference_params is not None and loss_config.kl_coef
         self.reference_params = jax.tree.map(jnp.copy, reference_params) if keep_reference else None
-        self._step_fn: Any = None
         self._update_fns: dict[str, Any] | None = None
         self.programs: set[tuple[str, tuple[int, ...]]] = set()  # (program, micro-batch shape) run so far
         # Traced under the mesh (when there is one) so the model's activation constraints apply.
@@ -272,39 +265,22 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------ placement
     @property
-    def row_multiple(self) -> int:
-        """Batch rows must be a multiple of this (batch shards × micro-batches × mini-batches):
-        ``BatchConfig.row_multiple``."""
-        return self.step_row_multiple * self.update_config.mini_batches
-
-    @property
     def micro_rows(self) -> int:
         """Rows per forward/backward call of ``update``: ``UpdateConfig.micro_rows``, or with 0 one per batch shard."""
-        return self.update_config.micro_rows or self.step_row_multiple_of(self.mesh, 1)
+        return self.update_config.micro_rows or self.batch_shards
 
     @property
-    def step_row_multiple(self) -> int:
-        """Rows of one ``train_step`` batch must be a multiple of this (batch shards × micro-batches)."""
-        return self.step_row_multiple_of(self.mesh, self.micro_batches)
-
-    @staticmethod
-    def step_row_multiple_of(mesh: Mesh | None, micro_batches: int) -> int:
-        # The batch splits over (slice, data, fsdp, expert): ``trace_jax.parallel.mesh``'s "batch" axis.
+    def batch_shards(self) -> int:
+        """Shards the rows of a micro-batch split into: the mesh's (slice, data, fsdp, expert) axes
+        (``trace_jax.parallel.mesh``'s "batch" axis); 1 without a mesh."""
         axes = ("slice", "data", "fsdp", "expert")
-        shards = 1 if mesh is None else int(np.prod([mesh.shape.get(a, 1) for a in axes]))
-        return shards * micro_batches
+        return 1 if self.mesh is None else int(np.prod([self.mesh.shape.get(a, 1) for a in axes]))
 
     def _replicated(self) -> NamedSharding | None:
         return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
 
-    def _put_batch(self, batch: TrainBatch, multiple: int | None = None) -> TrainBatch:
-        rows = batch.tokens.shape[0]
-        multiple = multiple or self.step_row_multiple
-        if rows % multiple:
-            raise ValueError(
-                f"batch has {rows} rows, not a multiple of {multiple} (batch shards × micro_batches × "
-                "mini_batches); build it with BatchConfig(row_multiple=trainer.row_multiple)"
-            )
+    def _put_batch(self, batch: TrainBatch) -> TrainBatch:
+        """The host ``batch`` on the devices, its rows split over the batch shards (a multiple of them)."""
         if self.mesh is None:
             return jax.tree.map(jnp.asarray, batch)
         return multihost.rows_to_global(batch, self.mesh)  # each process feeds the rows its devices hold
@@ -312,7 +288,7 @@ class RLTrainer:
     def init_state(self, params: Any, rng: jax.Array) -> TrainState:
         """A fresh TrainState; the optimizer state is created next to (and sharded like) ``params``.
 
-        The state takes ownership of ``params``: ``train_step`` donates them, so use ``state.params`` afterwards
+        The state takes ownership of ``params``: ``update`` donates them, so use ``state.params`` afterwards
         (e.g. ``nnx.merge(graphdef, state.params)`` for the rollout engine), never the arrays passed here.
         """
         replicated = self._replicated()
@@ -355,12 +331,12 @@ class RLTrainer:
     def _micro(self, batch: TrainBatch, rows: np.ndarray) -> TrainBatch:
         """Rows ``rows`` of the host ``batch`` as one placed micro-batch of exactly ``micro_rows`` rows."""
         count = self.micro_rows
-        if count % self.step_row_multiple_of(self.mesh, 1):
+        if count % self.batch_shards:
             raise ValueError(
                 f"ppo.micro_rows={count} must be a multiple of the batch shards (slices × data × fsdp × expert = "
-                f"{self.step_row_multiple_of(self.mesh, 1)})"
+                f"{self.batch_shards})"
             )
-        return self._put_batch(take_rows(batch, rows, count), self.step_row_multiple_of(self.mesh, 1))
+        return self._put_batch(take_rows(batch, rows, count))
 
     def _map_rows(self, name: str, fn: Any, params: Any, batch: TrainBatch) -> np.ndarray:
         """float32 [B, T] host: ``fn(params, micro)`` over fixed-shape micro-batches of ``batch``'s rows that
@@ -478,19 +454,6 @@ class RLTrainer:
             total = part if total is None else jax.tree.map(jnp.add, total, part)
         return RouterCounts(*total, jnp.float32(scale))
 
-    def _micro_batches(self, batch: TrainBatch) -> TrainBatch:
-        """[B, ...] -> [M, B/M, ...]; micro-batch m takes rows m, m+M, ... so every shard holds a part of each."""
-        m = self.micro_batches
-
-        def split(x):
-            x = x.reshape((x.shape[0] // m, m, *x.shape[1:])).swapaxes(0, 1)
-            if self.mesh is not None:
-                spec = PartitionSpec(None, *batch_sharding(self.mesh, x.ndim - 1).spec)
-                x = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-            return x
-
-        return jax.tree.map(split, batch)
-
     def _zero_acc(self, params: Any, micro: TrainBatch) -> tuple[jax.Array, Any, dict[str, Any]]:
         """Accumulators (loss, grads like ``params``, metric pairs) for one optimizer step, all zero; on several
         slices each leaf has a leading slice axis (each slice's partial sums, reduced once by ``_apply``)."""
@@ -523,20 +486,6 @@ class RLTrainer:
         (loss, metrics), grads = grad_fn(params, micro, denominator, counts)
         return loss_sum + loss, jax.tree.map(jnp.add, grads_sum, grads), combine_metrics(metrics_sum, metrics)
 
-    def _step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Any]]:
-        denominator = jnp.maximum(loss_denominator(batch.weights, batch.paths, self.loss_config), 1e-8)
-        micros = self._micro_batches(batch if self.loss_config.kl_coef else batch._replace(ref_logprobs=None))
-        first = jax.tree.map(lambda x: x[0], micros)
-        zeros = self._zero_acc(state.params, first)
-        counts, shapes = None, jax.eval_shape(self._router_counts, state.params, first)
-        if self.loss_config.router_aux_loss_coef and shapes is not None:  # the step's counts first (MoE only)
-            add = lambda total, m: (jax.tree.map(jnp.add, total, self._router_counts(state.params, m)), None)
-            total, _ = jax.lax.scan(add, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), micros)
-            counts = RouterCounts(*total, jnp.float32(self.loss_config.router_aux_loss_coef))
-        step = lambda acc, m: (self._accumulate(state.params, acc, m, denominator, counts), None)
-        acc, _ = jax.lax.scan(step, zeros, micros)
-        return self._apply(state, acc)
-
     def _apply(self, state: TrainState, acc: Any) -> tuple[TrainState, dict[str, Any]]:
         """The optimizer step on the accumulated gradient (skipped when non-finite); on several slices it first
         sums the slices' partial accumulators: the one reduction over DCN of an optimizer step."""
@@ -561,16 +510,6 @@ class RLTrainer:
         }
         return new_state, out
 
-    def _compile(self, state: TrainState) -> Any:
-        if self.mesh is None:
-            return jax.jit(self._step, donate_argnums=0)
-        # Inputs arrive placed (params by their logical axes, batch by _put_batch); pin the outputs to the
-        # same layout so the state keeps its shardings step after step.
-        state_shardings = jax.tree.map(lambda x: x.sharding, state)
-        # Traced under the mesh so the model's activation constraints (parallel.mesh.constrain) apply.
-        step = traced_under(self.mesh, self._step)
-        return jax.jit(step, out_shardings=(state_shardings, self._replicated()), donate_argnums=0)
-
     def _compile_update(self, state: TrainState) -> dict[str, Any]:
         """The three fixed-shape programs of ``update`` (see the module docstring); accumulators are donated."""
         jit = lambda fn, **kw: jax.jit(self._under_mesh(fn), **kw)
@@ -590,30 +529,6 @@ class RLTrainer:
             "accumulate": jit(self._accumulate, out_shardings=acc_shardings, donate_argnums=1),
             "apply": jit(self._apply, out_shardings=(state_shardings, replicated), donate_argnums=0),
         }
-
-    def _device_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Any]]:
-        if self.loss_config.kl_coef and batch.ref_logprobs is None:
-            raise ValueError("loss kl_coef > 0 but the batch has no ref_logprobs; call trainer.prepare(state, batch)")
-        batch = self._put_batch(batch)
-        if self._step_fn is None:
-            self._step_fn = self._compile(state)
-        state, out = self._step_fn(state, batch)
-        return state, jax.device_get(out)
-
-    def train_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
-        """One optimizer step on ``batch`` as given (see ``prepare`` for behaviour / reference log-probs).
-
-        Returns the new state (the old one is donated: do not reuse it) and host metrics: loss, grad_norm,
-        update_applied (1.0 or 0.0), skipped_steps, masked_nonfinite_tokens (trained tokens left out for a −inf
-        or NaN behaviour log-prob: ``trace_jax.rl.losses.mask_nonfinite_behaviour``), and every loss metric
-        (pg_loss, clip_fraction, approx_kl, behaviour_gap, ratio, ratio_max, kl_ref, entropy when computed, ...).
-        """
-        masked = _nonfinite_behaviour_tokens(batch)
-        state, out = self._device_step(state, batch)
-        metrics = finalize_metrics(out.pop("pairs"))
-        metrics.update({k: float(v) for k, v in out.items()})
-        metrics["masked_nonfinite_tokens"] = masked
-        return state, metrics
 
     def sequence_step_batch(
         self, state: TrainState, batch: TrainBatch, path_tokens: PathTokens
@@ -648,9 +563,9 @@ class RLTrainer:
         largest, ``clip_fraction`` the clipped share; each measured at the start of its step), the same per
         epoch as ``epoch{e}/ratio``, ``epoch{e}/ratio_max``, ``epoch{e}/clip_fraction`` (e from 1), loss (the
         sum over an epoch's steps, i.e. the full-batch objective, averaged over epochs), grad_norm averaged over
-        steps, update_applied the share of applied steps, skipped_steps, masked_nonfinite_tokens (as in
-        ``train_step``), steps, micro_batches (forward/backward calls) and programs (distinct compiled (program,
-        shape) pairs so far).
+        steps, update_applied the share of applied steps, skipped_steps, masked_nonfinite_tokens (trained tokens
+        left out for a −inf or NaN behaviour log-prob: ``trace_jax.rl.losses.mask_nonfinite_behaviour``), steps,
+        micro_batches (forward/backward calls) and programs (distinct compiled (program, shape) pairs so far).
         """
         config = self.update_config
         sequence_level = self.loss_config.policy_loss == "gspo"
