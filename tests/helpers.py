@@ -6,6 +6,8 @@ import pathlib
 from typing import Any
 
 from trace_jax.bench.overlap import TINY_WORLD
+from trace_jax.job.cli import ExitCode
+from trace_jax.job.commands import train_main
 
 # The main job on a tiny world whose 200-step warm start answers about a third of its training questions, so
 # rollout rewards are mixed and RL gradients non-zero (tests of the whole job add their step counts).
@@ -141,3 +143,12 @@ def abstract_like(tree: Any) -> Any:
         ),
         tree,
     )
+
+
+def one_line_error(capsys, *args) -> str:
+    """The one ``error: ...`` line the main job prints, exiting 2, for a config mistake in ``args``."""
+    code = train_main(["trace_jax.train", *args])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == ExitCode.CONFIG and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]

@@ -7,6 +7,7 @@ import pathlib
 
 import pytest
 
+from tests.helpers import one_line_error
 from trace_jax import configs
 from trace_jax.config_utils import documented
 from trace_jax.configs import ConfigError, RunConfig, load_config_file, schema, validate
@@ -20,14 +21,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def typed(name):
     """The shipped config ``name`` as the job reads it: a ``RunConfig``."""
     return validate.validate(load_config_file(str(ROOT / "configs" / name)))
-
-
-def one_line_error(capsys, *args):
-    code = train_main(["trace_jax.train", *args])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == ExitCode.CONFIG and len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 # ------------------------------------------------------------------------------------------- the door
@@ -98,7 +91,6 @@ def test_show_config_documents_every_key_a_recipe_reads_and_none_it_ignores(caps
     """The mutants: a recipe that lists the synthetic world's keys (world.*, tokenizer.*, sft.*, warm_start.*, or
     rl.pool_size) for a Hugging Face checkpoint, or a key shown with no doc line (``# see ClassName``, the
     fallback of an undocumented field)."""
-    from trace_jax.job.commands import train_main
 
     assert schema.field_docs(UpdateConfig)["ppo_epochs"] != "see UpdateConfig"  # premise: the fields carry their docs
     undocumented = dataclasses.make_dataclass("Bare", [("size", int, 1)])

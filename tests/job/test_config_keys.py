@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 
+from tests.helpers import one_line_error
 from trace_jax.config_utils import from_config
 from trace_jax.configs import RunConfig, load_config_file, schema, validate
 from trace_jax.job import build, rundir, warm_start
-from trace_jax.job.cli import ExitCode, WorkdirError
-from trace_jax.job.commands import train_main
+from trace_jax.job.cli import WorkdirError
 from trace_jax.job.warm_start import fingerprint
 from trace_jax.optim import make_optimizer, make_schedule
 from trace_jax.rl.trainer import UpdateConfig
@@ -29,14 +29,6 @@ def config_file(name):
 def typed(name):
     """The shipped config ``name`` as the job reads it: a ``RunConfig``."""
     return validate.validate(config_file(name))
-
-
-def one_line_error(capsys, *args):
-    code = train_main(["trace_jax.train", *args])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == ExitCode.CONFIG and len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 # The values configs/default.py held under the retired keys (read from a config.json it wrote).

@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trace_jax.checkpoint import ranged
+from trace_jax.data.tokenizer import TOKENIZER_FILES
 from trace_jax.models import ModelConfig, abstract_model, config_from_dict, config_to_dict
 from trace_jax.parallel import mesh as mesh_lib
 
@@ -357,18 +358,7 @@ _CONFIG_FILE = "model_config.json"
 # What of a HF directory besides its weights and architecture an imported checkpoint keeps (under HF_FILES_DIR)
 # and its export writes back: the tokenizer, the generation defaults, and config.json's token ids.
 HF_FILES_DIR = "hf_files"
-HF_SIDE_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
+HF_SIDE_FILES = (*TOKENIZER_FILES, "generation_config.json")
 _TOKEN_IDS_FILE = "token_ids.json"
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
