@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
+import numpy as np
+
 from trace_jax.bench.overlap import TINY_WORLD
+from trace_jax.checkpoint.ranged import ST_DTYPES
 from trace_jax.job.cli import ExitCode
 from trace_jax.job.commands import train_main
 
@@ -152,3 +156,21 @@ def one_line_error(capsys, *args) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == ExitCode.CONFIG and len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of one .safetensors file, memory-mapped: a reader written apart from
+    ``trace_jax.checkpoint.ranged``, so the tests can check that one against it."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    tensors = {}
+    for name, entry in header.items():
+        start, end = entry["data_offsets"]
+        dtype = ST_DTYPES[entry["dtype"]]
+        flat = np.memmap(
+            path, dtype=dtype, mode="r", offset=8 + header_len + start, shape=((end - start) // dtype.itemsize,)
+        )
+        tensors[name] = flat.reshape(entry["shape"])
+    return tensors

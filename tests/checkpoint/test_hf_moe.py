@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import build_hf_checkpoint
+from tests.helpers import build_hf_checkpoint, read_safetensors
 from trace_jax.checkpoint import hf
-from trace_jax.checkpoint.hf import _read_safetensors, _write_safetensors, load_hf
+from trace_jax.checkpoint.hf import _write_safetensors, load_hf
 from trace_jax.job.cli import ExitCode
 from trace_jax.job.commands import hf_main
 from trace_jax.models import MoeConfig
@@ -19,7 +19,7 @@ def test_import_export_reload_gives_identical_tensors(tmp_path):
         tmp_path / "hf", "qwen3_moe", tie_word_embeddings=False, num_hidden_layers=3, mlp_only_layers=[1]
     )
     # Premise: HF stores the experts one tensor per expert, and layer 1 is dense.
-    stored = _read_safetensors(str(tmp_path / "hf" / "model.safetensors"))
+    stored = read_safetensors(str(tmp_path / "hf" / "model.safetensors"))
     assert "model.layers.2.mlp.experts.3.down_proj.weight" in stored and "model.layers.1.mlp.up_proj.weight" in stored
     assert hf_main(["import", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == ExitCode.OK
     config, _ = hf.load_orbax(tmp_path / "ckpt")
@@ -48,7 +48,7 @@ def test_expert_rows_of_the_key_map():
 
 def test_missing_expert_tensor_is_named(tmp_path):
     build_hf_checkpoint(tmp_path, "qwen3_moe")
-    tensors = {k: np.array(v) for k, v in _read_safetensors(str(tmp_path / "model.safetensors")).items()}
+    tensors = {k: np.array(v) for k, v in read_safetensors(str(tmp_path / "model.safetensors")).items()}
     tensors.pop("model.layers.1.mlp.experts.2.up_proj.weight")
     _write_safetensors(str(tmp_path / "model.safetensors"), tensors)
     with pytest.raises(ValueError, match=r"missing tensors: \['model.layers.1.mlp.experts.2.up_proj.weight'\]"):

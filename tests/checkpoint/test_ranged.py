@@ -7,11 +7,11 @@ import pytest
 from flax import nnx
 
 from tests.gcs_emulator import gcs_emulator
-from tests.helpers import build_hf_checkpoint
+from tests.helpers import build_hf_checkpoint, read_safetensors
 from trace_jax import paths
 from trace_jax.bench import hf_load
 from trace_jax.checkpoint import ranged
-from trace_jax.checkpoint.hf import _read_safetensors, _write_safetensors, load_hf
+from trace_jax.checkpoint.hf import _write_safetensors, load_hf
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def bf16_dir(tmp_path_factory):
     """A tiny Qwen3 (2 layers, width 64) stored in bfloat16, as released checkpoints are."""
     path = tmp_path_factory.mktemp("qwen3_bf16")
     build_hf_checkpoint(path, "qwen3", tie_word_embeddings=False)
-    stored = _read_safetensors(str(path / "model.safetensors"))
+    stored = read_safetensors(str(path / "model.safetensors"))
     _write_safetensors(str(path / "model.safetensors"), {k: v.astype(ml_dtypes.bfloat16) for k, v in stored.items()})
     return path
 
@@ -39,7 +39,7 @@ def test_a_bucket_checkpoint_loads_as_the_local_one(bf16_dir):
     _, local = load_hf(bf16_dir)
     assert config.num_layers == 2 and config.hidden_size == 64
     # Against the memory-mapped file (an independent reader): a plain and a transposed, stacked tensor.
-    stored = _read_safetensors(str(bf16_dir / "model.safetensors"))
+    stored = read_safetensors(str(bf16_dir / "model.safetensors"))
     np.testing.assert_array_equal(np.asarray(remote["embed"].value), stored["model.embed_tokens.weight"])
     q_proj = np.asarray(remote["layers"]["attn"]["q_proj"].value)[1]
     np.testing.assert_array_equal(q_proj.reshape(64, -1), stored["model.layers.1.self_attn.q_proj.weight"].T)

@@ -170,26 +170,7 @@ def _slots(config: ModelConfig, our_key: str, shape: tuple[int, ...]) -> list[tu
 
 
 # ------------------------------------------------------------------------------ safetensors, no torch
-_ST_DTYPES = ranged.ST_DTYPES
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
-
-
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Memory-maps every tensor of one .safetensors file (nothing is read until sliced)."""
-    with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-    header.pop("__metadata__", None)
-    tensors = {}
-    for name, entry in header.items():
-        if entry["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
-        start, end = entry["data_offsets"]
-        dtype = _ST_DTYPES[entry["dtype"]]
-        count = (end - start) // dtype.itemsize
-        flat = np.memmap(path, dtype=dtype, mode="r", offset=8 + header_len + start, shape=(count,))
-        tensors[name] = flat.reshape(entry["shape"])
-    return tensors
+_ST_NAMES = {v: k for k, v in ranged.ST_DTYPES.items()}
 
 
 def _write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:

@@ -68,7 +68,10 @@ def _header(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, TensorEntry]:
         if not shape:
             raise ValueError(f"{path}: tensor {name!r} is a scalar; checkpoint weights have at least one axis")
         if end - start != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"{path}: tensor {name!r} spans {end - start} bytes, its shape {shape} needs more/less")
+            raise ValueError(
+                f"{path}: tensor {name!r} spans {end - start} bytes; its shape {shape} needs "
+                f"{math.prod(shape) * dtype.itemsize}"
+            )
         entries[name] = TensorEntry(path, dtype, shape, 8 + length + start, 8 + length + end)
     return entries
 
