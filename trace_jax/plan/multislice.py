@@ -1,5 +1,6 @@
 """The planner's view of several slices (``--slices N``): the chosen one-slice update layout compiled for N slices
 joined over DCN, the bytes each optimizer step puts on DCN and their predicted time against the step's compute.
+Each slice runs the same micro-batches as the one-slice plan (the job's ``micro_rows`` is that times N).
 
 Each slice plans its share of the rows (the batch splits over the ``slice`` axis, parameters do not); the engine
 samples on one slice's devices (each process's engine decodes its own trees), so it puts nothing on DCN.
@@ -34,7 +35,7 @@ def dcn_plan(planner: Any, topology: Topology, slices: int, result: dict[str, An
     report = plan_compile.update_programs(
         config,
         mesh,
-        chosen["settings"]["micro_rows"],
+        chosen["settings"]["micro_rows"] * slices,  # UpdateConfig.micro_rows counts every slice's rows
         args.seq_len,
         args.logprob_chunk,
         update=planner.update_config(),
