@@ -34,6 +34,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax.parallel.mesh import MESH_AXIS_NAMES, batch_sharding, make_mesh
+from trace_jax.parallel.slices import process_devices
 
 T = TypeVar("T")
 REDUCTIONS = ("mean", "sum", "max", "min")
@@ -217,13 +218,40 @@ def _process_devices(index: int) -> list[jax.Device]:
     return [d for d in jax.devices() if d.process_index == index]
 
 
-def local_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1) -> Mesh:
-    """A (data, fsdp, tensor) mesh over this process's devices only, laid out the same way on every process.
+def local_mesh(
+    data: int = 1,
+    fsdp: int = -1,
+    tensor: int = 1,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    process: int | None = None,
+) -> Mesh:
+    """A (data, fsdp, tensor) mesh over one process's devices only (default: this process of ``jax.devices()``),
+    laid out the same way on every process; they lie in one slice (``slices.process_devices``).
 
     Arrays on it are fully addressable: a jit over them runs on this host alone (no collective with other
-    processes), which is what per-process sampling needs.
+    processes or slices), which is what per-process sampling needs.
     """
-    return make_mesh(data, fsdp, tensor, devices=_process_devices(jax.process_index()))
+    devices = jax.devices() if devices is None else devices
+    process = jax.process_index() if process is None else process
+    return make_mesh(data, fsdp, tensor, devices=process_devices(devices, process))
+
+
+def process_copies(mesh: Mesh, devices: Sequence[jax.Device] | None = None, process: int | None = None) -> Mesh | None:
+    """The mesh ``(process, *mesh's axes)`` that ``copy_to_each_process`` lays its copies on: block p is process p's
+    devices at the positions ``mesh`` takes among ``process``'s (default: this one of ``jax.devices()``), so every
+    copy sits on one host, in its slice. None when ``mesh`` covers only part of ``process``'s devices."""
+    devices = jax.devices() if devices is None else devices
+    process = jax.process_index() if process is None else process
+    mine = process_devices(devices, process)
+    positions = [mine.index(d) for d in mesh.devices.flat]
+    if sorted(positions) != list(range(len(mine))):
+        return None
+    processes = sorted({d.process_index for d in devices})
+    grids = [
+        np.asarray(process_devices(devices, p), dtype=object)[positions].reshape(mesh.devices.shape) for p in processes
+    ]
+    return Mesh(np.stack(grids), (PROCESS_AXIS, *MESH_AXIS_NAMES))
 
 
 def copy_to_each_process(tree: Any, mesh: Mesh, shardings: Any = None) -> Any:
@@ -248,14 +276,9 @@ def copy_to_each_process(tree: Any, mesh: Mesh, shardings: Any = None) -> Any:
         shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), tree)
     # A cross-host reshard keeps the device set: first onto every process's devices (replicated across
     # processes), then, if ``mesh`` is a subset of this process's devices, a host-local move onto it.
-    positions = [mine.index(d) for d in mesh.devices.flat]
-    whole = sorted(positions) == list(range(len(mine)))
-    if whole:  # lay each copy out directly as asked, on the same local positions on every process
-        grids = [
-            np.asarray(_process_devices(p), dtype=object)[positions].reshape(mesh.devices.shape) for p in range(count)
-        ]
-        stacked = Mesh(np.stack(grids), (PROCESS_AXIS, *MESH_AXIS_NAMES))
-    else:
+    stacked = process_copies(mesh)
+    whole = stacked is not None
+    if not whole:
         stacked = Mesh(np.asarray([_process_devices(p) for p in range(count)], dtype=object), (PROCESS_AXIS, "local"))
         everything_here = Mesh(np.asarray(mine, dtype=object), ("local",))
 

@@ -9,13 +9,42 @@ each slice's own result, stacked along a new leading axis; the caller reduces th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax.parallel.mesh import SLICE_AXIS
+
+
+def slice_of(device: jax.Device) -> int:
+    """The slice ``device`` belongs to: its ``slice_index`` (TPU slices joined over DCN), else 0."""
+    index = getattr(device, "slice_index", None)
+    return 0 if index is None else int(index)
+
+
+def process_slices(devices: Sequence[jax.Device]) -> dict[int, int]:
+    """Each process's slice (process index -> slice index) from its devices' ``slice_index``. A host's chips
+    belong to one slice, so a process's work (the trees it samples, its engine) stays in its slice; raises
+    ValueError when a process's devices lie in two slices."""
+    found: dict[int, set[int]] = {}
+    for device in devices:
+        found.setdefault(device.process_index, set()).add(slice_of(device))
+    split = {process: sorted(slices) for process, slices in found.items() if len(slices) > 1}
+    if split:
+        raise ValueError(f"processes {split} hold devices of several slices: each host must belong to one slice")
+    return {process: slices.pop() for process, slices in sorted(found.items())}
+
+
+def process_devices(devices: Sequence[jax.Device], process: int) -> list[jax.Device]:
+    """The devices of ``devices`` that ``process`` drives: where its engine decodes, all within one slice (checked
+    by :func:`process_slices`), so sampling and the engine's weight copy never cross DCN."""
+    process_slices(devices)
+    mine = [device for device in devices if device.process_index == process]
+    if not mine:
+        raise ValueError(f"process {process} has no device among the {len(devices)} given")
+    return mine
 
 
 def slice_count(mesh: Mesh | None) -> int:
