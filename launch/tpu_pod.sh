@@ -5,7 +5,9 @@
 #   launch/tpu_pod.sh --tpu NAME --zone ZONE --workdir gs://BUCKET/RUN [--project P] [--accelerator v5p-64]
 #       [--create | --queued] [--spot] [--help] [--runtime VERSION] [--python 3.11] [--env KEY=VALUE ...]
 #       [--no-stream] [--skip-check] [--skip-plan | --plan] [--plan-args "PLANNER OPTIONS"] [--dry-run]
-#       [--config configs/x.py[:arg]] [-- --config.key=value ...] [--watch [--max-relaunches N]]
+#       [--config configs/x.py[:arg]] [-- --config.key=value ...] [--watch [--max-relaunches N]] [--slices N]
+# --slices N (N > 1): one queued-resource request for N slices of --accelerator joined over DCN (named TPU-0 ..),
+# the job started on every host of every slice with --config.mesh.slices=N (launch/slices.sh; docs/multislice.md).
 # The plan step (before the slice is made or anything shipped): the TPU compiler compiles the job's update and
 # decode programs for the slice's topology here (python -m trace_jax.plan with the config's model preset,
 # mesh, rows and engine; needs libtpu locally: pip install "jax[tpu]==<your jax version>") and a config whose
@@ -28,9 +30,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . launch/common.sh
+. launch/slices.sh
 WORKDIR=""  # a pod needs an explicit shared workdir (common.sh defaults to a local one)
 TPU=""; ZONE=""; PROJECT=""; ACCELERATOR="v5p-64"; RUNTIME=""; PY_VERSION="3.11"
-CREATE=0; QUEUED=0; SPOT=0; STREAM=1; CHECK=1; ACTION="launch"; WORKER=0; ENVS=()
+CREATE=0; QUEUED=0; SPOT=0; SLICES=1; STREAM=1; CHECK=1; ACTION="launch"; WORKER=0; ENVS=()
 PLAN="auto"; PLAN_ARGS=""
 WATCH=0; MAX_RELAUNCHES=10
 PREEMPTED=143  # trace_jax.job.cli.ExitCode.PREEMPTED: stopped by SIGTERM after checkpointing; a rerun resumes
@@ -47,6 +50,7 @@ parse_specific() {
     --env) ENVS+=("$2") ;;
     --worker) WORKER="$2" ;;
     --max-relaunches) MAX_RELAUNCHES="$2" ;;
+    --slices) SLICES="$2" ;;
     --watch) WATCH=1; SHIFT_TWO=0 ;;
     --create) CREATE=1; SHIFT_TWO=0 ;;
     --queued) QUEUED=1; SHIFT_TWO=0 ;;
@@ -65,6 +69,7 @@ parse_common "$@"
 fail() { echo "$*" >&2; exit 2; }
 [ -n "$TPU" ] && [ -n "$ZONE" ] || fail "--tpu NAME and --zone ZONE are required"
 [ "$CREATE" = 1 ] && [ "$QUEUED" = 1 ] && fail "--create and --queued are two ways to make the slice: pick one"
+slices_setup
 [ "$SPOT" = 1 ] && [ "$QUEUED" = 0 ] && CREATE=1  # a spot slice is one being made: --create unless --queued
 for kv in ${ENVS[@]+"${ENVS[@]}"}; do
   [[ "$kv" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || fail "--env $kv: expected KEY=VALUE"
@@ -93,7 +98,8 @@ SCOPE=(--zone="$ZONE")
 VM=(gcloud compute tpus tpu-vm)
 QR=(gcloud compute tpus queued-resources)
 WORKER_SCRIPT="trace_jax_run/code/launch/tpu_worker.sh"  # relative to each worker's home directory
-on_workers() { run "${VM[@]}" ssh "$TPU" "${SCOPE[@]}" --worker="$1" --command="$2"; }
+# On worker(s) $1 of the slice NODE (each_slice sets it; default: the first slice).
+on_workers() { run "${VM[@]}" ssh "${NODE:-$(slice_node 0)}" "${SCOPE[@]}" --worker="$1" --command="$2"; }
 note() { if [ "$DRY_RUN" = 1 ]; then echo "# $*"; else echo "==> $*" >&2; fi; }
 
 # ----------------------------------------------------------------------------------------- the slice
@@ -102,9 +108,10 @@ ensure_slice() {
     if [ "$DRY_RUN" = 1 ] || ! "${QR[@]}" describe "$TPU" "${SCOPE[@]}" >/dev/null 2>&1; then
       note "queued resource $TPU: create it (skipped when 'describe' finds it), then wait until ACTIVE"
       [ "$DRY_RUN" = 1 ] && run "${QR[@]}" describe "$TPU" "${SCOPE[@]}" --format="value(state.state)"
-      local spot=()
+      local spot=() nodes
       [ "$SPOT" = 1 ] && spot=(--spot)
-      run "${QR[@]}" create "$TPU" "${SCOPE[@]}" --node-id="$TPU" --accelerator-type="$ACCELERATOR" \
+      read -r -a nodes <<< "$(node_flags)"
+      run "${QR[@]}" create "$TPU" "${SCOPE[@]}" "${nodes[@]}" --accelerator-type="$ACCELERATOR" \
         --runtime-version="$RUNTIME" ${spot[@]+"${spot[@]}"}
     fi
     [ "$DRY_RUN" = 1 ] && return 0
@@ -160,6 +167,7 @@ launch() {
   ship_and_start
   local again="launch/tpu_pod.sh --tpu $TPU --zone $ZONE${PROJECT:+ --project $PROJECT}"
   [ "$QUEUED" = 1 ] && again+=" --queued"
+  [ "$SLICES" = 1 ] || again+=" --slices $SLICES"
   echo "job started on every worker of $TPU. Re-attach: $again --logs [--worker N]; stop: $again --stop;" \
     "delete the slice (billing stops only then): $again --delete" >&2
   if [ "$WATCH" = 1 ]; then
@@ -195,21 +203,29 @@ fail_with() { echo "$2" >&2; exit "$1"; }
 
 ship_and_start() {
   local tarball="${TMPDIR:-/tmp}/trace_jax_code_$TPU.tgz"
-  note "ship this checkout to every worker, install it, stop leftovers"
+  note "ship this checkout to every worker of every slice, install it, stop leftovers"
   run "$PYTHON" launch/pod_helper.py pack "$tarball"
-  run "${VM[@]}" scp "$tarball" "$TPU:trace_jax_code.tgz" "${SCOPE[@]}" --worker=all
+  each_slice ship "$tarball"
+  find_coordinator
+  note "start the same command on every worker (detached; jax.distributed finds the pod by itself)"
+  each_slice start_job
+}
+ship() {
+  run "${VM[@]}" scp "$1" "$NODE:trace_jax_code.tgz" "${SCOPE[@]}" --worker=all
   on_workers all "set -e; rm -rf trace_jax_run/incoming; mkdir -p trace_jax_run/incoming; \
 tar -xzf trace_jax_code.tgz -C trace_jax_run/incoming; bash trace_jax_run/incoming/launch/tpu_worker.sh install $PY_VERSION"
-  note "start the same command on every worker (detached; jax.distributed finds the pod by itself)"
-  local remote
-  remote="$(printf '%q ' bash "$WORKER_SCRIPT" start ${ENVS[@]+"${ENVS[@]}"} -- "${JOB[@]}")"
+}
+start_job() {  # with several slices, each slice's MegaScale variables (launch/slices.sh)
+  local remote megascale
+  read -r -a megascale <<< "$(megascale_env "$SLICE_ID")"
+  remote="$(printf '%q ' bash "$WORKER_SCRIPT" start ${ENVS[@]+"${ENVS[@]}"} ${megascale[@]+"${megascale[@]}"} -- "${JOB[@]}")"
   on_workers all "${remote% }"
 }
 
 # The slice's state as gcloud reports it ("" when it is gone).
 slice_state() {
   if [ "$QUEUED" = 1 ]; then
-    "${QR[@]}" describe "$TPU" "${SCOPE[@]}" --format="value(state.state)" 2>/dev/null || true
+    slices_state
   else
     "${VM[@]}" describe "$TPU" "${SCOPE[@]}" --format="value(state)" 2>/dev/null || true
   fi
@@ -267,10 +283,10 @@ watch() {
 case "$ACTION" in
   launch) launch ;;
   logs) on_workers "$WORKER" "bash $WORKER_SCRIPT logs" ;;
-  status) on_workers all "bash $WORKER_SCRIPT status" ;;
-  stop) on_workers all "bash $WORKER_SCRIPT stop" ;;
+  status) each_slice on_workers all "bash $WORKER_SCRIPT status" ;;
+  stop) each_slice on_workers all "bash $WORKER_SCRIPT stop" ;;
   delete)
-    on_workers all "bash $WORKER_SCRIPT stop" || echo "could not stop the job on every worker; deleting anyway" >&2
+    each_slice on_workers all "bash $WORKER_SCRIPT stop" || echo "could not stop the job on every worker; deleting anyway" >&2
     if [ "$QUEUED" = 1 ]; then
       run "${QR[@]}" delete "$TPU" "${SCOPE[@]}" --force --quiet
     else
