@@ -2,6 +2,7 @@
 and a MegaScale host transfer always does; loops multiply."""
 
 from trace_jax.plan.dcn import dcn_traffic, replica_groups
+from trace_jax.plan.multislice import dcn_against_compute
 
 SEND = (
     "%send = (f32[256], u32[], token[]) send(%a, %tok), channel_id=1, is_host_transfer=true, "
@@ -49,3 +50,12 @@ def test_only_groups_spanning_slices_and_megascale_transfers_count():
     assert traffic.by_kind["all-reduce"]["bytes"] == 3 * 256 * 4
     assert traffic.by_kind["ALL_REDUCE"] == {"count": 1, "bytes": 256 * 4, "wire_bytes": 256 * 4}
     assert dcn_traffic(HLO, devices=4, slices=1).count == 0
+
+
+def test_dcn_time_is_set_against_one_optimizer_steps_compute():
+    # The timing's optimizer_step_s is an epoch: every mini-batch's micro-batches and apply; a step is a share.
+    timing = {"update": {"optimizer_step_s": 4.0}}
+    got = dcn_against_compute(1e9, 50.0, timing, {"mini_batches": 2})
+    assert got["predicted_dcn_s"] == 1e9 * 8 / 50e9
+    assert got["optimizer_step_compute_s"] == 2.0 and got["dcn_over_compute"] == got["predicted_dcn_s"] / 2.0
+    assert dcn_against_compute(1e9, 50.0, None, {"mini_batches": 2})["dcn_over_compute"] is None

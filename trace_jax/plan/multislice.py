@@ -14,6 +14,22 @@ from typing import Any
 from trace_jax.plan.topology import Topology
 
 
+def dcn_against_compute(
+    wire_bytes: float, gbps: float, timing: dict[str, Any] | None, settings: dict[str, Any]
+) -> dict[str, Any]:
+    """An optimizer step's DCN bytes a chip (``wire_bytes``) at ``gbps`` a chip, against that step's predicted
+    compute: the timing's ``optimizer_step_s`` covers one epoch (every mini-batch's micro-batches and apply), so an
+    optimizer step is that over ``settings["mini_batches"]``."""
+    dcn_s = wire_bytes * 8 / (gbps * 1e9) if gbps else None
+    epoch = ((timing or {}).get("update") or {}).get("optimizer_step_s")
+    step = epoch / settings["mini_batches"] if epoch else None
+    return {
+        "predicted_dcn_s": dcn_s,
+        "optimizer_step_compute_s": step,
+        "dcn_over_compute": dcn_s / step if dcn_s and step else None,
+    }
+
+
 def dcn_plan(planner: Any, topology: Topology, slices: int, result: dict[str, Any]) -> dict[str, Any]:
     """``result["dcn"]``: the update of ``result``'s chosen train layout compiled on ``slices`` x ``topology``
     (its per-chip peak and DCN traffic per optimizer step, predicted at the family's stated DCN bandwidth)."""
@@ -49,16 +65,12 @@ def dcn_plan(planner: Any, topology: Topology, slices: int, result: dict[str, An
         key: calls * dcn("accumulate")[key] + dcn("apply")[key] + dcn("zero")[key]
         for key in ("count", "bytes", "wire_bytes")
     }
-    timing = (result.get("timing") or {}).get("update") or {}
-    dcn_s = per_step["wire_bytes"] * 8 / (gbps * 1e9) if gbps else None
     out["update"] = {
         "mesh": report["mesh"],
         "peak_gib": report["peak_gib"],
         "error": report.get("error"),
         "dcn_per_optimizer_step": per_step,
         "dcn_in_accumulate": dcn("accumulate"),
-        "predicted_dcn_s": dcn_s,
-        "optimizer_step_compute_s": timing.get("optimizer_step_s"),
-        "dcn_over_compute": dcn_s / timing["optimizer_step_s"] if dcn_s and timing.get("optimizer_step_s") else None,
+        **dcn_against_compute(per_step["wire_bytes"], gbps, result.get("timing"), settings),
     }
     return out
