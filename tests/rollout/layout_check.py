@@ -62,6 +62,7 @@ def main() -> None:
     cache = {
         name: {"spec": str(x.sharding.spec), "shape": list(x.shape), "shard": list(x.addressable_shards[0].data.shape)}
         for name, x in zip(state.device._fields, state.device, strict=True)
+        if x is not None  # the int8 cache's scale pools, absent with a float cache
     }
     print(
         json.dumps(

@@ -342,7 +342,7 @@ class Planner:
             report = self._report(
                 key,
                 lambda mesh=mesh: plan_compile.generate_memory(
-                    config, mesh, args.slots, max_len, args.steps_per_call, args.engine_dtype
+                    config, mesh, args.slots, max_len, args.steps_per_call, args.kv_dtype or args.engine_dtype
                 ),
             )
             entry = {**report, "fits": report["peak_gib"] * GIB <= budget}
@@ -357,7 +357,7 @@ class Planner:
             twice = self._report(
                 self._key(topology, "engine", {"mesh": chosen["mesh"], "slots": 2 * args.slots}),
                 lambda: plan_compile.generate_memory(
-                    config, mesh, 2 * args.slots, max_len, args.steps_per_call, args.engine_dtype
+                    config, mesh, 2 * args.slots, max_len, args.steps_per_call, args.kv_dtype or args.engine_dtype
                 ),
             )
             chosen["slots_per_chip"] = slots_per_chip(chosen, twice, budget)
@@ -605,6 +605,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="train compute dtype")
     parser.add_argument("--param-dtype", default="float32", help="train weights (and optimizer state) dtype")
     parser.add_argument("--engine-dtype", default="bfloat16", help="engine weights, compute and KV cache dtype")
+    parser.add_argument(
+        "--kv-dtype", help="the engine's KV cache dtype (EngineConfig.cache_dtype; default --engine-dtype)"
+    )
     parser.add_argument(
         "--attention",
         default="auto",

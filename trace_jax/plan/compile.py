@@ -42,6 +42,7 @@ from trace_jax.plan.topology import Topology
 from trace_jax.rl.batch import TrainBatch
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLTrainer, TrainState, UpdateConfig
+from trace_jax.rollout.engine import pages
 from trace_jax.rollout.engine.engine import Engine, EngineConfig
 from trace_jax.rollout.engine.layout import SamplingLayout
 
@@ -290,7 +291,7 @@ def generate_memory(
     params = abstract_model(config)[1]
     params = _with_shardings(params, layout.param_shardings(params))
     state = _with_shardings(engine.state_shapes(), layout.state_shardings(engine))
-    pool = (state.k_pages, state.v_pages)
+    pool = pages.pool_of(state)  # values and, for an int8 cache, their scales
     by_kind = {"weights": shard_bytes(params), "kv_cache": shard_bytes(pool)}
     by_kind["decode_state"] = shard_bytes(state) - by_kind["kv_cache"]
     settings = {

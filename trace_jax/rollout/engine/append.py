@@ -151,10 +151,9 @@ def append_program(
     # Copy-on-write of started rows' shared last pages first, then the model writes the new keys / values
     # straight into the named slots' pages and reads their whole history through the page tables (padding
     # rows' tables point at the trash page).
-    k_pages = pages.copy_pages(state.k_pages, copy_from_k, copy_to_k)
-    v_pages = pages.copy_pages(state.v_pages, copy_from_k, copy_to_k)
+    pools = pages.copy_pools(state, copy_from_k, copy_to_k)
     dtype = cfg.kv_dtype(model.config.compute_dtype)
-    cache = pages.PagedKVCache(k_pages, v_pages, table_kp, lengths_k, jnp.arange(window), dtype)
+    cache = pages.PagedKVCache(table_bp=table_kp, lengths=lengths_k, window_w=jnp.arange(window), dtype=dtype, **pools)
     if cfg.routing_replay:
         hidden_ktd, cache, extra = model.forward_hidden(tokens_kt, cache, num_new_k, record_routing=True)
     else:
@@ -171,8 +170,7 @@ def append_program(
     put = lambda dst, src: dst.at[target_h].set(src.astype(dst.dtype), mode="drop")
     zeros = jnp.zeros_like(target_h)
     state = state._replace(
-        k_pages=cache.k_pages,
-        v_pages=cache.v_pages,
+        **pages.pool_of(cache),
         lengths_b=put(state.lengths_b, cache.lengths[:h]),
         logits_bv=put(state.logits_bv, logits_hv),
         hidden_bd=put(state.hidden_bd, hidden_hd),

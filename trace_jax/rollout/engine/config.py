@@ -12,6 +12,14 @@ from trace_jax.config_utils import documented
 from trace_jax.rollout.engine.sampling import SamplingConfig
 
 
+def _is_cache_dtype(name: str) -> bool:
+    try:
+        dtype = jnp.dtype(name)
+    except TypeError:
+        return False
+    return jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.int8
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Static sizes of the engine (each distinct value compiles new programs)."""
@@ -63,7 +71,12 @@ class EngineConfig:
         doc=("temperature / top-k / top-p (``SamplingConfig.make_greedy()`` for greedy)."),
     )
     weight_dtype: str | None = documented("bfloat16", "dtype of the engine's copy of the weights (``None``: as given).")
-    cache_dtype: str | None = documented(None, "KV cache dtype name; ``None`` = the model's compute dtype.")
+    cache_dtype: str | None = documented(
+        None,
+        "KV cache dtype name (a float dtype, or ``int8``: int8 values with one float32 scale per position and KV "
+        "head, about half a bf16 cache's bytes; ``trace_jax.rollout.engine.pages``); ``None`` = the model's compute "
+        "dtype. int8 is off by default: its figures are in docs/tpu_speed.md#int8-kv-cache.",
+    )
     routing_replay: bool = documented(
         False,
         "a mixture-of-experts policy only: the engine records the experts every token it computes went to in every "
@@ -76,6 +89,11 @@ class EngineConfig:
     )
 
     def __post_init__(self):
+        if self.cache_dtype is not None and not _is_cache_dtype(self.cache_dtype):
+            raise ValueError(
+                f"EngineConfig.cache_dtype={self.cache_dtype!r} is not a KV cache dtype: use a float dtype name "
+                "(bfloat16, float32), 'int8', or None for the model's compute dtype"
+            )
         if self.max_len % self.page:
             raise ValueError(f"EngineConfig.page_size={self.page_size} must divide max_len={self.max_len}")
         for name in ("length_buckets", "append_windows"):

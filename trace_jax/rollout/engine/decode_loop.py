@@ -61,8 +61,9 @@ def decode_program(
     # Attention reads each slot's first ``window`` positions through its page table, layer by layer.
     dtype = cfg.kv_dtype(model.config.compute_dtype)
     cache = pages.PagedKVCache(
-        state.k_pages, state.v_pages, table_bp, state.lengths_b, jnp.arange(window), dtype, kernel
-    )
+        table_bp=table_bp, lengths=state.lengths_b, window_w=jnp.arange(window), dtype=dtype, kernel=kernel,
+        **pages.pool_of(state),
+    )  # fmt: skip
 
     def step_fn(carry):
         step, st, cache, out, num_b, ended = carry
@@ -120,12 +121,12 @@ def decode_program(
     if cfg.routing_replay:
         out += (jnp.zeros((b, n, math.prod(model.config.routing_shape)), jnp.int32),)
     # The pools travel in the loop carry (as the cache), so XLA updates them in place.
-    carry = (jnp.int32(0), state._replace(k_pages=None, v_pages=None), cache, out, jnp.zeros((b,), jnp.int32))
+    carry = (jnp.int32(0), state._replace(**dict.fromkeys(pages.POOL_FIELDS)), cache, out, jnp.zeros((b,), jnp.int32))
     carry = (*carry, jnp.int32(0))
     steps, state, cache, (tokens, logprobs, sample_logprobs, entropies, *routing), num_b, _ = jax.lax.while_loop(
         keep_going, step_fn, carry
     )
-    state = state._replace(k_pages=cache.k_pages, v_pages=cache.v_pages)
+    state = state._replace(**pages.pool_of(cache))
     packed = jnp.concatenate(
         [
             as_float(tokens),

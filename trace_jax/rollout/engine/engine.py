@@ -84,9 +84,7 @@ MIN_COPY_BUCKET = 8
 def _copy_program(state: DecodeState, pairs_c2: jax.Array) -> DecodeState:
     """Copies pages ``pairs_c2[i, 0] -> pairs_c2[i, 1]`` in both pools (forks across shards)."""
     source, dest = pairs_c2[:, 0], pairs_c2[:, 1]
-    return state._replace(
-        k_pages=pages.copy_pages(state.k_pages, source, dest), v_pages=pages.copy_pages(state.v_pages, source, dest)
-    )
+    return state._replace(**pages.copy_pools(state, source, dest))
 
 
 def _cast_floating(params: Any, dtype: str | None) -> Any:
@@ -221,7 +219,9 @@ class Engine:
         cfg, mc = self.config, self.model_config
         b, width = cfg.max_slots, cfg.max_stop_len
         pool_shape = (mc.num_kv_heads, mc.num_layers, cfg.pool_pages, cfg.page, mc.head_dim)
-        stored = pages.pool_dtype(cfg.kv_dtype(mc.compute_dtype), self.platform)  # values or their bits
+        kv_dtype = cfg.kv_dtype(mc.compute_dtype)
+        stored = pages.pool_dtype(kv_dtype, self.platform)  # values or their bits
+        scales = lambda: jnp.ones(pool_shape[:-1], jnp.float32) if pages.is_quantized(kv_dtype) else None
         return DecodeState(
             k_pages=jnp.zeros(pool_shape, stored),
             v_pages=jnp.zeros(pool_shape, stored),
@@ -240,6 +240,8 @@ class Engine:
             eos_e=jnp.asarray(eos),
             bank_logits_rv=jnp.zeros((b, mc.vocab_size), jnp.float32),
             bank_hidden_rd=jnp.zeros((b, mc.hidden_size), jnp.float32),
+            k_scales=scales(),
+            v_scales=scales(),
         )
 
     def _stop_tables(self, stop_sequences, eos_ids):

@@ -62,8 +62,7 @@ def fork_program(state: DecodeState, packed_kc) -> DecodeState:
     put = lambda dst, src: dst.at[child_k].set(src.astype(dst.dtype), mode="drop")
     zeros = jnp.zeros_like(child_k)
     return state._replace(
-        k_pages=pages.copy_pages(state.k_pages, copy_from_k, copy_to_k),
-        v_pages=pages.copy_pages(state.v_pages, copy_from_k, copy_to_k),
+        **pages.copy_pools(state, copy_from_k, copy_to_k),
         lengths_b=put(state.lengths_b, length_k),
         logits_bv=put(state.logits_bv, state.bank_logits_rv[row_k]),
         hidden_bd=put(state.hidden_bd, state.bank_hidden_rd[row_k]),

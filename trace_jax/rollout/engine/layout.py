@@ -52,6 +52,8 @@ STATE_AXES: dict[str, tuple[str | None, ...]] = {
     "eos_e": (None,),
     "bank_logits_rv": ("batch", None),
     "bank_hidden_rd": ("batch", None),
+    "k_scales": ("kv_heads", "layers", "batch", "cache_length"),
+    "v_scales": ("kv_heads", "layers", "batch", "cache_length"),
 }
 
 
@@ -85,7 +87,7 @@ class SamplingLayout:
         shapes = engine.state_shapes()
         return type(shapes)(
             *(
-                logical_sharding(self.mesh, STATE_AXES[name], x.shape)
+                None if x is None else logical_sharding(self.mesh, STATE_AXES[name], x.shape)
                 for name, x in zip(shapes._fields, shapes, strict=True)
             )
         )

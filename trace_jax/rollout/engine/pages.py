@@ -23,6 +23,14 @@ of the cache dtype's width, ``attention.as_bits``): the scatter of new keys and 
 step), and a layer's window is viewed in the cache dtype after its gather. On TPU they hold the values
 themselves (``pool_dtype``): XLA:TPU scatters bf16 in place, and the paged-attention kernel reads the pool
 as it lies (a ``bitcast_convert_type`` of the whole pool compiles to a copy of it on TPU).
+
+The int8 cache (``EngineConfig.cache_dtype="int8"``): the pools hold int8 values and two more pools, ``k_scales``
+/ ``v_scales`` float32 ``[kv_heads, layers, pages, page_size]``, one scale per position and KV head (the row of
+``head_dim`` values it quantizes): ``value = q * scale / QUANT_DIVISOR`` (``quantize`` / ``dequantize``), so each
+position's error is at most half a step of its own row's largest magnitude, whatever the other rows hold. A
+scale is set once, when its position is written, like its values: no page is ever re-quantized. The scale pools
+follow the value pools everywhere pages move (``POOL_FIELDS``: forks' copies, appends, the decode loop); with a
+float cache they are ``None``.
 """
 
 from __future__ import annotations
@@ -41,6 +49,13 @@ from trace_jax.models import attention as attention_lib
 from trace_jax.parallel.mesh import constrain
 
 TRASH_PAGE = 0
+# The pools a page lives in: values, and the int8 cache's scales (``None`` for a float cache).
+POOL_FIELDS = ("k_pages", "v_pages", "k_scales", "v_scales")
+# value = int8 * scale / QUANT_DIVISOR, the convention of jax's paged-attention quantization
+# (``quantization_utils.from_int8``); ``quantize`` stores scale = row max * QUANT_DIVISOR / QUANT_MAX so that
+# a row's largest value lands on +-QUANT_MAX exactly (never past int8's range).
+QUANT_DIVISOR = 127.5
+QUANT_MAX = 127
 
 
 @dataclasses.dataclass
@@ -192,11 +207,56 @@ class PagePool:
 
 
 # ------------------------------------------------------------------------------------------- device
+def is_quantized(dtype: Any) -> bool:
+    """Whether a cache of ``dtype`` holds int8 values with per-position scales (see the module docstring)."""
+    return jnp.dtype(dtype) == jnp.int8
+
+
 def pool_dtype(dtype: Any, platform: str) -> jnp.dtype:
-    """The element type of a pool of ``dtype`` values on ``platform``'s devices: the values on TPU, their bits
-    (``attention.bits_dtype``) elsewhere (see the module docstring)."""
+    """The element type of a pool of ``dtype`` values on ``platform``'s devices: the values on TPU (and int8
+    everywhere), their bits (``attention.bits_dtype``) elsewhere (see the module docstring)."""
     dtype = jnp.dtype(dtype)
-    return dtype if platform == "tpu" else attention_lib.bits_dtype(dtype)
+    return dtype if platform == "tpu" or is_quantized(dtype) else attention_lib.bits_dtype(dtype)
+
+
+def quantize(x_ne: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """int8 values [..., E] and float32 scales [...] of ``x_ne``: one scale per row of the last axis."""
+    x_ne = x_ne.astype(jnp.float32)
+    top_n = jnp.max(jnp.abs(x_ne), axis=-1)
+    scale_n = jnp.where(top_n > 0, top_n, 1.0) * (QUANT_DIVISOR / QUANT_MAX)
+    q_ne = jnp.clip(jnp.rint(x_ne * (QUANT_DIVISOR / scale_n[..., None])), -QUANT_MAX, QUANT_MAX)
+    return q_ne.astype(jnp.int8), scale_n
+
+
+def dequantize(q_ne: jax.Array, scale_n: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
+    """The values int8 ``q_ne`` [..., E] with scales ``scale_n`` [...] stand for, in ``dtype``."""
+    return (q_ne.astype(jnp.float32) * (scale_n[..., None] / QUANT_DIVISOR)).astype(dtype)
+
+
+def store(pools: dict[str, Any], index: tuple, k_new: jax.Array, v_new: jax.Array, dtype: Any) -> dict[str, Any]:
+    """``pools`` (``pool_of``) with new keys / values [..., E] written at ``index`` (an index of the pools'
+    first four axes; out-of-bounds entries dropped) as a cache of ``dtype`` holds them: the values or their
+    bits, or int8 values and their scales (``quantize``)."""
+    out = dict(pools)
+    for name, new in (("k", k_new), ("v", v_new)):
+        pool = pools[f"{name}_pages"]
+        if is_quantized(dtype):
+            q, scale = quantize(new)
+            out[f"{name}_pages"] = pool.at[index].set(q, mode="drop")
+            out[f"{name}_scales"] = pools[f"{name}_scales"].at[index].set(scale, mode="drop")
+        else:
+            out[f"{name}_pages"] = pool.at[index].set(as_dtype(new.astype(dtype), pool.dtype), mode="drop")
+    return out
+
+
+def pool_of(x: Any) -> dict[str, Any]:
+    """The pools of ``x`` (a ``DecodeState`` or ``PagedKVCache``) by field name (``POOL_FIELDS``)."""
+    return {name: getattr(x, name) for name in POOL_FIELDS}
+
+
+def copy_pools(x: Any, source_n: jax.Array, dest_n: jax.Array) -> dict[str, Any]:
+    """``copy_pages`` applied to every pool of ``x`` (``pool_of``); a ``None`` pool stays ``None``."""
+    return {name: None if pool is None else copy_pages(pool, source_n, dest_n) for name, pool in pool_of(x).items()}
 
 
 def as_dtype(x: jax.Array, dtype: Any) -> jax.Array:
@@ -215,7 +275,7 @@ def position_index(table_bp: jax.Array, positions_bs: jax.Array, page_size: int)
 
 def copy_pages(pool_klpze: jax.Array, source_n: jax.Array, dest_n: jax.Array) -> jax.Array:
     """Copies pages ``source_n[i] -> dest_n[i]`` in every layer (the fork's copy of a partly filled page; a
-    scatter in place)."""
+    scatter in place). Any pool whose third axis is the page: values ``[K, L, P, Z, E]`` or scales ``[K, L, P, Z]``."""
     return pool_klpze.at[:, :, dest_n].set(pool_klpze[:, :, source_n])
 
 
@@ -228,7 +288,8 @@ class PagedKVCache:
     (``pool_dtype``); a shard's block of it, reshaped to ``[kv_heads, layers * pages, page_size, head_dim]`` (a
     bitcast), is the page operand of the Pallas paged-attention kernel, every layer at once; table_bp: int32 [B,
     pages per slot]; lengths: int32 [B] valid positions per slot; window_w: int32 [W] = 0..W-1, the positions attention
-    reads (its length is the static window); dtype (static): the cache's value dtype.
+    reads (its length is the static window); dtype (static): the cache's value dtype; k_scales / v_scales: float32
+    [kv_heads, layers, pages, page_size] with an int8 ``dtype`` (see the module docstring), else ``None``.
 
     It has the two methods ``trace_jax.models.attention.attend_cached`` needs (``write_layer``,
     ``read_layer``: the gather-based reference path, any backend) and ``attend_layer``, which runs the TPU
@@ -243,6 +304,8 @@ class PagedKVCache:
     window_w: jax.Array
     dtype: Any = dataclasses.field(metadata={"static": True}, default=jnp.bfloat16)
     kernel: Any = dataclasses.field(metadata={"static": True}, default=None)  # a ``DecodeKernel`` or None
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
 
     def _replace(self, **fields: Any) -> PagedKVCache:
         """A copy with ``fields`` replaced (the interface the model's caches share)."""
@@ -264,9 +327,7 @@ class PagedKVCache:
         # is a traced scalar or a Python int.
         heads_11k = jnp.arange(self.k_pages.shape[0])[None, None, :]
         index = (heads_11k, layer, pages_bt[..., None], offsets_bt[..., None])
-        stored = lambda pool, new_btke: as_dtype(new_btke.astype(self.dtype), pool.dtype)
-        write = lambda pool, new_btke: pool.at[index].set(stored(pool, new_btke), mode="drop")
-        return self._replace(k_pages=write(self.k_pages, k_btke), v_pages=write(self.v_pages, v_btke))
+        return self._replace(**store(pool_of(self), index, k_btke, v_btke, self.dtype))
 
     def read_layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
         """One layer's keys and values of the window's positions 0..W-1, [B, W, kv_heads, head_dim] each, read
@@ -277,15 +338,21 @@ class PagedKVCache:
         columns = min(-(-window // self.page_size), self.table_bp.shape[1])
         table_bn = constrain(self.table_bp[:, :columns], ("batch", None))
 
-        def read(pool_klpze):
+        def read(pool_klpz_):
             # The layer's pool whole on each slot shard, then the shard's own slots (see ``layout``'s limit).
-            blocks_kbnze = constrain(pool_klpze[:, layer], (None, None, None, None))[:, table_bn]
-            blocks_kbnze = constrain(blocks_kbnze, (None, "batch", None, None, None))
-            k, _, _, z, e = blocks_kbnze.shape
-            bits_bwke = jnp.moveaxis(blocks_kbnze.reshape(k, b, columns * z, e)[:, :, :window], 0, 2)
-            return as_dtype(bits_bwke, self.dtype)
+            tail = (None,) * (pool_klpz_.ndim - 2)
+            blocks_kbnz_ = constrain(
+                constrain(pool_klpz_[:, layer], (None, *tail))[:, table_bn], (None, "batch", *tail)
+            )
+            k, _, _, z = blocks_kbnz_.shape[:4]
+            bits_bwk_ = jnp.moveaxis(
+                blocks_kbnz_.reshape(k, b, columns * z, *blocks_kbnz_.shape[4:])[:, :, :window], 0, 2
+            )
+            return bits_bwk_
 
-        return read(self.k_pages), read(self.v_pages)
+        if not is_quantized(self.dtype):
+            return as_dtype(read(self.k_pages), self.dtype), as_dtype(read(self.v_pages), self.dtype)
+        return dequantize(read(self.k_pages), read(self.k_scales)), dequantize(read(self.v_pages), read(self.v_scales))
 
     def attend_layer(
         self, layer: jax.Array, q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array, positions_bt, implementation
@@ -343,12 +410,13 @@ class DecodeKernel:
         b, _, h, e = q_bthe.shape
         slots = self.slot_axes or None
         heads = self.head_axis
-        pool_spec = P(heads, None, slots, None, None)
         block = self.pages_per_compute_block
         dtype, page_size = cache.dtype, cache.page_size
+        pools = {name: pool for name, pool in pool_of(cache).items() if pool is not None}
+        specs = {name: P(heads, None, slots, *(None,) * (pool.ndim - 3)) for name, pool in pools.items()}
 
-        def local(k_pool, v_pool, table_bp, q_bhe, k_bke, v_bke, position_b, layer):
-            heads_here, layers, num_local_pages = k_pool.shape[:3]
+        def local(pools, table_bp, q_bhe, k_bke, v_bke, position_b, layer):
+            heads_here, layers, num_local_pages = pools["k_pages"].shape[:3]
             shard = jnp.int32(0)
             for axis in self.slot_axes:  # major to minor, as a NamedSharding splits over an axis tuple
                 shard = shard * self.mesh.shape[axis] + jax.lax.axis_index(axis)
@@ -357,38 +425,45 @@ class DecodeKernel:
             pages_b, offsets_b = position_index(table_bp, position_b[:, None], page_size)
             pages_b = jnp.minimum(pages_b[:, 0], num_local_pages)  # past the table: out of bounds, dropped
             heads_1k = jnp.arange(heads_here)[None, :]
-            index = (heads_1k, layer, pages_b[:, None], offsets_b)
-            stored = lambda new_bke: as_dtype(new_bke.astype(dtype), k_pool.dtype)
-            k_pool = k_pool.at[index].set(stored(k_bke), mode="drop")
-            v_pool = v_pool.at[index].set(stored(v_bke), mode="drop")
-            # Every layer's pages in one page axis (layer-major): layer ``layer``'s page p is page
-            # ``layer * num_local_pages + p``.
-            view = lambda pool: as_dtype(pool.reshape(heads_here, layers * num_local_pages, *pool.shape[3:]), dtype)
+            pools = store(pools, (heads_1k, layer, pages_b[:, None], offsets_b), k_bke, v_bke, dtype)
+            if is_quantized(dtype):
+                # The kernel's own int8 mode would broadcast the scales to head_dim in HBM (a float32 array
+                # the size of the pool); the layer's pages dequantized once are read instead.
+                view = lambda name: dequantize(
+                    pools[f"{name}_pages"][:, layer], pools[f"{name}_scales"][:, layer], q_bhe.dtype
+                )
+                k_view, v_view, table_layer = view("k"), view("v"), table_bp
+            else:
+                # Every layer's pages in one page axis (layer-major): layer ``layer``'s page p is page
+                # ``layer * num_local_pages + p``.
+                view = lambda pool: as_dtype(pool.reshape(heads_here, layers * num_local_pages, *pool.shape[3:]), dtype)
+                k_view, v_view = view(pools["k_pages"]), view(pools["v_pages"])
+                table_layer = table_bp + layer * num_local_pages
             out_bhe = paged_attention.paged_decode(
                 q_bhe,
-                view(k_pool),
-                view(v_pool),
+                k_view,
+                v_view,
                 # The new token sees itself and every earlier position; a slot past its table (a full one
                 # that is not running) reads no column beyond it.
                 jnp.minimum(position_b + 1, table_bp.shape[1] * page_size),
-                table_bp + layer * num_local_pages,
+                table_layer,
                 pages_per_compute_block=block,
                 interpret=self.interpret,
             )
-            return k_pool, v_pool, out_bhe.astype(q_bhe.dtype)
+            return pools, out_bhe.astype(q_bhe.dtype)
 
         run = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(pool_spec, pool_spec, P(slots), P(slots, heads), P(slots, heads), P(slots, heads), P(slots), P()),
-            out_specs=(pool_spec, pool_spec, P(slots, heads)),
+            in_specs=(specs, P(slots), P(slots, heads), P(slots, heads), P(slots, heads), P(slots), P()),
+            out_specs=(specs, P(slots, heads)),
             check_vma=False,
         )
-        k_pool, v_pool, out_bhe = run(
-            cache.k_pages, cache.v_pages, cache.table_bp, q_bthe[:, 0], k_btke[:, 0], v_btke[:, 0],
+        pools, out_bhe = run(
+            pools, cache.table_bp, q_bthe[:, 0], k_btke[:, 0], v_btke[:, 0],
             positions_bt[:, 0].astype(jnp.int32), jnp.asarray(layer, jnp.int32),
         )  # fmt: skip
-        return out_bhe.reshape(b, 1, h, e), cache._replace(k_pages=k_pool, v_pages=v_pool)
+        return out_bhe.reshape(b, 1, h, e), cache._replace(**pools)
 
 
 def choose_decode_kernel(
@@ -409,7 +484,9 @@ def choose_decode_kernel(
     if model_config.attention not in ("auto", "splash"):
         return None, f"reference: ModelConfig.attention={model_config.attention!r}"
     head_dim = model_config.head_dim
-    kv_dtype = jnp.dtype(engine_config.kv_dtype(model_config.compute_dtype)).name
+    kv_dtype = jnp.dtype(engine_config.kv_dtype(model_config.compute_dtype))
+    # An int8 cache reaches the kernel as one layer dequantized to the compute dtype (``DecodeKernel``).
+    kv_dtype = jnp.dtype(model_config.compute_dtype if is_quantized(kv_dtype) else kv_dtype).name
     pages_per_slot = engine_config.pages_per_slot
     block = paged_attention.pages_per_compute_block(pages_per_slot)
     pool_spec = tuple(state_shardings.k_pages.spec) + (None,) * 5

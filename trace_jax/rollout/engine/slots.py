@@ -29,7 +29,7 @@ class DecodeState(NamedTuple):
     """Everything the decode slots carry between calls (device pytree; donated by every program).
 
     k_pages / v_pages: the KV page pool [kv_heads, layers, pages, page_size, head_dim], the cache dtype's
-      values or their bits (``trace_jax.rollout.engine.pages.pool_dtype``).
+      values or their bits (``trace_jax.rollout.engine.pages.pool_dtype``); int8 values with an int8 cache.
     lengths_b: int32 [B] valid cache positions of each slot.
     logits_bv: float32 [B, V] next-token logits of each slot (from its last forward).
     hidden_bd: float32 [B, D] final hidden state at each slot's last token.
@@ -42,6 +42,8 @@ class DecodeState(NamedTuple):
     eos_e: int32 [E] EOS ids (-1 unused).
     bank_logits_rv / bank_hidden_rd: float32 [R, V] / [R, D] next-token logits and hidden state of kept
       prefixes (``Prefix``), the rows forks start from; R = max_slots.
+    k_scales / v_scales: float32 [kv_heads, layers, pages, page_size], the int8 cache's scales (``None`` for a
+      float cache; ``trace_jax.rollout.engine.pages``).
     """
 
     k_pages: jax.Array
@@ -61,6 +63,8 @@ class DecodeState(NamedTuple):
     eos_e: jax.Array
     bank_logits_rv: jax.Array
     bank_hidden_rd: jax.Array
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
 
 
 @dataclasses.dataclass
