@@ -184,6 +184,31 @@ def adapter_state(params: Any) -> Any:
     return params.filter(lambda path, _: is_adapter_path(path))
 
 
+def base_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The state path of the base projection a factor's path adapts (``(..., "q_proj_lora_a")`` ->
+    ``(..., "q_proj")``)."""
+    return (*path[:-1], str(path[-1]).removesuffix("_lora_a").removesuffix("_lora_b"))
+
+
+def merged(params: Any, scale: float) -> Any:
+    """The params of the same model without adapters: every adapted base ``W`` replaced by
+    ``W + scale * A @ B`` (computed in float32, stored in ``W``'s dtype, as ``weight`` computes it) and the
+    factors dropped. ``scale`` is the adapters' ``alpha / rank``."""
+    flat = dict(nnx.to_flat_state(params))
+    out = []
+    for path, variable in flat.items():
+        if is_adapter_path(path):
+            continue
+        a = flat.get((*path[:-1], _a_name(str(path[-1]))))
+        if a is not None:
+            b = flat[(*path[:-1], _b_name(str(path[-1])))]
+            per_layer = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1))  # factors stack over the layers axis
+            delta = per_layer(a.value.astype(jnp.float32), b.value.astype(jnp.float32)) * scale
+            variable = variable.replace(variable.value + delta.astype(variable.value.dtype))
+        out.append((path, variable))
+    return nnx.from_flat_state(out)
+
+
 def without_adapters(params: Any) -> Any:
     """``params`` with every ``B`` factor zero: the base policy (the reference), sharing the base arrays."""
     return nnx.map_state(lambda path, x: jnp.zeros_like(x) if str(path[-1]).endswith("_lora_b") else x, params)
