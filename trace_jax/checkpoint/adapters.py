@@ -82,11 +82,12 @@ def export(
     base_model: str = "",
     merged_dir: str | os.PathLike | None = None,
     token_ids: dict[str, Any] | None = None,
+    max_shard_bytes: int = 0,
 ) -> None:
     """Writes ``params``' adapters to ``out_dir`` as a PEFT adapter directory; with ``merged_dir``, also the model
-    with the adapters merged into its weights (``W + (alpha / r) A B``) as a plain HF directory (``save_hf``,
-    ``token_ids`` for its config.json). ``base_model``: the ``base_model_name_or_path`` PEFT records (the HF
-    directory or hub name the adapters go on)."""
+    with the adapters merged into its weights (``W + (alpha / r) A B``) as a plain HF directory (``save_hf``, with
+    ``token_ids`` for its config.json and ``max_shard_bytes`` per file). ``base_model``: the
+    ``base_model_name_or_path`` PEFT records (the HF directory or hub name the adapters go on)."""
     if not config.lora_rank or not lora.has_adapters(params):
         raise ValueError("the policy has no LoRA adapters (lora.rank=0): export the whole model with save_hf instead")
     dense_mlp = [p for p, _ in nnx.to_flat_state(lora.adapter_state(params)) if p[:2] == ("dense_layers", "mlp")]
@@ -103,4 +104,4 @@ def export(
         json.dump(peft_config(config, tensors, base_model), f, indent=2)
     if merged_dir is not None:
         base_config = dataclasses.replace(config, lora_rank=0)
-        hf.save_hf(base_config, lora.merged(params, config.lora.scale), merged_dir, token_ids=token_ids)
+        hf.save_hf(base_config, lora.merged(params, config.lora.scale), merged_dir, max_shard_bytes, token_ids)

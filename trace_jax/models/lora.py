@@ -184,6 +184,18 @@ def adapter_state(params: Any) -> Any:
     return params.filter(lambda path, _: is_adapter_path(path))
 
 
+def trained_part(params: Any) -> Any:
+    """What of a policy's params a checkpoint keeps: the adapters when ``params`` has them (the frozen base is
+    rebuilt from the run's start, never saved), else all of ``params``."""
+    return adapter_state(params) if has_adapters(params) else params
+
+
+def with_trained_part(params: Any, trained: Any) -> Any:
+    """``params`` with its trained part replaced by ``trained`` (what ``trained_part`` gave): the adapters merged
+    into ``params``' base, or ``trained`` itself when there are no adapters."""
+    return nnx.merge_state(params, trained) if has_adapters(params) else trained
+
+
 def base_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
     """The state path of the base projection a factor's path adapts (``(..., "q_proj_lora_a")`` ->
     ``(..., "q_proj")``)."""
