@@ -293,10 +293,12 @@ class Training:
         return self._set_engine_weights(self.state.params, self.step)
 
     def _set_engine_weights(self, params: Any, version: int) -> float:
-        """``params`` (policy ``version``, laid out as the trainer's) as the engine's weights; returns the seconds."""
+        """``params`` (policy ``version``, laid out as the trainer's) as the engine's weights; returns the seconds.
+        Once the engine holds the policy, a LoRA policy's sync sends its adapters alone (the base is frozen)."""
         start = time.perf_counter()
         layout = self.sampler.layout
-        self.sampler.set_weights(self.placement.to_engine(self.processes.engine_weights(params, layout), layout))
+        sent = params if self.engine_version < 0 else lora.trained_part(params)
+        self.sampler.set_weights(self.placement.to_engine(self.processes.engine_weights(sent, layout), layout))
         self.engine_version = version
         return time.perf_counter() - start
 

@@ -142,8 +142,8 @@ def is_adapter_path(path: tuple[Any, ...]) -> bool:
 
 
 def has_adapters(params: Any) -> bool:
-    """Whether an ``nnx.State`` of params holds LoRA factors."""
-    return any(is_adapter_path(path) for path, _ in nnx.to_flat_state(params))
+    """Whether ``params`` is an ``nnx.State`` that holds LoRA factors."""
+    return isinstance(params, nnx.State) and any(is_adapter_path(path) for path, _ in nnx.to_flat_state(params))
 
 
 def frozen_base(optimizer: optax.GradientTransformation, params: Any) -> optax.GradientTransformation:
@@ -185,9 +185,30 @@ def adapter_state(params: Any) -> Any:
 
 
 def trained_part(params: Any) -> Any:
-    """What of a policy's params a checkpoint keeps: the adapters when ``params`` has them (the frozen base is
-    rebuilt from the run's start, never saved), else all of ``params``."""
+    """The part of a policy's params that training changes: the adapters when ``params`` has them, else all of
+    ``params``. What a checkpoint keeps (the frozen base is rebuilt from the run's start, never saved) and what a
+    weight sync sends once the engine holds the base (``received``)."""
     return adapter_state(params) if has_adapters(params) else params
+
+
+def adapters_only(params: Any) -> bool:
+    """Whether an ``nnx.State`` holds LoRA factors and nothing else (what ``trained_part`` gives with adapters)."""
+    if not isinstance(params, nnx.State):
+        return False
+    paths = [path for path, _ in nnx.to_flat_state(params)]
+    return bool(paths) and all(is_adapter_path(path) for path in paths)
+
+
+def received(held: Any, incoming: Any) -> Any:
+    """The weights a holder of ``held`` (None: nothing yet) holds after a sync sends it ``incoming``: ``incoming``
+    when it is a whole policy; ``held`` with its LoRA factors replaced when ``incoming`` holds factors alone."""
+    if not adapters_only(incoming):
+        return incoming
+    if held is None or not has_adapters(held):
+        raise ValueError(
+            "a weight sync sent LoRA adapters alone to a holder without the adapted base; send the whole policy first"
+        )
+    return nnx.merge_state(held, incoming)
 
 
 def with_trained_part(params: Any, trained: Any) -> Any:
