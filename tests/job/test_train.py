@@ -437,6 +437,7 @@ def test_a_lora_run_checkpoints_only_the_adapters_and_a_preempted_run_resumes_to
     adapter_values = sum(x.size for x in jax.tree.leaves(saved.state["params"]))
     moments = sum(x.size for x in jax.tree.leaves(saved.state["train"]["opt_state"]) if np.ndim(x) > 0)
     assert moments == 2 * adapter_values  # Adam's two moments, of the adapters alone
+    _the_export_of_a_lora_run_is_its_policy_merged_with_its_adapters_beside(reference, tmp_path / "export")
 
     workdir = tmp_path / "preempted"
     flags = [*LORA, "--config.rl.preemption_grace_s=1200"]  # the step under way always finishes
@@ -463,3 +464,25 @@ def test_a_lora_run_checkpoints_only_the_adapters_and_a_preempted_run_resumes_to
     assert step_a == step_b == 2
     for a, b in zip(params_a, params_b, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _the_export_of_a_lora_run_is_its_policy_merged_with_its_adapters_beside(workdir, out):
+    """``hf export --workdir`` of a LoRA run: the checkpoint's adapters on the run's start (``latest_policy``),
+    written merged (transformers computes our logits) with the PEFT adapters in ``adapter/``."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import torch_logits
+    from trace_jax.checkpoint import adapters
+    from trace_jax.job import build, recipes
+    from trace_jax.models import abstract_model
+
+    assert recipes.export_run(workdir, out) == "rl step 2"
+    start, params, _ = recipes.latest_policy(build.load_run_config(workdir), workdir)
+    assert start.model_config.lora_rank == 4
+    config = json.loads((out / recipes.ADAPTER_DIR / adapters.ADAPTER_CONFIG).read_text())
+    assert (config["r"], config["peft_type"]) == (4, "LORA")
+    ids = np.random.default_rng(0).integers(0, start.model_config.vocab_size, (2, 12))
+    ours = np.asarray(nnx.merge(abstract_model(start.model_config)[0], params)(jnp.asarray(ids)).logits_btv)
+    np.testing.assert_allclose(torch_logits(AutoModelForCausalLM.from_pretrained(out).eval(), ids), ours, atol=1e-4)
