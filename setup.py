@@ -41,6 +41,8 @@ EXTRAS = {
         "gcp-storage-emulator",
         "gcsfs",
         "google-cloud-storage",
+        # the LoRA export is checked by loading it with PEFT (tests/checkpoint/test_adapters.py)
+        "peft==0.21.2",
     ],
     # gs:// workdirs: epath reaches GCS through fsspec (gcsfs); orbax asks the bucket's layout (google-cloud-storage).
     "gcs": ["gcsfs", "google-cloud-storage"],

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.helpers import build_hf_checkpoint, read_safetensors
 from trace_jax.checkpoint import hf
-from trace_jax.checkpoint.hf import KEY_MAP, _write_safetensors, load_hf
+from trace_jax.checkpoint.hf import KEY_MAP, load_hf, write_safetensors
 from trace_jax.job.cli import ExitCode
 from trace_jax.job.commands import hf_main
 
@@ -52,7 +52,7 @@ def test_key_map_reads_both_ways():
 def _rewrite_tensors(path, edit):
     tensors = {k: np.array(v) for k, v in read_safetensors(str(path / "model.safetensors")).items()}
     edit(tensors)
-    _write_safetensors(str(path / "model.safetensors"), tensors)
+    write_safetensors(str(path / "model.safetensors"), tensors)
 
 
 def _copy(src, dst):

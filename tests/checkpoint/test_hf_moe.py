@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.helpers import build_hf_checkpoint, read_safetensors
 from trace_jax.checkpoint import hf
-from trace_jax.checkpoint.hf import _write_safetensors, load_hf
+from trace_jax.checkpoint.hf import load_hf, write_safetensors
 from trace_jax.job.cli import ExitCode
 from trace_jax.job.commands import hf_main
 from trace_jax.models import MoeConfig
@@ -50,6 +50,6 @@ def test_missing_expert_tensor_is_named(tmp_path):
     build_hf_checkpoint(tmp_path, "qwen3_moe")
     tensors = {k: np.array(v) for k, v in read_safetensors(str(tmp_path / "model.safetensors")).items()}
     tensors.pop("model.layers.1.mlp.experts.2.up_proj.weight")
-    _write_safetensors(str(tmp_path / "model.safetensors"), tensors)
+    write_safetensors(str(tmp_path / "model.safetensors"), tensors)
     with pytest.raises(ValueError, match=r"missing tensors: \['model.layers.1.mlp.experts.2.up_proj.weight'\]"):
         load_hf(tmp_path)

@@ -11,7 +11,7 @@ from tests.helpers import build_hf_checkpoint, read_safetensors
 from trace_jax import paths
 from trace_jax.bench import hf_load
 from trace_jax.checkpoint import ranged
-from trace_jax.checkpoint.hf import _write_safetensors, load_hf
+from trace_jax.checkpoint.hf import load_hf, write_safetensors
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def bf16_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_bf16")
     build_hf_checkpoint(path, "qwen3", tie_word_embeddings=False)
     stored = read_safetensors(str(path / "model.safetensors"))
-    _write_safetensors(str(path / "model.safetensors"), {k: v.astype(ml_dtypes.bfloat16) for k, v in stored.items()})
+    write_safetensors(str(path / "model.safetensors"), {k: v.astype(ml_dtypes.bfloat16) for k, v in stored.items()})
     return path
 
 

@@ -415,3 +415,74 @@ def test_sigterm_during_a_step_checkpoints_it_exits_143_and_the_rerun_equals_the
     summary_a = json.loads((reference / "summary.json").read_text())
     summary_b = json.loads((workdir / "summary.json").read_text())
     assert without_run_facts(summary_b) == without_run_facts(summary_a) and summary_b["run"]["resumes"] == 1
+
+
+LORA = [*TINY_MAIN_JOB, "--config.rl.steps=2", "--config.rl.checkpoint_every=2", "--config.lora.rank=4"]
+
+
+def test_a_lora_run_checkpoints_only_the_adapters_and_a_preempted_run_resumes_to_the_uninterrupted_one(cache, tmp_path):
+    """The checkpoints hold the adapters and their optimizer moments, not the frozen base (which the rerun takes
+    from the run's start); stopped after step 1 and rerun, the run ends as the uninterrupted one. Catches a resume
+    that restores the base but keeps fresh adapters, or a checkpoint that drops the adapters."""
+    from trace_jax.job.cli import ExitCode
+
+    reference = tmp_path / "reference"
+    done = subprocess.run(
+        main_job_command(reference, cache, LORA), cwd=ROOT, capture_output=True, text=True, timeout=1800
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    saved = StateCheckpointer(reference / "checkpoints").restore_latest(keys=["params", "train"])
+    names = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(saved.state["params"])]
+    assert names and all("_lora_a'" in name or "_lora_b'" in name for name in names), names
+    adapter_values = sum(x.size for x in jax.tree.leaves(saved.state["params"]))
+    moments = sum(x.size for x in jax.tree.leaves(saved.state["train"]["opt_state"]) if np.ndim(x) > 0)
+    assert moments == 2 * adapter_values  # Adam's two moments, of the adapters alone
+    _the_export_of_a_lora_run_is_its_policy_merged_with_its_adapters_beside(reference, tmp_path / "export")
+
+    workdir = tmp_path / "preempted"
+    flags = [*LORA, "--config.rl.preemption_grace_s=1200"]  # the step under way always finishes
+    process = subprocess.Popen(
+        main_job_command(workdir, cache, flags), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    wait_until_logged(process, workdir, step=1)
+    assert process.poll() is None, "the run ended before the SIGTERM: " + process.stderr.read()[-2000:]
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=1200)
+    assert process.returncode == ExitCode.PREEMPTED, stderr[-3000:]
+    stopped_at = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert stopped_at in (1, 2), stopped_at
+    done = subprocess.run(
+        main_job_command(workdir, cache, flags), cwd=ROOT, capture_output=True, text=True, timeout=1800
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"resuming at RL step {stopped_at} of 2" in done.stderr
+
+    records = records_without_timings(reference)
+    assert any(r["train/grad_norm"] > 0 for r in records if r["step"] == 1)  # premise: step 1 moved the adapters
+    assert records_without_timings(workdir) == records
+    (step_a, params_a), (step_b, params_b) = final_params(reference), final_params(workdir)
+    assert step_a == step_b == 2
+    for a, b in zip(params_a, params_b, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _the_export_of_a_lora_run_is_its_policy_merged_with_its_adapters_beside(workdir, out):
+    """``hf export --workdir`` of a LoRA run: the checkpoint's adapters on the run's start (``latest_policy``),
+    written merged (transformers computes our logits) with the PEFT adapters in ``adapter/``."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import torch_logits
+    from trace_jax.checkpoint import adapters
+    from trace_jax.job import build, recipes
+    from trace_jax.models import abstract_model
+
+    assert recipes.export_run(workdir, out) == "rl step 2"
+    start, params, _ = recipes.latest_policy(build.load_run_config(workdir), workdir)
+    assert start.model_config.lora_rank == 4
+    config = json.loads((out / recipes.ADAPTER_DIR / adapters.ADAPTER_CONFIG).read_text())
+    assert (config["r"], config["peft_type"]) == (4, "LORA")
+    ids = np.random.default_rng(0).integers(0, start.model_config.vocab_size, (2, 12))
+    ours = np.asarray(nnx.merge(abstract_model(start.model_config)[0], params)(jnp.asarray(ids)).logits_btv)
+    np.testing.assert_allclose(torch_logits(AutoModelForCausalLM.from_pretrained(out).eval(), ids), ours, atol=1e-4)

@@ -13,10 +13,13 @@ from trace_jax.models.lora import (
     LoRAConfig,
     LoRAParam,
     adapter_state,
+    adapters_only,
     add_adapters,
     frozen_base,
+    trained_part,
     without_adapters,
 )
+from trace_jax.rollout.engine import Engine, EngineConfig
 
 _CONFIG = ModelConfig(
     vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
@@ -139,3 +142,55 @@ def test_adapt_is_the_identity_at_rank_zero_and_matches_the_adapted_architecture
     abstract = abstract_model(config)[1]
     assert jax.tree.map(lambda x: x.shape, adapted) == jax.tree.map(lambda x: x.shape, abstract)
     assert adapter_state(adapted)["layers"]["attn"]["q_proj_lora_a"].value.shape == (2, 64, 2)
+
+
+def test_a_sync_after_the_first_sends_the_adapters_alone_and_the_engine_holds_the_updated_policy():
+    """The engine takes the whole policy once, then only the factors: it ends holding what a whole-policy sync of
+    the updated policy gives, its base arrays untouched (not moved again). Catches an engine that drops the base
+    for the factors, or keeps its old factors."""
+    config, params = adapt(_CONFIG, nnx.split(create_model(_CONFIG, nnx.Rngs(0)), nnx.Param)[1], LoRAConfig(rank=2), 0)
+    engine = Engine.for_model(config, EngineConfig(max_slots=2, max_len=16, page_size=8, weight_dtype="bfloat16"))
+    engine.set_params(params)
+    base_before = engine.params["layers"]["attn"]["q_proj"].value
+    updated = nnx.merge_state(params, _randomized_b(adapter_state(params)))
+    sent = trained_part(updated)
+    assert adapters_only(sent) and 0 < len(jax.tree.leaves(sent)) < len(jax.tree.leaves(updated))  # premise
+    held = engine.set_params(sent)
+    want = Engine.for_model(config, engine.config).set_params(updated)
+    for got, expected in zip(jax.tree.leaves(held), jax.tree.leaves(want), strict=True):
+        assert got.dtype == expected.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+    assert held["layers"]["attn"]["q_proj"].value is base_before
+    fresh = Engine.for_model(config, engine.config)
+    with pytest.raises(ValueError, match="send the whole policy first"):
+        fresh.set_params(sent)
+
+
+def test_the_rl_update_differentiates_and_steps_the_adapters_alone():
+    """``RLTrainer.update`` on a LoRA policy: gradient accumulators the adapters' size (none for the base), the base
+    bit-identical after the step, the adapters moved. Catches accumulators or gradients formed for the base."""
+    from tests.rl.test_trainer import CONFIG, ONE_STEP, _batch, _step  # the trainer tests' tiny policy and batches
+    from trace_jax.optim import make_optimizer
+    from trace_jax.rl.trainer import LossConfig, RLTrainer
+
+    base = nnx.split(create_model(CONFIG, nnx.Rngs(0)), nnx.Param)[1]
+    config, params = adapt(CONFIG, base, LoRAConfig(rank=2), seed=0)
+    params = nnx.merge_state(params, _randomized_b(adapter_state(params)))  # a zero B leaves A without gradient
+    optimizer = make_optimizer(learning_rate=1e-2, warmup_steps=0, total_steps=10, schedule="constant")
+    trainer = RLTrainer(abstract_model(config)[0], frozen_base(optimizer, params), LossConfig(), update=ONE_STEP)
+    batch = _batch(seed=0)
+    accumulators = jax.eval_shape(trainer._zero_acc, params, jax.tree.map(jnp.asarray, batch))[1]
+    adapter_sizes = sorted(x.size for x in jax.tree.leaves(adapter_state(params)))
+    assert sorted(x.size for x in jax.tree.leaves(accumulators)) == adapter_sizes
+    before = jax.device_get(params)
+    state, metrics = _step(trainer, trainer.init_state(params, jax.random.key(0)), batch)
+    assert metrics["update_applied"] == 1.0 and metrics["grad_norm"] > 0
+    after = jax.device_get(state.params)
+    moved = [
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(adapter_state(after)), jax.tree.leaves(adapter_state(before)), strict=True)
+    ]
+    assert all(moved)
+    frozen = lambda p: p.filter(lambda path, _: not str(path[-1]).endswith(("_lora_a", "_lora_b")))
+    for a, b in zip(jax.tree.leaves(frozen(after)), jax.tree.leaves(frozen(before)), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -2,9 +2,12 @@
 
     python -m trace_jax.bench.lora_sync [--rank 8] [--presets qwen3-tiny,qwen3-8b] [--param-dtype bfloat16] [--out F]
 
-A preset small enough to build (``--build-below`` parameters) is initialised and the bytes of the arrays of its
-param state are counted (``nbytes``); a larger one is counted from its abstract state (``nnx.eval_shape``:
-shapes and dtypes, nothing allocated), which is the same arithmetic without the memory.
+What a sync after the first sends is what the job sends (``Training._set_engine_weights``): ``lora.trained_part``
+of the policy, the adapters alone. A preset small enough to build (``--build-below`` parameters) is initialised,
+synced whole into a decode engine, then synced again with that payload: the bytes counted are those of the arrays
+handed to ``Engine.set_params``, and the engine is checked to hold every weight of the policy afterwards. A larger
+preset is counted from its abstract state (``nnx.eval_shape``: shapes and dtypes, nothing allocated), which is the
+same arithmetic without the memory.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from flax import nnx
 
 from trace_jax.bench.report import emit, machine
 from trace_jax.models import ModelConfig, abstract_model, create_model
-from trace_jax.models.lora import adapter_state
+from trace_jax.models.lora import trained_part
+from trace_jax.rollout.engine import Engine, EngineConfig
 
 
 def _nbytes(state: Any) -> int:
@@ -29,8 +33,13 @@ def _nbytes(state: Any) -> int:
 def sync_bytes(config: ModelConfig, build: bool) -> dict[str, Any]:
     """Full-policy and adapter-only bytes of ``config`` (which carries ``lora_rank``)."""
     params = nnx.split(create_model(config, nnx.Rngs(0)), nnx.Param)[1] if build else abstract_model(config)[1]
-    adapters = adapter_state(params)
+    adapters = trained_part(params)  # what the job sends after its first sync
     full = _nbytes(params) - _nbytes(adapters)  # the policy a full fine-tune syncs: no adapters in it
+    if build:  # the real calls: a whole sync, then the adapters alone; the engine then holds the whole policy
+        engine = Engine.for_model(config, EngineConfig(max_slots=1, max_len=16, page_size=8, weight_dtype=None))
+        engine.set_params(params)
+        held = engine.set_params(adapters)
+        assert jax.tree.structure(held) == jax.tree.structure(params)
     return {
         "counted": "arrays" if build else "abstract shapes",
         "param_dtype": config.param_dtype,

@@ -152,7 +152,7 @@ def _stacked_axes(our_key: str) -> int:
     return ("{layer}" in hf) + ("{expert}" in hf)
 
 
-def _slots(config: ModelConfig, our_key: str, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], str, Any]]:
+def hf_slots(config: ModelConfig, our_key: str, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], str, Any]]:
     """Every HF tensor of one of our parameters: ``(index into our leading stacked axes, HF key, transform)``;
     the rows of a layer stack are the HF layers ``config.layer_stacks()`` lists for it."""
     axes = _stacked_axes(our_key)
@@ -173,7 +173,7 @@ def _slots(config: ModelConfig, our_key: str, shape: tuple[int, ...]) -> list[tu
 _ST_NAMES = {v: k for k, v in ranged.ST_DTYPES.items()}
 
 
-def _write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
+def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, value in tensors.items():
         header[name] = {"dtype": _ST_NAMES[value.dtype], "shape": list(value.shape), "data_offsets": [offset, 0]}
@@ -220,7 +220,7 @@ def load_hf(
     wanted: dict[str, tuple[str, tuple[int, ...], Reshape | Transpose, tuple[int, ...]]] = {}
     for key, variable in expected.items():
         shape = tuple(variable.value.shape)
-        for index, hf_key, transform in _slots(config, key, shape):
+        for index, hf_key, transform in hf_slots(config, key, shape):
             wanted[hf_key] = (key, index, transform, transform.hf_shape(shape[len(index) :]))
     unexpected = sorted(k for k in tensors if k not in wanted)
     missing = [k for k in wanted if k not in tensors]
@@ -303,7 +303,7 @@ def save_hf(
     tensors = {}
     for key, variable in _flat(params):
         value = np.asarray(jax.device_get(variable.value))
-        for index, hf_key, transform in _slots(config, key, value.shape):
+        for index, hf_key, transform in hf_slots(config, key, value.shape):
             tensors[hf_key] = transform.to_hf(value[index])
     shards: list[dict[str, np.ndarray]] = [{}]
     for name, value in tensors.items():
@@ -315,12 +315,12 @@ def save_hf(
             shards.append({})
         shards[-1][name] = value
     if len(shards) == 1:
-        _write_safetensors(os.path.join(out_dir, "model.safetensors"), shards[0])
+        write_safetensors(os.path.join(out_dir, "model.safetensors"), shards[0])
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_safetensors(os.path.join(out_dir, filename), shard)
+            write_safetensors(os.path.join(out_dir, filename), shard)
             weight_map.update(dict.fromkeys(shard, filename))
         total = sum(v.nbytes for v in tensors.values())
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:

@@ -27,6 +27,7 @@ import jax
 from flax import nnx
 
 from trace_jax import paths
+from trace_jax.checkpoint import adapters
 from trace_jax.checkpoint.hf import HF_SIDE_FILES, TOKEN_ID_KEYS, hf_token_ids, load_hf, save_hf
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.configs import RECIPES, Reads, RunConfig, schema
@@ -37,11 +38,13 @@ from trace_jax.data.tokenizer import load_tokenizer
 from trace_jax.envs.react import ReActEnv
 from trace_jax.envs.retrieval.retriever import build_retriever
 from trace_jax.job import build, cli
-from trace_jax.models import ModelConfig
+from trace_jax.models import ModelConfig, adapt, lora
 from trace_jax.parallel import multihost
 from trace_jax.registry import Registry
 
 EXPORT_DIR = "hf_export"
+# A LoRA policy's export: its adapters in PEFT's form, in this folder of the (merged) HF directory.
+ADAPTER_DIR = "adapter"
 # Everything of a HF checkpoint directory that describes its tokenizer and generation defaults.
 TOKENIZER_FILES = HF_SIDE_FILES
 GENERATION_CONFIG = "generation_config.json"
@@ -224,17 +227,21 @@ def latest_policy(config: RunConfig, workdir: pathlib.Path, mesh: Any = None) ->
     """The newest policy of a run: the latest RL checkpoint's params, else the starting policy's; with the
     run's start (world, model config) and a description of which policy it is."""
     start = source_of(config).start(config, paths.as_path(workdir), mesh)
+    # lora.rank > 0: the checkpoint holds the adapters alone; the policy is the start's base with them.
+    model_config, params = adapt(start.model_config, start.params, config.lora, config.seed)
     restored = StateCheckpointer(paths.as_path(workdir) / build.CHECKPOINTS).restore_latest(
-        target={"params": start.params}, keys=["params"]
+        target={"params": lora.trained_part(params)}, keys=["params"]
     )
     if restored is None:
         return start, start.params, start.source
-    return start, restored.state["params"], f"rl step {restored.step}"
+    start = dataclasses.replace(start, model_config=model_config)
+    return start, lora.with_trained_part(params, restored.state["params"]), f"rl step {restored.step}"
 
 
 def export_policy(start: Start, params: nnx.State, out: str | pathlib.Path, max_shard_bytes: int = 0) -> pathlib.Path:
     """Writes ``params`` of the run that began at ``start`` as a HF checkpoint directory (``save_hf``, with
-    the start's token ids in config.json) and copies the tokenizer files of ``start.tokenizer_dir`` beside it,
+    the start's token ids in config.json; a LoRA policy merged, its adapters also in PEFT's form under
+    ``ADAPTER_DIR``) and copies the tokenizer files of ``start.tokenizer_dir`` beside it,
     so ``AutoModelForCausalLM`` and ``AutoTokenizer`` both load ``out``; ``generation_config.json`` comes from
     the start checkpoint's directory when it has one. ``out`` may be a bucket URL: the directory is written
     locally, then copied up."""
@@ -244,7 +251,12 @@ def export_policy(start: Start, params: nnx.State, out: str | pathlib.Path, max_
             paths.copy_tree(local, out)
         return paths.as_path(out)
     out = pathlib.Path(out)
-    save_hf(start.model_config, params, out, max_shard_bytes, token_ids=start.token_ids)
+    if lora.has_adapters(params):  # the merged model where the policy goes, its adapters in PEFT's form beside
+        adapters.export(
+            start.model_config, params, out / ADAPTER_DIR, start.directory, out, start.token_ids, max_shard_bytes
+        )
+    else:
+        save_hf(start.model_config, params, out, max_shard_bytes, token_ids=start.token_ids)
     tokenizer_dir = paths.as_path(start.tokenizer_dir)  # local or a bucket
     copied = [name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
     if "tokenizer.json" not in copied and "tokenizer.model" not in copied:

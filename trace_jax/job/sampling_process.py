@@ -34,7 +34,7 @@ from trace_jax.cluster.processes import Processes
 from trace_jax.configs import RunConfig
 from trace_jax.job import build, recipes
 from trace_jax.job.sampling import SamplingSide
-from trace_jax.models import ModelConfig
+from trace_jax.models import ModelConfig, lora
 from trace_jax.parallel.mesh import make_mesh
 
 # The calls a child serves: ``SamplingSide``'s methods that cross the pipe.
@@ -112,8 +112,9 @@ class SamplingProcess:
 
     def set_weights(self, weights: Any) -> None:
         # The host copy sent is kept: ``weights`` answers with it while the child is busy sampling.
-        self._weights = jax.device_get(weights)
-        self._call("set_weights", self._weights)
+        sent = jax.device_get(weights)
+        self._call("set_weights", sent)
+        self._weights = lora.received(self._weights, sent)
 
     def weights(self) -> Any:
         """A host copy of the weights the child's engine holds (the ones last sent)."""

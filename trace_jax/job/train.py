@@ -227,7 +227,9 @@ def _train(config: RunConfig, workdir: epath.Path, console: Console, logs: paths
     finally:
         writer.close()
         run.close(wait=not TERMINATION.requested)  # a SIGTERM's stop leaves rollouts in flight behind
-    final = dataclasses.replace(run.start, params=run.state.params, source=f"rl step {run.step}")
+    final = dataclasses.replace(
+        run.start, model_config=run.model_config, params=run.state.params, source=f"rl step {run.step}"
+    )
     exports = run.source.finish(config, workdir, final)  # search_r1: the HF export (collective)
     summary = distributed.run_on_main(_finish, run, workdir, logs, exports)
     console.log(f"finished: {run.step} RL steps")

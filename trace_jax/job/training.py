@@ -152,9 +152,10 @@ class Training:
         self, step: int, sampling: dict[str, Any], force: bool, sampled_ahead: bool = False, dropped_ahead: bool = False
     ) -> None:
         """Checkpoints the train state as step ``step`` with the sampling side's state ``sampling``."""
-        # The policy is its own entry (evaluation restores just it); "train" holds the rest of the state once.
+        # The policy is its own entry (evaluation restores just it); "train" holds the rest of the state once. With
+        # adapters, the policy entry holds them alone: the frozen base comes from the run's start on resume.
         state = {
-            "params": self.state.params,
+            "params": lora.trained_part(self.state.params),
             "train": self.state._replace(params=None),
             "scheduler": sampling["scheduler"],
         }
@@ -254,12 +255,14 @@ class Training:
 
     def resume(self) -> bool:
         # The scheduler state has data-dependent shapes (a replay buffer that grows): restore it as saved.
-        target = {"params": self.state.params, "train": self.state._replace(params=None), "scheduler": None}
+        policy = lora.trained_part(self.state.params)  # with adapters: those alone (the base is this run's start)
+        target = {"params": policy, "train": self.state._replace(params=None), "scheduler": None}
         restored = self.checkpointer.restore_latest(target=target)
         if restored is None:
             return False
         meta = restored.metadata
-        self.state = restored.state["train"]._replace(params=restored.state["params"])
+        params = lora.with_trained_part(self.state.params, restored.state["params"])
+        self.state = restored.state["train"]._replace(params=params)
         self.sampler.load_state_dict(
             {"scheduler": restored.state["scheduler"], "prompts": meta["prompts"], "runner": meta["runner"]}
         )
@@ -290,10 +293,12 @@ class Training:
         return self._set_engine_weights(self.state.params, self.step)
 
     def _set_engine_weights(self, params: Any, version: int) -> float:
-        """``params`` (policy ``version``, laid out as the trainer's) as the engine's weights; returns the seconds."""
+        """``params`` (policy ``version``, laid out as the trainer's) as the engine's weights; returns the seconds.
+        Once the engine holds the policy, a LoRA policy's sync sends its adapters alone (the base is frozen)."""
         start = time.perf_counter()
         layout = self.sampler.layout
-        self.sampler.set_weights(self.placement.to_engine(self.processes.engine_weights(params, layout), layout))
+        sent = params if self.engine_version < 0 else lora.trained_part(params)
+        self.sampler.set_weights(self.placement.to_engine(self.processes.engine_weights(sent, layout), layout))
         self.engine_version = version
         return time.perf_counter() - start
 

@@ -142,8 +142,8 @@ def is_adapter_path(path: tuple[Any, ...]) -> bool:
 
 
 def has_adapters(params: Any) -> bool:
-    """Whether an ``nnx.State`` of params holds LoRA factors."""
-    return any(is_adapter_path(path) for path, _ in nnx.to_flat_state(params))
+    """Whether ``params`` is an ``nnx.State`` that holds LoRA factors."""
+    return isinstance(params, nnx.State) and any(is_adapter_path(path) for path, _ in nnx.to_flat_state(params))
 
 
 def frozen_base(optimizer: optax.GradientTransformation, params: Any) -> optax.GradientTransformation:
@@ -182,6 +182,64 @@ class TrainedSubset(NamedTuple):
 def adapter_state(params: Any) -> Any:
     """The LoRA factors of an ``nnx.State`` of params (what a weight sync or an adapter export moves)."""
     return params.filter(lambda path, _: is_adapter_path(path))
+
+
+def trained_part(params: Any) -> Any:
+    """The part of a policy's params that training changes: the adapters when ``params`` has them, else all of
+    ``params``. What a checkpoint keeps (the frozen base is rebuilt from the run's start, never saved) and what a
+    weight sync sends once the engine holds the base (``received``)."""
+    return adapter_state(params) if has_adapters(params) else params
+
+
+def adapters_only(params: Any) -> bool:
+    """Whether an ``nnx.State`` holds LoRA factors and nothing else (what ``trained_part`` gives with adapters)."""
+    if not isinstance(params, nnx.State):
+        return False
+    paths = [path for path, _ in nnx.to_flat_state(params)]
+    return bool(paths) and all(is_adapter_path(path) for path in paths)
+
+
+def received(held: Any, incoming: Any) -> Any:
+    """The weights a holder of ``held`` (None: nothing yet) holds after a sync sends it ``incoming``: ``incoming``
+    when it is a whole policy; ``held`` with its LoRA factors replaced when ``incoming`` holds factors alone."""
+    if not adapters_only(incoming):
+        return incoming
+    if held is None or not has_adapters(held):
+        raise ValueError(
+            "a weight sync sent LoRA adapters alone to a holder without the adapted base; send the whole policy first"
+        )
+    return nnx.merge_state(held, incoming)
+
+
+def with_trained_part(params: Any, trained: Any) -> Any:
+    """``params`` with its trained part replaced by ``trained`` (what ``trained_part`` gave): the adapters merged
+    into ``params``' base, or ``trained`` itself when there are no adapters."""
+    return nnx.merge_state(params, trained) if has_adapters(params) else trained
+
+
+def base_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The state path of the base projection a factor's path adapts (``(..., "q_proj_lora_a")`` ->
+    ``(..., "q_proj")``)."""
+    return (*path[:-1], str(path[-1]).removesuffix("_lora_a").removesuffix("_lora_b"))
+
+
+def merged(params: Any, scale: float) -> Any:
+    """The params of the same model without adapters: every adapted base ``W`` replaced by
+    ``W + scale * A @ B`` (computed in float32, stored in ``W``'s dtype, as ``weight`` computes it) and the
+    factors dropped. ``scale`` is the adapters' ``alpha / rank``."""
+    flat = dict(nnx.to_flat_state(params))
+    out = []
+    for path, variable in flat.items():
+        if is_adapter_path(path):
+            continue
+        a = flat.get((*path[:-1], _a_name(str(path[-1]))))
+        if a is not None:
+            b = flat[(*path[:-1], _b_name(str(path[-1])))]
+            per_layer = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1))  # factors stack over the layers axis
+            delta = per_layer(a.value.astype(jnp.float32), b.value.astype(jnp.float32)) * scale
+            variable = variable.replace(variable.value + delta.astype(variable.value.dtype))
+        out.append((path, variable))
+    return nnx.from_flat_state(out)
 
 
 def without_adapters(params: Any) -> Any:

@@ -56,6 +56,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_jax.config_utils import documented
+from trace_jax.models import lora
 from trace_jax.models.moe import RouterStats, router_aux_loss
 from trace_jax.optim import guarded_update, init_sharded
 from trace_jax.parallel import multihost
@@ -213,7 +214,9 @@ class RLTrainer:
     Args:
       graphdef: the policy's graph definition (``nnx.split(model, nnx.Param)[0]``); its model must have
         ``hidden`` (with packed-row arguments) and ``logits``, as ``Qwen`` does.
-      optimizer: e.g. ``trace_jax.optim.make_optimizer(...)``.
+      optimizer: e.g. ``trace_jax.optim.make_optimizer(...)``. The update differentiates and steps
+        ``lora.trained_part(params)``: all of them, or a LoRA policy's adapters alone (its optimizer then one whose
+        state covers only them, ``lora.frozen_base``); the frozen base gets no gradient and no accumulator.
       loss_config: what the loss does (``LossConfig``).
       mesh: device mesh with axes (data, fsdp, tensor); None runs on the default device.
       reference_params: frozen params of the reference policy (needed when ``kl_coef != 0``, unused otherwise).
@@ -465,7 +468,7 @@ class RLTrainer:
         metric_shapes = jax.eval_shape(lambda p, b: self._loss_and_metrics(p, b, 1.0)[1], params, micro)
         return (
             jnp.zeros((), jnp.float32),
-            jax.tree.map(jnp.zeros_like, params),
+            jax.tree.map(jnp.zeros_like, lora.trained_part(params)),
             {
                 k: tuple(jnp.full(s.shape, -jnp.inf if k.endswith("_max") else 0.0, s.dtype) for s in pair)
                 for k, pair in metric_shapes.items()
@@ -480,10 +483,15 @@ class RLTrainer:
         if not self.loss_config.kl_coef:
             micro = micro._replace(ref_logprobs=None)
         loss_sum, grads_sum, metrics_sum = acc
-        grad_fn = jax.value_and_grad(self._loss_and_metrics, has_aux=True)
+
+        def loss_of_trained(trained: Any, params: Any, *rest: Any) -> Any:
+            return self._loss_and_metrics(lora.with_trained_part(params, trained), *rest)
+
+        # Differentiated in the trained part alone (with LoRA the adapters: no base-sized gradient is formed).
+        grad_fn = jax.value_and_grad(loss_of_trained, has_aux=True)
         if slice_count(self.mesh) > 1:  # each slice keeps its own partial gradient: nothing crosses DCN here
-            grad_fn = per_slice(grad_fn, self.mesh, split=(1,))
-        (loss, metrics), grads = grad_fn(params, micro, denominator, counts)
+            grad_fn = per_slice(grad_fn, self.mesh, split=(2,))
+        (loss, metrics), grads = grad_fn(lora.trained_part(params), params, micro, denominator, counts)
         return loss_sum + loss, jax.tree.map(jnp.add, grads_sum, grads), combine_metrics(metrics_sum, metrics)
 
     def _apply(self, state: TrainState, acc: Any) -> tuple[TrainState, dict[str, Any]]:
@@ -493,9 +501,9 @@ class RLTrainer:
             acc = _sum_slices(acc)
         loss, grads, metrics = acc
         metrics = _pooled_router_aux_loss(metrics)
-        update = guarded_update(self.optimizer, grads, state.opt_state, state.params, loss)
+        update = guarded_update(self.optimizer, grads, state.opt_state, lora.trained_part(state.params), loss)
         new_state = TrainState(
-            params=update.params,
+            params=lora.with_trained_part(state.params, update.params),
             opt_state=update.opt_state,
             step=state.step + 1,
             rng=state.rng,
@@ -521,7 +529,8 @@ class RLTrainer:
             }
         replicated = self._replicated()
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
-        acc_shardings = (replicated, state_shardings.params, replicated)  # grads shard like their params
+        # Grads shard like their params (the trained part's: with LoRA the adapters).
+        acc_shardings = (replicated, lora.trained_part(state_shardings.params), replicated)
         if slice_count(self.mesh) > 1:  # per-slice partial sums: a leading slice axis on every accumulator
             acc_shardings = jax.tree.map(stacked_sharding, acc_shardings)
         return {

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trace_jax.models import ModelConfig, abstract_model
+from trace_jax.models import ModelConfig, abstract_model, lora
 from trace_jax.parallel.mesh import make_mesh, traced_under
 from trace_jax.rollout.engine import pages
 from trace_jax.rollout.engine.append import APPEND_FIELDS, append_program, pack_append, routing_spans
@@ -184,17 +184,22 @@ class Engine:
     # -------------------------------------------------------------------------------------- weights
     def set_params(self, params: nnx.State) -> nnx.State:
         """The engine's own copy of ``params`` in the sampling layout (cast to ``weight_dtype``); done once per
-        new ``params`` object (calling again with the same object is free). Returns the copy."""
+        new ``params`` object (calling again with the same object is free). Returns the copy.
+
+        ``params`` is the whole policy or, once the engine holds an adapted one, its LoRA factors alone
+        (``lora.trained_part``): those replace the held factors, and only they are moved and cast; the base the
+        engine holds stays where it is (the decode programs merge base and factors per layer)."""
         if params is not self._params_source:
             self._params_source = params
-            self.params = self._convert(params)
+            program = "reshard_adapters" if lora.adapters_only(params) else "reshard"
+            self.params = lora.received(self.params, self._convert(params, program))
         return self.params
 
-    def _convert(self, params: nnx.State) -> nnx.State:
-        if "reshard" not in self.programs:  # its output shardings follow the weights' tree
+    def _convert(self, params: nnx.State, program: str) -> nnx.State:
+        if program not in self.programs:  # its output shardings follow the weights' tree
             placed = {"out_shardings": self.layout.param_shardings(params)}
-            self.programs.define("reshard", functools.partial(_cast_floating, dtype=self.config.weight_dtype), **placed)
-        return self.programs("reshard", params)
+            self.programs.define(program, functools.partial(_cast_floating, dtype=self.config.weight_dtype), **placed)
+        return self.programs(program, params)
 
     def _weights(self, params: Any) -> Any:
         return self.params if params is None else params

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from trace_jax.envs.base import TurnResult
+from trace_jax.models import lora
 from trace_jax.rollout.engine.engine import AppendItem, AppendResult, EngineConfig, GenerateOutput, Prefix, StopReason
 
 Policy = Callable[[np.ndarray, list[int], int], int]
@@ -94,8 +95,8 @@ class MockEngine:
         return 2
 
     def set_params(self, params: Any) -> Any:
-        self.params = params
-        return params
+        self.params = lora.received(self.params, params)
+        return self.params
 
     def init_decode_state(self, stop_sequences: Sequence[Sequence[int]] = (), eos_ids: Sequence[int] = ()) -> MockState:
         return MockState([None] * self.config.max_slots, [list(s) for s in stop_sequences], list(eos_ids))
