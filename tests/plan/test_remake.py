@@ -88,8 +88,10 @@ def test_the_calibrated_estimate_is_the_roofline_times_the_nearest_anchors_attai
 
 def test_committed_plans_carry_the_committed_fractions():
     fractions = calibration.load()
-    assert set(fractions) == set(calibration.ANCHORS)
-    for name, plan in _committed().items():
+    plans = _committed()
+    assert set(fractions) == {n for n, a in calibration.ANCHORS.items() if a.row in plans}
+    assert fractions, "no anchor's row committed"
+    for name, plan in plans.items():
         assert plan["timing"]["calibrated"] == calibration.calibrated(
             plan["timing"], plan["topology"]["chips"], fractions
         ), f"{name}: re-run python -m trace_jax.plan.remake --calibrate-only"
