@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from trace_jax.plan import calibration, remake
+from tests.test_docs import reference_figures
+from trace_jax.plan import calibration, figures, remake
 from trace_jax.plan.__main__ import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,3 +96,15 @@ def test_committed_plans_carry_the_committed_fractions():
         assert plan["timing"]["calibrated"] == calibration.calibrated(
             plan["timing"], plan["topology"]["chips"], fractions
         ), f"{name}: re-run python -m trace_jax.plan.remake --calibrate-only"
+
+
+def test_the_benchmarks_page_quotes_each_plan_figure_as_its_committed_plan_reads():
+    """Each ``trace_jax.plan.figures`` figure whose plan is committed stands on docs/benchmarks.md under its
+    anchor with the value the plan gives (the README quotes those anchors; tests/test_docs.py checks the
+    quotes). Mutant caught: a figure read with another rounding or from another program."""
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        page, _ = reference_figures({"benchmarks.md": f.read()})
+    found = figures.values(PLAN_DIR)
+    assert found
+    for anchor, value in found.items():
+        assert page.get(f"benchmarks.md#{anchor}") == value, f"{anchor}: run python -m trace_jax.plan.figures"
