@@ -103,6 +103,7 @@ FIGURES: dict[str, Figure] = {
         *_layout("qwen3-8b_v5p-64", "qwen3-8b", "v5p-64"),
         *_layout("qwen3-8b_v6e-64", "qwen3-8b", "v6e-64"),
         *_layout("qwen3-30b-a3b_v5p-64", "qwen3-30b-a3b", "v5p-64"),
+        *_layout("qwen3-32b_v5p-64", "qwen3-32b", "v5p-64"),
     )
 }
 
