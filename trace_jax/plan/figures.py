@@ -104,6 +104,7 @@ FIGURES: dict[str, Figure] = {
         *_layout("qwen3-8b_v6e-64", "qwen3-8b", "v6e-64"),
         *_layout("qwen3-30b-a3b_v5p-64", "qwen3-30b-a3b", "v5p-64"),
         *_layout("qwen3-32b_v5p-64", "qwen3-32b", "v5p-64"),
+        *_layout("qwen3-235b-a22b_v5p-256", "qwen3-235b-a22b", "v5p-256"),
     )
 }
 
