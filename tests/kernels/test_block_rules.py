@@ -20,12 +20,12 @@ def test_attention_kernels_refuse_rows_that_are_not_whole_tiles_naming_the_lengt
 
 
 def test_the_paged_kernel_names_each_broken_rule_and_its_value():
-    """head_dim 64, an int8 cache and 12-position pages break three rules, each named with its value; a legal
+    """head_dim 32, an int8 cache and 12-position pages break three rules, each named with its value; a legal
     engine breaks none. Mutant caught: a rule dropped from ``problems`` (that value would pass silently)."""
     assert paged_attention.problems(128, "bfloat16", 16) == []
-    found = paged_attention.problems(64, "int8", 12)
+    found = paged_attention.problems(32, "int8", 12)
     assert len(found) == 3
-    for value in ("head_dim=64", "int8", "page_size=12"):
+    for value in ("head_dim=32", "int8", "page_size=12"):
         assert any(value in problem for problem in found), value
     assert paged_attention.pages_per_compute_block(12) == 4 and paged_attention.pages_per_compute_block(7) == 1
 

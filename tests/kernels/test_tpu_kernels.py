@@ -3,6 +3,7 @@ grouped matmul's TPU branch against ragged_dot), and AOT compiles for a v5p:2x2x
 that must contain the Mosaic kernels, chosen by the devices the program is compiled for, never by this host's
 backend."""
 
+import dataclasses
 import re
 
 import jax
@@ -293,6 +294,18 @@ def test_tpu_engine_decode_runs_the_paged_kernel_under_the_mesh(axes):
     assert MOSAIC in text
     assert " conditional(" not in text
     assert compiled.memory_analysis().temp_size_in_bytes < 32 * 2**20
+
+
+def test_tpu_engine_decode_at_head_dim_64_runs_the_paged_kernel():
+    """Qwen2.5-0.5B's head_dim 64: ``Engine.lower_generate`` for v5p:2x2x1 (data 4) holds the paged-attention
+    Mosaic call (``paged_attention_narrow``), not the reference gather. Mutant caught: head_dim 64 refused by
+    ``paged_attention.problems`` again (the engine falls back, no Mosaic call)."""
+    config = EngineConfig(max_slots=8, max_len=256, steps_per_call=4, page_size=16)
+    narrow = dataclasses.replace(TPU_QWEN, head_dim=64)
+    layout = SamplingLayout(mesh_lib.make_mesh(fsdp=1, devices=tpu_devices(), data=4, tensor=1))
+    engine = Engine.for_model(narrow, config, layout)
+    assert engine.decode_attention == "pallas_paged"
+    assert MOSAIC in engine.lower_generate().compile().as_text()
 
 
 def _producer(comps, name):

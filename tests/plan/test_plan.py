@@ -167,6 +167,19 @@ def test_the_planner_compiles_a_mixture_of_experts_on_an_expert_axis(tmp_path):
     assert plan["active_params"] < plan["params"]
 
 
+@pytest.mark.slow
+def test_the_update_and_the_engine_each_take_their_own_expert_dispatch(tmp_path):
+    """``--expert-dispatch gather --engine-expert-dispatch all_to_all``: one plan whose engine is compiled with
+    expert parallelism and whose update gathers the experts, each program's settings naming the dispatch of the
+    config it was compiled from. Mutant caught: the engine compiled with the update's dispatch."""
+    per_program = ("--expert-dispatch", "gather", "--engine-expert-dispatch", "all_to_all", "--no-slots-fit")
+    _, plan = _plan(tmp_path, "--model", "qwen3-moe-tiny", *per_program)
+    train, engine = plan["train"]["fits"], plan["engine"]["fits"]
+    assert train["mesh"]["expert"] == engine["mesh"]["expert"] == 4  # premise: experts split in both programs
+    assert engine["settings"]["expert_dispatch"] == "all_to_all"
+    assert train["settings"]["expert_dispatch"] == "gather"
+
+
 def test_the_moe_estimate_counts_the_dispatch_rows_and_the_gathered_experts():
     """Fails if the rough estimate drops a mixture of experts' terms (top-k copies of each token's row, one
     layer's experts gathered and kept for the backward pass): it then says ~104 GiB for a qwen3-30b-a3b

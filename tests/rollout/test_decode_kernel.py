@@ -45,19 +45,22 @@ def test_the_kernel_engine_on_a_data_tensor_mesh_decodes_like_the_reference_engi
 
 def test_the_decode_kernel_follows_the_engine_devices_and_its_constraints():
     """On CPU devices the engine never takes the kernel; with interpret mode standing in for a TPU, head_dim
-    64 (Qwen2.5-0.5B) falls back to the reference path with the reason, and an explicit ``attention="splash"``
-    refuses it naming the constraint. Mutant caught: the kernel chosen by the host backend or without checks."""
+    64 (Qwen2.5-0.5B) takes it too (``paged_attention_narrow``), head_dim 32 falls back to the reference path
+    with the reason, and an explicit ``attention="splash"`` refuses it naming the constraint. Mutant caught: the
+    kernel chosen by the host backend or without checks."""
     config = EngineConfig(max_slots=4, max_len=32, page_size=8)
     head128 = ModelConfig(128, 64, 128, 1, 4, 2, 128)
     head64 = ModelConfig(128, 64, 128, 1, 4, 2, 64)
+    head32 = ModelConfig(128, 64, 128, 1, 4, 2, 32)
     assert Engine.for_model(head128, config).decode_attention.startswith("reference: the engine's devices are cpu")
     pages.KERNEL_INTERPRET = True
     try:
         assert Engine.for_model(head128, config).decode_attention == "pallas_paged"
-        fallback = Engine.for_model(head64, config)
-        assert fallback.decode_kernel is None and "head_dim=64" in fallback.decode_attention
-        with pytest.raises(ValueError, match="head_dim=64"):
-            Engine.for_model(dataclasses.replace(head64, attention="splash"), config)
+        assert Engine.for_model(head64, config).decode_attention == "pallas_paged"
+        fallback = Engine.for_model(head32, config)
+        assert fallback.decode_kernel is None and "head_dim=32" in fallback.decode_attention
+        with pytest.raises(ValueError, match="head_dim=32"):
+            Engine.for_model(dataclasses.replace(head32, attention="splash"), config)
         odd_pages = EngineConfig(max_slots=4, max_len=36, page_size=12)
         assert "page_size=12" in Engine.for_model(head128, odd_pages).decode_attention
     finally:

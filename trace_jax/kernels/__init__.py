@@ -3,7 +3,8 @@ where the program is built, naming the value that breaks one) and its cost (``co
 
 * ``tree_attention``: our flash attention under the tree mask of packed training rows (forward, dq, dk / dv);
 * ``splash``: jax's splash attention for plain causal training rows;
-* ``paged_attention``: jax's paged attention for the engine's single-token decode;
+* ``paged_attention``: jax's paged attention for the engine's single-token decode (head_dim 64:
+  ``paged_attention_narrow``, the same kernel body with lane-wide running max / sum outputs);
 * ``megablox``: jax's grouped matmul, ``ragged_dot`` with ``tgmm`` for the experts' weight gradient;
 * ``sharding.under_mesh``: a kernel on each shard in ``jax.shard_map`` (XLA cannot partition a Mosaic call).
 

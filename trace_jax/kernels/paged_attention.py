@@ -8,8 +8,9 @@ of every program that touches the pool (append, fork), for mixed prefill + decod
 not have.
 
 Block rules (``problems`` names each value that breaks one): ``head_dim`` a multiple of 128 (the kernel's
-(8, 128) block rule), pages of a multiple of 8 positions (the sublane tile), values in ``DTYPES``, and the
-page table's width a multiple of the pages one kernel step reads (``pages_per_compute_block``).
+(8, 128) block rule) or 64 (``paged_attention_narrow``: the same kernel body, unpadded), pages of a multiple of
+8 positions (the sublane tile), values in ``DTYPES``, and the page table's width a multiple of the pages one
+kernel step reads (``pages_per_compute_block``).
 
 Numerics: the kernel loads key / value pages into VMEM and casts them to bf16 before its dot products
 (``MultiPageAsyncCopyDescriptor._maybe_dequantize`` defaults to bf16), so a float32 cache matches the float32
@@ -28,6 +29,8 @@ import jax
 import numpy as np
 from jax.experimental import pallas as pl
 
+from trace_jax.kernels import paged_attention_narrow as narrow
+
 # Page-table columns one kernel step reads (a divisor of the table's width), the largest of these that divides.
 PAGES_PER_COMPUTE_BLOCK = (8, 4, 2, 1)
 # Value dtypes the kernel reads (it loads pages into VMEM and computes in bf16 / f32).
@@ -43,8 +46,11 @@ def problems(head_dim: int, dtype: str, page_size: int) -> list[str]:
     """The block rules that ``head_dim``, the cache ``dtype`` (a name) and ``page_size`` break, each naming the
     value; empty where the kernel applies."""
     found = []
-    if head_dim % 128:
-        found.append(f"head_dim={head_dim} is not a multiple of 128 (the kernel's (8, 128) block rule)")
+    if head_dim % 128 and head_dim not in narrow.HEAD_DIMS:
+        found.append(
+            f"head_dim={head_dim} is neither a multiple of 128 (the kernel's (8, 128) block rule) nor one of "
+            f"{narrow.HEAD_DIMS} (paged_attention_narrow)"
+        )
     if dtype not in DTYPES:
         found.append(f"cache dtype {dtype} is not one of {DTYPES}")
     if page_size % 8:
@@ -71,7 +77,8 @@ def paged_decode(
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention  # TPU kernel, lazy import
 
     scale = 1.0 / float(np.sqrt(q_bhe.shape[-1]))
-    call = lambda: paged_attention(
+    wrapper = paged_attention if q_bhe.shape[-1] % 128 == 0 else narrow.narrow_paged_decode
+    call = lambda: wrapper(
         (q_bhe * scale).astype(q_bhe.dtype),
         k_pages,
         v_pages,

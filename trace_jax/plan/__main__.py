@@ -34,6 +34,8 @@ import sys
 import time
 from typing import Any
 
+from trace_jax.plan import calibration
+from trace_jax.plan.calibration import ANCHOR_MODELS
 from trace_jax.plan.multislice import dcn_plan
 from trace_jax.plan.topology import GIB, Topology, parse_topology
 
@@ -213,13 +215,22 @@ class Planner:
         self.args = args
         self.devices = jax.devices() if self.backend == "cpu" else []
         self._tpu_devices: dict[str, list[Any]] = {}
-        self.config = ModelConfig.preset(
-            args.model, dtype=args.dtype, param_dtype=args.param_dtype, attention=getattr(args, "attention", "auto")
-        )
+        settings = {
+            "dtype": args.dtype,
+            "param_dtype": args.param_dtype,
+            "attention": getattr(args, "attention", "auto"),
+        }
+        if args.model in ANCHOR_MODELS:  # an anchor's published model shape (calibration), not a preset we serve
+            self.config = ModelConfig(**ANCHOR_MODELS[args.model], **settings)
+        else:
+            self.config = ModelConfig.preset(args.model, **settings)
         if getattr(args, "expert_dispatch", None):  # MoeConfig.expert_dispatch; dense presets have no such field
             if not hasattr(self.config, "expert_dispatch"):
                 raise SystemExit(f"--expert-dispatch needs a mixture-of-experts preset; {args.model} is dense")
             self.config = dataclasses.replace(self.config, expert_dispatch=args.expert_dispatch)
+        self.engine_dispatch = getattr(args, "engine_expert_dispatch", None)
+        if self.engine_dispatch and not hasattr(self.config, "expert_dispatch"):
+            raise SystemExit(f"--engine-expert-dispatch needs a mixture-of-experts preset; {args.model} is dense")
         self.memo: dict[str, Any] = {}
         self.compiles = 0
 
@@ -325,6 +336,8 @@ class Planner:
         args = self.args
         devices = self.devices_for(topology)
         config = dataclasses.replace(self.config, param_dtype=args.engine_dtype, dtype=args.engine_dtype)
+        if self.engine_dispatch:  # the engine's own dispatch; the update keeps --expert-dispatch
+            config = dataclasses.replace(config, expert_dispatch=self.engine_dispatch)
         max_len = args.engine_len or args.seq_len
         out: dict[str, Any] = {"fits": None, "tried": []}
         fresh = self.compiles + args.max_compiles
@@ -336,7 +349,7 @@ class Planner:
         for candidate in candidates:
             mesh = make_mesh(**candidate["mesh"], devices=devices)
             weights = plan_compile.shard_bytes(plan_compile.abstract_params(config, mesh)[1])
-            key = self._key(topology, "engine", candidate)
+            key = self._key(topology, "engine", candidate, getattr(config, "expert_dispatch", None))
             if weights > budget or (key not in self.memo and self.compiles >= fresh):
                 continue
             report = self._report(
@@ -479,6 +492,7 @@ def predicted_times(result: dict[str, Any], config: Any, topology: Topology, arg
             "assumes": f"{args.rows} rows of {prompt_len} prompt + {args.seq_len - prompt_len} sampled "
             "tokens; decode at full slots and the widest window; the update on the train mesh; no host time",
         }
+    out["calibrated"] = calibration.calibrated(out, topology.chips, calibration.load())
     return out
 
 
@@ -536,6 +550,8 @@ def summary(result: dict[str, Any]) -> str:
                     f"engine slots per chip that fit at {fit['max_len']}: {fit['fit']} "
                     f"(peak = {fit['fixed_gib']} GiB + {fit['per_slot_gib']} GiB a slot)"
                 )
+        elif not result[part]["tried"]:
+            lines.append(f"{part}: not asked for (--rows 0 / --slots 0)")
         else:
             lines.append(f"{part}: nothing fits among the {len(result[part]['tried'])} compiled candidates")
     timing = result.get("timing")
@@ -558,6 +574,12 @@ def summary(result: dict[str, Any]) -> str:
             lines.append(
                 f"  decode: {d['tokens_per_s']:.0f} tokens/s ({d['tokens_per_s_per_chip']:.0f}/chip) at "
                 f"{d['slots']} slots, {d['step_ms']:.2f} ms a step"
+            )
+        for program, c in (timing.get("calibrated") or {}).items():
+            fmt = (lambda v: f"MFU {v:.1%}") if c["figure"] == "mfu" else (lambda v: f"{v:,.0f} tokens/s")
+            lines.append(
+                f"  {program}: roofline {fmt(c['upper_bound'])} (upper bound); calibrated estimate "
+                f"{fmt(c['calibrated_estimate'])} (x {c['attained_fraction']:.2f} attained by {c['anchor']})"
             )
         if "rl_step" in timing:
             r = timing["rl_step"]
@@ -615,6 +637,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--expert-dispatch", default=None, help="a mixture of experts' dispatch: gather (the preset's) or all_to_all"
+    )
+    parser.add_argument(
+        "--engine-expert-dispatch",
+        default=None,
+        help="the engine's own dispatch (default: --expert-dispatch's); the update keeps --expert-dispatch",
     )
     parser.add_argument("--memory-gib", type=float, default=0, help="override the chip's memory (GiB)")
     parser.add_argument("--margin", type=float, default=0.1, help="fraction of chip memory kept free")

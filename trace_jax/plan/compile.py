@@ -252,6 +252,7 @@ def update_programs(
         "logprob_chunk": logprob_chunk,
         "param_dtype": config.param_dtype,
         "dtype": config.dtype,
+        "expert_dispatch": getattr(config, "expert_dispatch", None),  # MoeConfig's; None for a dense model
     }
     programs, peaks, temps = {}, [], []
     for name, low in lowered.items():
@@ -302,6 +303,7 @@ def generate_memory(
         "param_dtype": config.param_dtype,
         "page_size": engine_config.page,
         "decode_attention": engine.decode_attention,  # the kernel, or the fallback and why
+        "expert_dispatch": getattr(config, "expert_dispatch", None),  # MoeConfig's; None for a dense model
     }
     # The very program the engine runs (traced as the engine traces it), at the widest window (a static
     # argument): the worst case, the loop reads every cache position.
