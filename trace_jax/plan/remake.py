@@ -112,6 +112,8 @@ ROWS: dict[str, Row] = {
         ),
         Row("qwen3-8b_v6e-4_decode-64", "decode", _decode(64)),
         Row("qwen3-8b_v6e-4_decode-256", "decode", _decode(256)),
+        # The int8 KV cache (EngineConfig.cache_dtype) beside the bf16 row above.
+        Row("qwen3-8b_v6e-4_int8_decode-256", "decode", (*_decode(256), "--kv-dtype", "int8")),
         Row("qwen3-32b_v5p-64", "rl", _rl("qwen3-32b", "v5p-64", "data=1,fsdp=32,tensor=1", 32, "full")),
         Row(
             "qwen3-235b-a22b_v5p-256",
