@@ -53,6 +53,16 @@ def as_path(path: str | os.PathLike) -> epath.Path:
     return epath.Path(text).expanduser().absolute()
 
 
+def process_local_dir(url: str | os.PathLike, purpose: str) -> epath.Path:
+    """A folder of this process under the system's temporary directory for local copies of ``url``'s files (one
+    per URL and ``purpose``; created, possibly holding an earlier copy). For libraries that read only local
+    files; the process id in its name keeps two processes of one host from writing each other's copies."""
+    digest = hashlib.sha256(os.fspath(url).encode()).hexdigest()[:16]
+    local = epath.Path(tempfile.gettempdir()) / f"trace_jax_{purpose}_{os.getpid()}" / digest
+    local.mkdir(parents=True, exist_ok=True)
+    return local
+
+
 def _without_scheme(path: str | os.PathLike) -> str:
     text = os.fspath(path)
     return text.split("://", 1)[1] if is_url(text) else text

@@ -94,3 +94,42 @@ def test_a_restored_position_continues_with_the_same_batches(data):
 def test_an_empty_data_dir_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"set --config\.data\.dir"):
         SearchR1Data(SearchR1DataConfig(), tmp_path)
+
+
+def test_question_files_and_the_prepared_cache_in_a_bucket(tmp_path):
+    """``data.dir`` (a parquet and a jsonl split) and the prepared TFDS cache both ``gs://`` (an emulated bucket):
+    the same rows as from local files; one process (``publish``) keeps the prepared files in the bucket, marked
+    complete, and a process that does not publish writes nothing there; a later reader copies the bucket's prepared
+    files down instead of preparing again. Catches a reader that assumes a local path (``pathlib`` / ``open`` on
+    ``data.dir``: no question file found), several writers of one cache, and a cache that is never reused."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from etils import epath
+
+    from tests.gcs_emulator import gcs_emulator
+    from trace_jax import paths
+    from trace_jax.data.tfds_builders import PUBLISHED
+
+    train, test, _ = fixtures.world(num_people=30)
+    local = tmp_path / "files"
+    local.mkdir()
+    pq.write_table(pa.Table.from_pylist(train), local / "train.parquet")
+    (local / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
+    expected = SearchR1Data(SearchR1DataConfig(dir=str(local)), tmp_path / "tfds")
+    with gcs_emulator("bucket") as gcs:
+        paths.copy_tree(local, gcs.gs("data"))
+        config = SearchR1DataConfig(dir=gcs.gs("data"))
+        other = SearchR1Data(config, gcs.gs("other"), publish=False)
+        assert not epath.Path(gcs.gs("other")).exists()  # not the writer: nothing written to the bucket
+        reader = SearchR1Data(config, gcs.gs("tfds"))
+        for split in ("train", "test"):
+            assert reader.questions(split) == other.questions(split) == expected.questions(split)
+        published = [name for _, _, names in epath.Path(gcs.gs("tfds")).walk() for name in names if name == PUBLISHED]
+        assert len(published) == 1
+        # A later run on another host: no local copy, and other question files at data.dir.
+        shutil.rmtree(paths.process_local_dir(gcs.gs("tfds"), "tfds"))
+        epath.Path(gcs.gs("data", "test.jsonl")).write_text(json.dumps(test[0]) + "\n")
+        again = SearchR1Data(config, gcs.gs("tfds"), publish=False)
+        assert again.questions("test") == expected.questions("test")  # the bucket's prepared rows, not re-prepared

@@ -261,3 +261,30 @@ def test_serve_command_runs_without_a_runpy_warning():
     )
     assert out.returncode == 0, out.stderr
     assert "--corpus" in out.stdout and "RuntimeWarning" not in out.stderr
+
+
+def test_a_corpus_file_and_a_saved_index_in_a_bucket_rank_as_the_local_ones(tmp_path):
+    """A 20-passage Search-R1 corpus and an index saved from it, both ``gs://`` (an emulated bucket), built through
+    the run's config: the same passages as over the local corpus file. Catches a reader that assumes a local path
+    (``pathlib.Path(corpus).open()``: file not found) and an index save or load that never reaches the bucket."""
+    from etils import epath
+
+    from tests import search_r1_fixtures as fixtures
+    from tests.gcs_emulator import gcs_emulator
+
+    _, _, corpus = fixtures.world(num_people=10)
+    assert len(corpus) == 20  # premise: 10 people, 10 cities
+    local = tmp_path / "corpus.jsonl"
+    local.write_text("".join(json.dumps(r) + "\n" for r in corpus))
+    reference = R.BM25Retriever.from_jsonl(local)
+    queries = [corpus[3]["contents"].split("\n")[1], "Quilon city", "born in Marrow"]
+    expected = reference.search(queries, 3)
+    assert all(expected)  # premise: every query finds passages
+    with gcs_emulator("bucket") as gcs:
+        epath.Path(gcs.gs("corpus.jsonl")).write_text(local.read_text())
+        from_file = R.build_retriever(R.RetrieverConfig(corpus=gcs.gs("corpus.jsonl")))
+        reference.save(gcs.gs("index"))
+        assert epath.Path(gcs.gs("index", "passages.jsonl")).is_file()  # written to the bucket
+        from_index = R.build_retriever(R.RetrieverConfig(corpus=gcs.gs("index")))
+    assert from_file.search(queries, 3) == expected
+    assert from_index.search(queries, 3) == expected

@@ -366,3 +366,74 @@ def test_a_step_abandoned_after_training_on_trees_sampled_ahead_keeps_the_step_b
     assert records_without_timings(workdir) == records_without_timings(reference)
     assert without_run_facts(_summary(workdir)) == without_run_facts(_summary(reference))
     _assert_same_params(workdir, reference, step=2)
+
+
+# The main job with step 3's rollouts sampled ahead during step 2 (the sampling side's prompt stream, seeds and
+# predictor moved past them) before a SIGTERM is sent as step 2 builds its batch, which then never finishes: with no
+# grace, step 2 is abandoned before its update with those rollouts done, whatever the load.
+SIGTERM_AS_STEP_2_BUILDS_ITS_BATCH_AFTER_STEP_3_WAS_SAMPLED = """
+import os, signal, sys, threading, time
+from trace_jax.job import training
+from trace_jax.job.sampling import SamplingSide
+from trace_jax.job.commands import train_and_exit
+
+build_batch, sample, calls = training.build_batch, SamplingSide.sample, []
+step_3_sampled = threading.Event()
+
+def sample_then_tell(self, step, version):
+    sampled = sample(self, step, version)
+    if step == 3 and threading.current_thread() is not threading.main_thread():
+        step_3_sampled.set()
+    return sampled
+
+def build_batch_then_hang_at_step_2(*args, **kwargs):
+    calls.append(None)
+    if len(calls) == 2:
+        step_3_sampled.wait()
+        print("SIGTERM sent as step 2 builds its batch, step 3 sampled", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        while True:
+            time.sleep(0.01)
+    return build_batch(*args, **kwargs)
+
+SamplingSide.sample = sample_then_tell
+training.build_batch = build_batch_then_hang_at_step_2
+sys.argv = ["trace_jax.train", *sys.argv[1:]]
+train_and_exit()
+"""
+# Three steps, a checkpoint only at the last: step 2 trains on trees sampled ahead during step 1 and samples step 3
+# ahead itself.
+THREE_STEPS_AHEAD = [*OVERLAP, *AHEAD, "--config.rl.steps=3", "--config.rl.checkpoint_every=3"]
+
+
+def test_a_step_abandoned_while_the_next_rollouts_ran_keeps_the_sampling_state_from_before_they_launched(
+    shared, tmp_path
+):
+    """k = 1 over 3 steps, a SIGTERM with no grace while step 2 (its trees sampled ahead during step 1) builds its
+    batch, once step 3's rollouts, launched by step 2, are sampled: step 2 is abandoned, the completed step 1 is
+    checkpointed with step 2's trees beside it and the sampling side's state from when step 3's rollouts were
+    launched; the rerun resumes at step 1 and ends as the uninterrupted 3-step run: records, summary, params. Fails
+    if the state saved is the one at the stop (``Training.keep_last_step`` taking ``sampler.state_dict()`` instead
+    of ``_launched``): it holds the prompts and seeds step 3's dropped rollouts consumed, so the rerun samples step 3
+    from the prompts after them."""
+    from trace_jax.job.cli import ExitCode
+
+    cache, compiled = shared
+    reference = tmp_path / "reference"
+    _run(main_job_command(reference, cache, THREE_STEPS_AHEAD), 2, compiled)
+    workdir = tmp_path / "abandoned_step_2"
+    command = main_job_command(workdir, cache, [*THREE_STEPS_AHEAD, "--config.rl.preemption_grace_s=0"])
+    driver = [sys.executable, "-c", SIGTERM_AS_STEP_2_BUILDS_ITS_BATCH_AFTER_STEP_3_WAS_SAMPLED, *command[3:]]
+    stopped = _run(driver, 2, compiled, ExitCode.PREEMPTED, timeout=600)
+    assert "SIGTERM sent as step 2 builds its batch, step 3 sampled" in stopped.stderr  # premise
+    assert [r["step"] for r in records_without_timings(workdir)] == [0, 1]
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1]
+    assert (workdir / "sampled_ahead" / "1.pkl").is_file()
+
+    resumed = _run(command, 2, compiled)
+    assert "resuming at RL step 1 of 3" in resumed.stderr
+    records = records_without_timings(workdir)
+    assert [r["rollout/staleness_max"] for r in records[2:]] == [1.0, 1.0]  # premise: steps 2 and 3 sampled ahead
+    assert records == records_without_timings(reference)
+    assert without_run_facts(_summary(workdir)) == without_run_facts(_summary(reference))
+    _assert_same_params(workdir, reference, step=3)

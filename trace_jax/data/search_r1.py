@@ -1,4 +1,4 @@
-"""Search-R1 question splits for a training run: the TFDS builder over local files, read through grain.
+"""Search-R1 question splits for a training run: the TFDS builder over local or ``gs://`` files, read through grain.
 
 ``SearchR1Data(config, cache_dir)`` prepares ``tfds_builders.SearchR1Local`` once (array_record files under
 ``cache_dir``) from the user's ``<dir>/<split>.jsonl|parquet`` files and serves
@@ -14,11 +14,12 @@ Sharding: process ``i`` of ``n`` (``jax.process_index()`` / ``jax.process_count(
 from __future__ import annotations
 
 import dataclasses
-import pathlib
+import os
 from typing import Any
 
 import grain
 
+from trace_jax import paths
 from trace_jax.config_utils import documented
 from trace_jax.data.tfds_builders import SearchR1Local, decode_row, prepare
 
@@ -29,7 +30,8 @@ class SearchR1DataConfig:
 
     dir: str = documented(
         "",
-        "a directory holding ``train`` / ``dev`` / ``test`` ``.jsonl`` or ``.parquet`` files in the Search-R1 format "
+        "a directory (local or ``gs://``, read by every host) holding ``train`` / ``dev`` / ``test`` ``.jsonl`` or "
+        "``.parquet`` files in the Search-R1 format "
         "(``prompt`` chat messages and/or ``question``, ``golden_answers`` or ``reward_model.ground_truth.target``, "
         "``data_source``).",
     )
@@ -42,7 +44,11 @@ class SearchR1DataConfig:
         "train",
         "the split RL samples prompts from (evaluation scores ``config.eval.split``).",
     )
-    cache_dir: str = documented("", 'where the prepared array_record files go ("" = ``<workdir>/tfds``).')
+    cache_dir: str = documented(
+        "",
+        'where the prepared array_record files go, local or ``gs://`` ("" = ``<workdir>/tfds``); a bucket keeps '
+        "them for every host and later run, each reading its own local copy.",
+    )
 
 
 class PromptBatches:
@@ -72,14 +78,17 @@ class PromptBatches:
 class SearchR1Data:
     """The prepared Search-R1 splits of a run (see the module docstring)."""
 
-    def __init__(self, config: SearchR1DataConfig, cache_dir: str | pathlib.Path):
+    def __init__(self, config: SearchR1DataConfig, cache_dir: str | os.PathLike, publish: bool = True):
+        """``config.dir`` and the cache (``config.cache_dir``, else ``cache_dir``) may be local or ``gs://``;
+        ``publish``: this process writes a bucket cache's prepared files (process 0 alone, see
+        ``tfds_builders.prepare``)."""
         if not config.dir:
             raise ValueError("data.dir is empty: set --config.data.dir to the directory of Search-R1 train/test files")
-        if not pathlib.Path(config.dir).is_dir():
+        if not paths.as_path(config.dir).is_dir():
             raise FileNotFoundError(f"data.dir={config.dir!r} is not a directory of Search-R1 train/test files")
         self.config = config
-        data_dir = config.cache_dir or str(cache_dir)
-        self.builder = prepare(SearchR1Local, data_dir, manual_dir=config.dir, config=config.subset)
+        data_dir = config.cache_dir or os.fspath(cache_dir)
+        self.builder = prepare(SearchR1Local, data_dir, publish, manual_dir=config.dir, config=config.subset)
 
     @property
     def splits(self) -> list[str]:

@@ -25,14 +25,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import pathlib
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import grain
 import numpy as np
 import tensorflow_datasets as tfds
+from etils import epath
 
+from trace_jax import paths
 from trace_jax.data.synthetic import SyntheticWorld, WorldConfig
 
 log = logging.getLogger(__name__)
@@ -166,12 +168,15 @@ def _clean_row(row: Any, fallback_id: str) -> dict[str, Any]:
     }
 
 
-def _raw_rows(path: pathlib.Path) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed row or the exception that parsing raised) for jsonl; (row number, row) for parquet."""
+def _raw_rows(path: epath.Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed row or the exception that parsing raised) for jsonl; (row number, row) for parquet.
+    ``path`` may be in a bucket: both formats are read through the file object ``path.open`` gives."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq  # only parquet question files need it
 
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+        with path.open("rb") as f:
+            table = pq.read_table(f)
+        for i, row in enumerate(table.to_pylist(), start=1):
             yield i, row
         return
     with path.open(encoding="utf-8") as f:
@@ -184,9 +189,10 @@ def _raw_rows(path: pathlib.Path) -> Iterator[tuple[int, Any]]:
                 yield i, e
 
 
-def read_search_r1_file(path: str | pathlib.Path, sources: tuple[str, ...] = ()) -> ReadReport:
-    """Reads a jsonl / parquet question file; rows not in ``sources`` (when given) are filtered, not malformed."""
-    path = pathlib.Path(path)
+def read_search_r1_file(path: str | os.PathLike, sources: tuple[str, ...] = ()) -> ReadReport:
+    """Reads a jsonl / parquet question file, local or ``gs://``; rows not in ``sources`` (when given) are filtered,
+    not malformed."""
+    path = paths.as_path(path)
     if not path.is_file():
         raise FileNotFoundError(f"question file {path} does not exist")
     report = ReadReport(rows=[])
@@ -246,7 +252,7 @@ class SearchR1Local(tfds.core.GeneratorBasedBuilder):
         return self.dataset_info_from_configs(features=tfds.features.FeaturesDict(features))
 
     def _split_generators(self, dl_manager):
-        manual = pathlib.Path(dl_manager.manual_dir)
+        manual = dl_manager.manual_dir  # an epath.Path: a bucket's folder stays a URL
         files = search_r1_files(manual)
         if not files:
             raise FileNotFoundError(
@@ -261,9 +267,10 @@ class SearchR1Local(tfds.core.GeneratorBasedBuilder):
             yield f"{i}-{row['id']}", row
 
 
-def search_r1_files(directory: str | pathlib.Path) -> dict[str, pathlib.Path]:
-    """The question file of each split ``directory`` holds, by split (``.jsonl`` before ``.parquet``)."""
-    directory = pathlib.Path(directory)
+def search_r1_files(directory: str | os.PathLike) -> dict[str, epath.Path]:
+    """The question file of each split ``directory`` (local or ``gs://``) holds, by split (``.jsonl`` before
+    ``.parquet``)."""
+    directory = paths.as_path(directory)
     files = {}
     for split in SEARCH_R1_SPLITS:
         found = [
@@ -275,15 +282,45 @@ def search_r1_files(directory: str | pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 # --------------------------------------------------------------------------------------------- reading
-def prepare(builder_cls: type[tfds.core.DatasetBuilder], data_dir: str | pathlib.Path, **kwargs) -> Any:
-    """Builds (once) and returns an ``array_record`` builder; ``manual_dir`` for :class:`SearchR1Local`."""
+PUBLISHED = "published.json"  # written last into a bucket's copy of a prepared dataset: its presence means complete
+
+
+def prepare(
+    builder_cls: type[tfds.core.DatasetBuilder], data_dir: str | os.PathLike, publish: bool = True, **kwargs
+) -> Any:
+    """Builds (once) and returns an ``array_record`` builder; ``manual_dir`` (local or ``gs://``) for
+    :class:`SearchR1Local`.
+
+    ``data_dir`` may be a bucket URL. array_record reads and writes only local files (a ``gs://`` data_dir fails
+    to write and hangs on read), so then the builder works in a process-local folder (``paths.process_local_dir``)
+    and the bucket keeps the prepared files for every host and later run: a complete copy there (marked by
+    ``PUBLISHED``, written last) is copied down instead of preparing again; otherwise this process prepares from
+    the source files and, when ``publish`` (process 0 alone: one writer), copies the result up. A host that finds
+    no complete copy prepares its own, the same files, so no process waits on another.
+    """
     manual_dir = kwargs.pop("manual_dir", None)
     needs_manual = bool(getattr(builder_cls, "MANUAL_DOWNLOAD_INSTRUCTIONS", None))
-    if needs_manual and (manual_dir is None or not pathlib.Path(manual_dir).is_dir()):
+    if needs_manual and (manual_dir is None or not paths.as_path(manual_dir).is_dir()):
         raise FileNotFoundError(
             f"{builder_cls.__name__} reads a manual directory, and {manual_dir!r} is not one: "
             f"{builder_cls.MANUAL_DOWNLOAD_INSTRUCTIONS}"
         )
+    if not paths.is_url(data_dir):
+        return _prepare_here(builder_cls, data_dir, manual_dir, **kwargs)
+    local = paths.process_local_dir(data_dir, "tfds")
+    version = builder_cls(data_dir=str(local), file_format="array_record", **kwargs).data_path
+    remote = paths.as_path(data_dir) / os.path.relpath(version, local)
+    if (remote / PUBLISHED).is_file():
+        paths.copy_tree(remote, version)
+        return _prepare_here(builder_cls, local, manual_dir, **kwargs)
+    builder = _prepare_here(builder_cls, local, manual_dir, **kwargs)
+    if publish:
+        paths.copy_tree(version, remote)
+        (remote / PUBLISHED).write_text(json.dumps({"from": str(manual_dir or "")}))
+    return builder
+
+
+def _prepare_here(builder_cls: type[tfds.core.DatasetBuilder], data_dir: Any, manual_dir: Any, **kwargs) -> Any:
     builder = builder_cls(data_dir=str(data_dir), file_format="array_record", **kwargs)
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
     return builder

@@ -7,10 +7,7 @@ saved as a HF tokenizer directory that ``transformers.AutoTokenizer.from_pretrai
 
 from __future__ import annotations
 
-import hashlib
-import os
 import pathlib
-import tempfile
 from collections.abc import Iterable, Iterator
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -44,9 +41,7 @@ def local_tokenizer_dir(path: str | pathlib.Path) -> pathlib.Path:
     (``TOKENIZER_FILES``; transformers reads only local files), one folder per URL, refreshed on each call."""
     if not paths.is_url(path):
         return pathlib.Path(path)
-    digest = hashlib.sha256(os.fspath(path).encode()).hexdigest()[:16]
-    local = pathlib.Path(tempfile.gettempdir()) / f"trace_jax_tokenizer_{os.getpid()}" / digest
-    local.mkdir(parents=True, exist_ok=True)
+    local = pathlib.Path(paths.process_local_dir(path, "tokenizer"))
     remote = paths.as_path(path)
     for name in TOKENIZER_FILES:
         if (remote / name).is_file():

@@ -143,7 +143,7 @@ def _check_splits(config: RunConfig) -> None:
     """Fails before anything is loaded when ``data.train_split`` or ``eval.split`` is not a file in ``data.dir``
     (a ``cli.ConfigError``: one line naming the splits found)."""
     data_dir = config.data.dir
-    if not data_dir or not pathlib.Path(data_dir).is_dir():
+    if not data_dir or not paths.as_path(data_dir).is_dir():
         return  # SearchR1Data says what is wrong with the directory itself
     found = sorted(search_r1_files(data_dir))
     for key, split in (("data.train_split", config.data.train_split), ("eval.split", config.eval.split)):
@@ -189,7 +189,7 @@ class SearchR1Source:
         retriever = build_retriever(config.retriever)
         env = ReActEnv(tokenizer, retriever, config.react)
         _check_stop_table(config, env, _tokenizer_dir(config))
-        data = SearchR1Data(config.data, paths.as_path(workdir) / "tfds")
+        data = SearchR1Data(config.data, paths.as_path(workdir) / "tfds", publish=jax.process_index() == 0)
         dtypes = {k: getattr(config.model, k) for k in ("dtype", "param_dtype") if getattr(config.model, k)}
         model_config, params = load_hf(hf_dir, mesh=mesh, **dtypes)
         if len(tokenizer) > model_config.vocab_size:

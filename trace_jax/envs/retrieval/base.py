@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import pathlib
+import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
+
+from trace_jax import paths
 
 
 class RetrievalError(RuntimeError):
@@ -57,9 +59,10 @@ def doc_json(p: Passage) -> dict[str, Any]:
     return {"id": p.id, "title": p.title, "text": p.text, "contents": f'"{p.title}"\n{p.text}'}
 
 
-def load_corpus(path: str | pathlib.Path) -> list[Passage]:
-    """Reads a jsonl corpus in the title/text or the Search-R1 format (see the module docstring)."""
-    path = pathlib.Path(path)
+def load_corpus(path: str | os.PathLike) -> list[Passage]:
+    """Reads a jsonl corpus, local or ``gs://``, in the title/text or the Search-R1 format (see the module
+    docstring)."""
+    path = paths.as_path(path)
     if not path.is_file():
         raise FileNotFoundError(f"corpus file {path} does not exist; pass a jsonl file with id/title/text rows")
     passages = []

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
+import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from etils import epath
 
+from trace_jax import paths
 from trace_jax.envs.retrieval.base import Passage, doc_json, load_corpus, passages_from_rows
 
 
@@ -57,8 +60,8 @@ class BM25Retriever:
         return _bm25s().tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
 
     @classmethod
-    def from_jsonl(cls, path: str | pathlib.Path, **kwargs) -> BM25Retriever:
-        """BM25 over a jsonl corpus in the title/text or Search-R1 format."""
+    def from_jsonl(cls, path: str | os.PathLike, **kwargs) -> BM25Retriever:
+        """BM25 over a jsonl corpus (local or ``gs://``) in the title/text or Search-R1 format."""
         return cls(load_corpus(path), **kwargs)
 
     @classmethod
@@ -66,13 +69,19 @@ class BM25Retriever:
         return cls(passages_from_rows(rows), **kwargs)
 
     @classmethod
-    def from_path(cls, path: str | pathlib.Path, **kwargs) -> BM25Retriever:
-        """A jsonl corpus file, or a directory written by :meth:`save`."""
-        return cls.load(path) if pathlib.Path(path).is_dir() else cls.from_jsonl(path, **kwargs)
+    def from_path(cls, path: str | os.PathLike, **kwargs) -> BM25Retriever:
+        """A jsonl corpus file, or a directory written by :meth:`save`; either local or ``gs://``."""
+        return cls.load(path) if paths.as_path(path).is_dir() else cls.from_jsonl(path, **kwargs)
 
-    def save(self, directory: str | pathlib.Path) -> pathlib.Path:
-        """Writes the index and the passages under ``directory`` (reload with :meth:`load`)."""
-        out = pathlib.Path(directory)
+    def save(self, directory: str | os.PathLike) -> epath.Path:
+        """Writes the index and the passages under ``directory`` (reload with :meth:`load`). bm25s writes only
+        local files: for a ``gs://`` directory they are written to a temporary folder, then copied up."""
+        if paths.is_url(directory):
+            with tempfile.TemporaryDirectory() as local:
+                self.save(local)
+                paths.copy_tree(local, directory)
+            return paths.as_path(directory)
+        out = paths.as_path(directory)
         out.mkdir(parents=True, exist_ok=True)
         self.index.save(str(out), show_progress=False)
         with (out / self._CORPUS_FILE).open("w", encoding="utf-8") as f:
@@ -81,10 +90,17 @@ class BM25Retriever:
         return out
 
     @classmethod
-    def load(cls, directory: str | pathlib.Path) -> BM25Retriever:
-        directory = pathlib.Path(directory)
+    def load(cls, directory: str | os.PathLike) -> BM25Retriever:
+        """The index :meth:`save` wrote in ``directory``. bm25s reads only local files: a ``gs://`` directory is
+        copied whole into a process-local folder first (``paths.process_local_dir``), so each host holds a copy
+        of the index and its passages while it loads them."""
+        directory = paths.as_path(directory)
         if not (directory / cls._CORPUS_FILE).is_file():
             raise FileNotFoundError(f"{directory} holds no saved BM25 index; build one with BM25Retriever.save")
+        if paths.is_url(directory):
+            local = paths.process_local_dir(directory, "bm25")
+            paths.copy_tree(directory, local)
+            directory = local
         index = _bm25s().BM25.load(str(directory), show_progress=False)
         return cls(load_corpus(directory / cls._CORPUS_FILE), index=index)
 

@@ -65,7 +65,8 @@ class RetrieverConfig:
     kind: str = documented("bm25", 'a name in ``RETRIEVERS``: "bm25" or "http".')
     corpus: str = documented(
         "",
-        "bm25 only: a jsonl corpus file or a saved index directory; empty = the rows the caller passes.",
+        "bm25 only: a jsonl corpus file or a saved index directory (local or ``gs://``, read by every host); empty = "
+        "the rows the caller passes.",
     )
     url: str = documented(
         "",
