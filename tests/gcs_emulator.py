@@ -9,8 +9,8 @@ Each client finds the emulator through its own environment variable; :func:`emul
         subprocess.run([...], env={**os.environ, **gcs.env})
 
 The emulator (fake-gcs-server, which keeps object generations and honours ``ifGenerationMatch`` as GCS does:
-orbax's checkpoints from several processes rely on both) keeps objects in memory and is stopped (and the variables restored) when the block ends. Nothing
-leaves the loopback interface.
+orbax's checkpoints from several processes rely on both) keeps objects in memory and is stopped (and the variables
+restored) when the block ends. Nothing leaves the loopback interface.
 """
 
 from __future__ import annotations
