@@ -22,6 +22,7 @@ import os
 import socket
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 
@@ -37,6 +38,12 @@ class Emulator:
     url: str
     bucket: str
     env: dict[str, str]
+
+    def names(self, prefix: str) -> list[str]:
+        """The bucket's object names under ``prefix``, asked of the emulator itself: no client's listing cache."""
+        query = urllib.parse.urlencode({"prefix": prefix})
+        with urllib.request.urlopen(f"{self.url}/storage/v1/b/{self.bucket}/o?{query}", timeout=10) as reply:
+            return [item["name"] for item in json.load(reply).get("items", [])]
 
     def gs(self, *parts: str) -> str:
         """The ``gs://`` URL of ``parts`` joined under the default bucket."""

@@ -143,7 +143,8 @@ def _describe(box, name, kind):
     return 0
 
 
-def _delete(box, name):
+def delete(box: pathlib.Path, name: str) -> int:
+    """Deletes the slice (its hosts' jobs are killed first); 1 with gcloud's message when there is none."""
     if not _meta(box, name):
         print(f"ERROR: (gcloud) NOT_FOUND: {name}", file=sys.stderr)
         return 1
@@ -222,7 +223,7 @@ def main(argv: list[str]) -> int:
     if verb == "describe":
         return _describe(box, name, kind)
     if verb == "delete":
-        return _delete(box, name)
+        return delete(box, name)
     if verb == "ssh":
         return _ssh(box, name, args)
     if verb == "scp":

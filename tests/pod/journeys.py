@@ -55,7 +55,7 @@ def launch_command(tpu, workdir, job_env, *flags, plan=("--skip-plan",)):
 
 
 def host_log(box: Box, tpu: str, worker: int) -> str:
-    """The job log of the host's latest start ("" before any)."""
+    """The host's current job log ("" before any start)."""
     hosts = fake_gcloud.host_dirs(box.root, tpu)
     log = hosts[worker] / "trace_jax_run" / "job.log" if len(hosts) > worker else None
     return log.read_text(errors="replace") if log is not None and log.exists() else ""
@@ -76,20 +76,30 @@ class Launch:
         self._log = open(log, "w")  # noqa: SIM115 (closed in finish)
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=box.env)
 
-    def when(self, tpu: str, worker: int, text: str, action, timeout_s: float = 900) -> threading.Thread:
-        """Runs ``action()`` once ``text`` shows in the host's current job log (in a thread)."""
+    def when(self, condition, action, timeout_s: float = 1500) -> dict:
+        """Runs ``action()`` once ``condition()`` holds (polled in a thread while the launcher runs); the returned
+        dict gets ``acted_at`` (``time.monotonic()``) when it ran, ``error`` if the action raised."""
+        record: dict = {}
 
         def wait_then_act():
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline and self.proc.poll() is None:
-                if text in host_log(self.box, tpu, worker):
-                    action()
+                try:
+                    ready = condition()
+                except Exception as e:  # an object being written, a busy server: look again
+                    record["condition_error"] = repr(e)
+                    ready = False
+                if ready:
+                    record["acted_at"] = time.monotonic()
+                    try:
+                        action()
+                    except Exception as e:  # handed to the test, which asserts its premise
+                        record["error"] = e
                     return
                 time.sleep(0.2)
 
-        thread = threading.Thread(target=wait_then_act, daemon=True)
-        thread.start()
-        return thread
+        threading.Thread(target=wait_then_act, daemon=True).start()
+        return record
 
     def finish(self, timeout_s: float = 1500) -> tuple[int, str]:
         try:

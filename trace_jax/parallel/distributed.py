@@ -45,13 +45,16 @@ class DistributedConfig:
 def initialize(config: DistributedConfig) -> None:
     """Joins this process to the job. Must run before anything touches a device.
 
-    A no-op when this process has already joined (a wrapper or a notebook initialised it first).
+    A no-op when this process has already joined (a wrapper or a notebook initialised it first). jax's
+    preemption service is turned off: its SIGTERM handler would replace the job's own
+    (``trace_jax.job.cli.Termination``), and a preempted job would run on instead of checkpointing and exiting 143.
     """
     if config.mode == "none" or jax.distributed.is_initialized():
         return
     if config.heartbeat_timeout_s < 1:
         raise ValueError(f"distributed.heartbeat_timeout_s={config.heartbeat_timeout_s}; give a number of seconds >= 1")
     timeouts = {"heartbeat_timeout_seconds": config.heartbeat_timeout_s}
+    jax.config.update("jax_enable_preemption_service", False)
     if config.mode == "auto":
         jax.distributed.initialize(**timeouts)
         return
