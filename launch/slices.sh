@@ -44,7 +44,7 @@ each_slice() {
   local NODE SLICE_ID
   for ((SLICE_ID = 0; SLICE_ID < SLICES; SLICE_ID++)); do
     NODE="$(slice_node "$SLICE_ID")"
-    "$@"
+    "$@" || return
   done
 }
 

@@ -17,7 +17,9 @@
 # preemption notice: it checkpointed first), the slice is preempted / SUSPENDED / FAILED / gone, or the ssh to
 # worker 0 drops, it recreates the slice the same way (spot / queued included), ships and starts the same
 # command on the same --workdir, which resumes from its last checkpoint; at most N times (default 10). A job
-# that fails on a healthy slice (a bug, a config error) is not relaunched. Under --dry-run it prints the first
+# killed on one worker (the others stop within --config.distributed.heartbeat_timeout_s, naming it) is started
+# again on the same slice. A job that fails by itself on a healthy slice (a bug, a config error) is not
+# relaunched. Under --dry-run it prints the first
 # start and then one relaunch round, as if the slice had been preempted.
 # Afterwards (same --tpu/--zone/--project; add --queued if the slice came from a queued resource):
 #   --logs [--worker N]   stream worker N's log (default 0; Ctrl-C detaches, the job keeps running)
@@ -164,7 +166,7 @@ launch() {
   plan_step "${overrides[@]}"
   ensure_slice
   JOB=(python -m trace_jax.train "--config=$CONFIG" "--workdir=$WORKDIR" "${overrides[@]}")
-  ship_and_start
+  ship_and_start || fail_with "$?" "could not ship and start the job on $TPU (see above)"
   local again="launch/tpu_pod.sh --tpu $TPU --zone $ZONE${PROJECT:+ --project $PROJECT}"
   [ "$QUEUED" = 1 ] && again+=" --queued"
   [ "$SLICES" = 1 ] || again+=" --slices $SLICES"
@@ -201,17 +203,19 @@ plan_step() {
 }
 fail_with() { echo "$2" >&2; exit "$1"; }
 
+# Ships this checkout, installs it and starts the job on every worker; a failing step returns its status (the
+# watcher goes round again when a slice disappears under it) instead of ending the launcher.
 ship_and_start() {
   local tarball="${TMPDIR:-/tmp}/trace_jax_code_$TPU.tgz"
   note "ship this checkout to every worker of every slice, install it, stop leftovers"
-  run "$PYTHON" launch/pod_helper.py pack "$tarball"
-  each_slice ship "$tarball"
-  find_coordinator
+  run "$PYTHON" launch/pod_helper.py pack "$tarball" || return
+  each_slice ship "$tarball" || return
+  find_coordinator || return
   note "start the same command on every worker (detached; jax.distributed finds the pod by itself)"
   each_slice start_job
 }
 ship() {
-  run "${VM[@]}" scp "$1" "$NODE:trace_jax_code.tgz" "${SCOPE[@]}" --worker=all
+  run "${VM[@]}" scp "$1" "$NODE:trace_jax_code.tgz" "${SCOPE[@]}" --worker=all || return
   on_workers all "set -e; rm -rf trace_jax_run/incoming; mkdir -p trace_jax_run/incoming; \
 tar -xzf trace_jax_code.tgz -C trace_jax_run/incoming; bash trace_jax_run/incoming/launch/tpu_worker.sh install $PY_VERSION"
 }
@@ -239,6 +243,16 @@ delete_slice() {
   fi
 }
 
+# True when some worker's job ended without recording an exit status (killed: its host died, the OOM killer) or
+# its host does not answer: the other workers then stopped because they lost it (distributed.heartbeat_timeout_s
+# bounds how long they wait), which a relaunch mends; a job that fails by itself everywhere is a bug and is not.
+lost_worker() {
+  local out code=0
+  out="$(on_workers all "bash $WORKER_SCRIPT status" 2>&1)" || code=$?
+  echo "$out" >&2
+  [ "$code" = 255 ] || grep -q '\] stopped$' <<< "$out"
+}
+
 watch() {
   local relaunches=0 code state
   while :; do
@@ -259,7 +273,7 @@ watch() {
     local healthy=0
     [ "$state" = ACTIVE ] || [ "$state" = READY ] && healthy=1
     # 255: the ssh itself failed (the host went away); PREEMPTED: the job stopped on a SIGTERM, checkpointed.
-    if [ "$healthy" = 1 ] && [ "$code" != "$PREEMPTED" ] && [ "$code" != 255 ]; then
+    if [ "$healthy" = 1 ] && [ "$code" != "$PREEMPTED" ] && [ "$code" != 255 ] && ! lost_worker; then
       echo "watch: the job failed with exit status $code on a healthy slice ($state): not relaunched;" \
         "see launch/tpu_pod.sh --tpu $TPU --zone $ZONE --logs" >&2
       exit "$code"
@@ -275,7 +289,7 @@ watch() {
       delete_slice
       ensure_slice
     fi
-    ship_and_start
+    ship_and_start || echo "watch: shipping or starting failed (exit status $?): checking the slice again" >&2
     [ "$DRY_RUN" = 1 ] && return 0
   done
 }

@@ -13,7 +13,8 @@ What a host gets (in place of a TPU VM's image and metadata):
   ``--config.distributed.mode=auto`` joins the hosts into one JAX job as on a real slice.
 
 Faults, driven by the test through the functions below (or this module's CLI ``fault ...``):
-``preempt`` (SIGTERM to every host's job, then the slice reports ``PREEMPTED`` until it is deleted),
+``preempt`` (the slice reports ``PREEMPTED`` until it is deleted; every host's job gets a SIGTERM, then a SIGKILL
+after a grace),
 ``kill_host`` (SIGKILL one host's job), and an ``ssh_fail/<worker>`` file (ssh to that host exits 255).
 
     gcloud compute tpus tpu-vm create|describe|delete|ssh|scp ...
@@ -86,7 +87,11 @@ def _signal(pgid, sig):
 
 
 def preempt(box: pathlib.Path, name: str, grace_s: float = 120) -> None:
-    """What a preemption does: a SIGTERM to every host's job, a grace to checkpoint, then the slice is PREEMPTED."""
+    """What a preemption does: the slice reports ``PREEMPTED`` from the notice on, every host's job gets a SIGTERM
+    and a grace to checkpoint, then whatever still runs is killed. The slice stays until it is deleted."""
+    meta = _meta(box, name)
+    meta["state"] = "PREEMPTED"
+    _save(box, name, meta)
     groups = _job_groups(box, name)
     for pgid in groups:
         _signal(pgid, signal.SIGTERM)
@@ -95,15 +100,16 @@ def preempt(box: pathlib.Path, name: str, grace_s: float = 120) -> None:
         time.sleep(0.5)
     for pgid in groups:
         _signal(pgid, signal.SIGKILL)
-    meta = _meta(box, name)
-    meta["state"] = "PREEMPTED"
-    _save(box, name, meta)
+
+
+def job_group(box: pathlib.Path, name: str, worker: int) -> int:
+    """The process group of the host's current job (its wrapper's pid, ``job.pid``)."""
+    return int((host_dirs(box, name)[worker] / "trace_jax_run" / "job.pid").read_text())
 
 
 def kill_host(box: pathlib.Path, name: str, worker: int) -> None:
     """SIGKILL one host's job (its whole process group), as a host that dies without notice."""
-    pid_file = host_dirs(box, name)[worker] / "trace_jax_run" / "job.pid"
-    _signal(int(pid_file.read_text()), signal.SIGKILL)
+    _signal(job_group(box, name, worker), signal.SIGKILL)
 
 
 def _flag(args, name, default=None):
@@ -137,7 +143,8 @@ def _describe(box, name, kind):
     return 0
 
 
-def _delete(box, name):
+def delete(box: pathlib.Path, name: str) -> int:
+    """Deletes the slice (its hosts' jobs are killed first); 1 with gcloud's message when there is none."""
     if not _meta(box, name):
         print(f"ERROR: (gcloud) NOT_FOUND: {name}", file=sys.stderr)
         return 1
@@ -216,7 +223,7 @@ def main(argv: list[str]) -> int:
     if verb == "describe":
         return _describe(box, name, kind)
     if verb == "delete":
-        return _delete(box, name)
+        return delete(box, name)
     if verb == "ssh":
         return _ssh(box, name, args)
     if verb == "scp":

@@ -34,17 +34,29 @@ class DistributedConfig:
     coordinator_address: str = documented("", '"host:port" of process 0 (mode "explicit").')
     num_processes: int = documented(1, 'how many processes the job has (mode "explicit").')
     process_id: int = documented(0, 'this process\'s index, 0 .. num_processes - 1 (mode "explicit").')
+    heartbeat_timeout_s: int = documented(
+        100,
+        "seconds without a heartbeat after which a process counts as lost: the job's other processes then stop "
+        "with an error naming it (instead of waiting on it in a collective). Shorter finds a dead host sooner; "
+        "too short for the machine's pauses (a long compile, a busy host) stops a healthy job.",
+    )
 
 
 def initialize(config: DistributedConfig) -> None:
     """Joins this process to the job. Must run before anything touches a device.
 
-    A no-op when this process has already joined (a wrapper or a notebook initialised it first).
+    A no-op when this process has already joined (a wrapper or a notebook initialised it first). jax's
+    preemption service is turned off: its SIGTERM handler would replace the job's own
+    (``trace_jax.job.cli.Termination``), and a preempted job would run on instead of checkpointing and exiting 143.
     """
     if config.mode == "none" or jax.distributed.is_initialized():
         return
+    if config.heartbeat_timeout_s < 1:
+        raise ValueError(f"distributed.heartbeat_timeout_s={config.heartbeat_timeout_s}; give a number of seconds >= 1")
+    timeouts = {"heartbeat_timeout_seconds": config.heartbeat_timeout_s}
+    jax.config.update("jax_enable_preemption_service", False)
     if config.mode == "auto":
-        jax.distributed.initialize()
+        jax.distributed.initialize(**timeouts)
         return
     if config.mode != "explicit":
         raise ValueError(f"distributed.mode={config.mode!r}; choose 'none', 'auto' or 'explicit'")
@@ -53,7 +65,7 @@ def initialize(config: DistributedConfig) -> None:
             "distributed.mode='explicit' needs coordinator_address (host:port), num_processes >= 1 and "
             f"0 <= process_id < num_processes; got {config}"
         )
-    jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
+    jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id, **timeouts)
 
 
 def process_index() -> int:
