@@ -76,6 +76,8 @@ def plan_command(accelerator: str, config_spec: str, overrides: list[str], extra
         "--engine-len", str(engine.max_len),
         "--steps-per-call", str(engine.steps_per_call),
         "--engine-dtype", engine.weight_dtype,
+        *(["--kv-dtype", engine.cache_dtype] if engine.cache_dtype else []),  # None: the engine's compute dtype
+        *(["--slices", str(run.mesh.slices)] if run.mesh.slices > 1 else []),  # each slice plans its share
         "--no-depth-check",
         "--no-slots-fit",
         "--max-compiles", "1",

@@ -118,3 +118,18 @@ def test_any_slice_down_makes_the_request_unhealthy():
 def test_bad_slice_options_fail_with_a_message(args, message):
     done = launch("tpu_pod.sh", "--dry-run", *POD, *args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_the_plan_step_plans_each_slice_and_the_engines_cache_as_the_job_runs_them():
+    """The launch-time plan gets the job's ``mesh.slices`` and ``engine.cache_dtype``: fails if pod_helper drops
+    either (a 2-slice job planned as one slice holding every row; an int8 cache planned as bf16)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "launch"))
+    import pod_helper
+
+    plain = pod_helper.plan_command("v5p-8", "configs/default.py", [], [])
+    assert "--slices" not in plain and "--kv-dtype" not in plain
+    job = ["--config.mesh.slices=2", "--config.engine.cache_dtype=int8"]
+    argv = pod_helper.plan_command("v5p-8", "configs/default.py", job, [])
+    assert argv[argv.index("--slices") + 1] == "2" and argv[argv.index("--kv-dtype") + 1] == "int8"
