@@ -30,7 +30,7 @@ from trace_jax.checkpoint.state import StateCheckpointer
 
 STEPS = 3
 JOB = [*TINY_MAIN_JOB, f"--config.rl.steps={STEPS}"]
-LOST_HOST_BOUND_S = 60  # the brief's bound on the surviving host's stop; the heartbeat timeout is well inside it
+LOST_HOST_BOUND_S = 60  # the promised bound on the surviving host's stop; the heartbeat timeout is well inside it
 
 
 @pytest.fixture
