@@ -376,7 +376,6 @@ PRESSED = [
 def test_sigterm_during_a_step_checkpoints_it_exits_143_and_the_rerun_equals_the_uninterrupted_run(cache, tmp_path):
     """Catches a SIGTERM that kills at once (no checkpoint of the step under way, exit 130) and a rerun that does
     not resume from the SIGTERM's checkpoint or does not end as the uninterrupted run."""
-    from trace_jax.job.cli import ExitCode
 
     reference = tmp_path / "reference"
     done = subprocess.run(
@@ -386,15 +385,7 @@ def test_sigterm_during_a_step_checkpoints_it_exits_143_and_the_rerun_equals_the
     workdir = tmp_path / "preempted"
     # A grace far longer than any step: the step under way always finishes (nothing here depends on timing).
     flags = [*PRESSED, "--config.rl.preemption_grace_s=1200"]
-    process = subprocess.Popen(
-        main_job_command(workdir, cache, flags), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    wait_until_logged(process, workdir, step=1)
-    assert process.poll() is None, "the run ended before the SIGTERM: " + process.stderr.read()[-2000:]
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=1200)
-    assert process.returncode == ExitCode.PREEMPTED == 143, stderr[-3000:]
-    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    stderr, saved = _stopped_by_sigterm_after_step_one(workdir, cache, flags)
     assert saved[-1] in (1, 2), saved  # the step under way (or the one just logged) was checkpointed on the SIGTERM
     assert f"stopped by SIGTERM after RL step {saved[-1]}" in stderr
     assert not (workdir / "summary.json").exists()
@@ -417,6 +408,22 @@ def test_sigterm_during_a_step_checkpoints_it_exits_143_and_the_rerun_equals_the
     assert without_run_facts(summary_b) == without_run_facts(summary_a) and summary_b["run"]["resumes"] == 1
 
 
+def _stopped_by_sigterm_after_step_one(workdir, cache, flags):
+    """Starts the main job on ``workdir`` and SIGTERMs it once RL step 1 is logged; asserts it exits with the
+    preemption status. Returns its stderr and the RL steps checkpointed, in order."""
+    from trace_jax.job.cli import ExitCode
+
+    process = subprocess.Popen(
+        main_job_command(workdir, cache, flags), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    wait_until_logged(process, workdir, step=1)
+    assert process.poll() is None, "the run ended before the SIGTERM: " + process.stderr.read()[-2000:]
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=1200)
+    assert process.returncode == ExitCode.PREEMPTED == 143, stderr[-3000:]
+    return stderr, sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
 LORA = [*TINY_MAIN_JOB, "--config.rl.steps=2", "--config.rl.checkpoint_every=2", "--config.lora.rank=4"]
 
 
@@ -424,7 +431,6 @@ def test_a_lora_run_checkpoints_only_the_adapters_and_a_preempted_run_resumes_to
     """The checkpoints hold the adapters and their optimizer moments, not the frozen base (which the rerun takes
     from the run's start); stopped after step 1 and rerun, the run ends as the uninterrupted one. Catches a resume
     that restores the base but keeps fresh adapters, or a checkpoint that drops the adapters."""
-    from trace_jax.job.cli import ExitCode
 
     reference = tmp_path / "reference"
     done = subprocess.run(
@@ -441,15 +447,8 @@ def test_a_lora_run_checkpoints_only_the_adapters_and_a_preempted_run_resumes_to
 
     workdir = tmp_path / "preempted"
     flags = [*LORA, "--config.rl.preemption_grace_s=1200"]  # the step under way always finishes
-    process = subprocess.Popen(
-        main_job_command(workdir, cache, flags), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    wait_until_logged(process, workdir, step=1)
-    assert process.poll() is None, "the run ended before the SIGTERM: " + process.stderr.read()[-2000:]
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=1200)
-    assert process.returncode == ExitCode.PREEMPTED, stderr[-3000:]
-    stopped_at = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    _, saved = _stopped_by_sigterm_after_step_one(workdir, cache, flags)
+    stopped_at = saved[-1]
     assert stopped_at in (1, 2), stopped_at
     done = subprocess.run(
         main_job_command(workdir, cache, flags), cwd=ROOT, capture_output=True, text=True, timeout=1800
