@@ -106,10 +106,3 @@ def test_a_local_run_directory_is_its_own_mirror(tmp_path):
     assert not logs.mirrored and logs.local == paths.as_path(tmp_path / "run")
     logs.pull(("metrics.jsonl",))
     logs.push()  # nothing to copy
-
-
-def test_the_warm_start_cache_refuses_a_bucket_instead_of_writing_a_local_gs_folder():
-    from trace_jax.job.warm_start import WarmStartCache
-
-    with pytest.raises(ValueError, match="file locks"):
-        WarmStartCache("gs://bucket/warm_start")

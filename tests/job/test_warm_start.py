@@ -117,3 +117,71 @@ def test_a_warm_start_is_trained_once_and_reused_by_the_next_run(tmp_path):
     for a, b in zip(jax.tree.leaves(first.sft.params), jax.tree.leaves(again.sft.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert again.world.tokenizer.get_vocab() == first.world.tokenizer.get_vocab()
+
+
+def _objects(gcs, prefix):
+    """``{name: generation}`` of the bucket's objects under ``prefix``, asked of the emulator itself (GCS
+    generations grow with each write, so they order the writes)."""
+    import json
+    import urllib.parse
+    import urllib.request
+
+    query = urllib.parse.urlencode({"prefix": prefix})
+    with urllib.request.urlopen(f"{gcs.url}/storage/v1/b/{gcs.bucket}/o?{query}", timeout=10) as reply:
+        return {item["name"]: int(item["generation"]) for item in json.load(reply).get("items", [])}
+
+
+def test_a_warm_start_in_a_bucket_is_published_by_process_0_alone_and_downloaded_by_the_others(tmp_path, monkeypatch):
+    """``warm_start.cache_dir`` in an emulated bucket, the job's processes played in turn (their index and barrier
+    replaced; the other process's host has a fresh local folder). Process 0 trains, uploads the tokenizer before the
+    barrier after which the others read it, and writes ``warm_start.json`` after every other object of the entry;
+    process 1 downloads the tokenizer (complete entry or not), trains none, restores the same policy and writes
+    nothing. Mutants caught: the marker written before the rest of the entry, every process uploading, a process
+    that trains its own tokenizer instead of downloading process 0's."""
+    import shutil
+
+    from etils import epath
+
+    from tests.gcs_emulator import gcs_emulator
+    from trace_jax import paths
+
+    at_barrier = {}
+
+    def play(index):
+        class Process:
+            is_main = index == 0
+
+            def barrier(self, name):
+                at_barrier[index] = _objects(gcs, "warm_start/")
+
+        monkeypatch.setattr(build, "Processes", Process)
+
+    with gcs_emulator("bucket") as gcs:
+        config = validate.validate(tiny_config(gcs.gs("warm_start")))
+        play(0)
+        first = build.build_warm_start(config)
+        key, prefix = first.entry.key, f"warm_start/{first.entry.key}/"
+        assert first.trained and first.entry.in_bucket and first.entry.info()["steps"] == 3
+        assert not list(tmp_path.glob("**/gs:")), "the bucket URL became a local folder"
+        entry = _objects(gcs, prefix)
+        marker, tokenizer = prefix + warm_start.INFO_FILE, prefix + "tokenizer/tokenizer.json"
+        assert tokenizer in at_barrier[0] and marker not in at_barrier[0], "the tokenizer is published, incomplete"
+        assert any(name.startswith(prefix + "sft/") for name in entry), "the SFT checkpoint is in the bucket"
+        assert entry[marker] > max(generation for name, generation in entry.items() if name != marker)
+
+        def trains_no_tokenizer(*args, **kwargs):
+            raise AssertionError("process 1 trained a tokenizer instead of downloading process 0's")
+
+        monkeypatch.setattr(build, "train_world_tokenizer", trains_no_tokenizer)
+        play(1)
+        for complete in (True, False):  # another host later, and within the job (before process 0 finished)
+            shutil.rmtree(paths.process_local_dir(gcs.gs("warm_start", key), "warm_start"))
+            if not complete:
+                epath.Path(gcs.gs(marker)).unlink()
+            entry = _objects(gcs, prefix)
+            other = build.build_warm_start(config)
+            assert _objects(gcs, prefix) == entry, "process 1 wrote to the bucket"
+            assert not other.trained and other.entry.key == key
+            assert other.world.tokenizer.get_vocab() == first.world.tokenizer.get_vocab()
+            for a, b in zip(jax.tree.leaves(first.sft.params), jax.tree.leaves(other.sft.params), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

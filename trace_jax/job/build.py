@@ -125,17 +125,15 @@ def build_warm_start(
     ``progress(total, description)`` makes a tqdm-like bar for the SFT steps (called only when training);
     ``notify(message)`` reports waiting on another process that builds the same entry.
 
-    With several JAX processes (one job) the cache must be on a filesystem they all see: process 0 alone
-    takes the entry's lock and writes the tokenizer and ``warm_start.json``, the others wait for it at a
-    barrier; all of them take part in the SFT (one program over every device), whose orbax checkpoint they
-    write together.
+    With several JAX processes (one job) the cache is on a filesystem they all see or in a bucket: process 0 alone
+    takes a local entry's lock, trains the tokenizer (a bucket's: in its own folder, then uploads it) and writes
+    ``warm_start.json`` last; the others wait for the tokenizer at a barrier (a bucket's: then download it); all
+    of them take part in the SFT (one program over every device), whose orbax checkpoint they write together.
     """
     entry = WarmStartCache(config.warm_start.cache_dir).entry(config)
     processes = Processes()
     with entry.building(notify) if processes.is_main else contextlib.nullcontext():
-        world = build_world(config, entry.directory) if processes.is_main else None
-        processes.barrier("warm start: tokenizer written")
-        world = world or build_world(config, entry.directory)  # finds process 0's tokenizer
+        world = _entry_world(config, entry, processes)
         sft_config = config.sft
         info = entry.info()
         bar = None if info is not None or progress is None else progress(sft_config.max_steps, "warm start (SFT)")
@@ -148,6 +146,23 @@ def build_warm_start(
         if processes.is_main and (info is None or start.trained):
             entry.write_info({"config": key_material(config), **start.describe()})
     return start
+
+
+def _entry_world(config: RunConfig, entry: CacheEntry, processes: Processes) -> World:
+    """The world with the entry's tokenizer. Process 0 downloads a complete entry's, or trains one and publishes
+    it; the others read it only after the barrier that follows (never a tokenizer half-written)."""
+    if processes.is_main:
+        complete = entry.info() is not None
+        if complete:
+            entry.fetch_tokenizer()
+        world = build_world(config, entry.local)  # trains the tokenizer when ``entry.local`` has none
+        if not complete:
+            entry.publish_tokenizer()
+    processes.barrier("warm start: tokenizer written")
+    if processes.is_main:
+        return world
+    entry.fetch_tokenizer()
+    return build_world(config, entry.local)  # finds process 0's tokenizer
 
 
 def save_run_config(config: RunConfig, workdir: pathlib.Path) -> None:

@@ -61,6 +61,8 @@ class Start:
     tokenizer_dir: the HF tokenizer directory of the policy (exported beside it).
     token_ids: the policy's ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` (those it has), written into
       an export's config.json.
+    world_dir: a local folder whose ``tokenizer/`` rebuilds the world (``build.build_world``'s ``workdir``) in a
+      sampling process; empty: ``directory``.
     """
 
     world: build.World
@@ -72,6 +74,7 @@ class Start:
     directory: str = ""
     tokenizer_dir: str = ""
     token_ids: dict[str, Any] = dataclasses.field(default_factory=dict)
+    world_dir: str = ""
 
 
 class RecipeSource(Protocol):
@@ -122,8 +125,9 @@ class SyntheticSource:
             message,
             warm.describe(),
             str(warm.entry.directory),
-            str(warm.entry.directory / "tokenizer"),  # where build.build_world keeps it
+            str(warm.entry.local / "tokenizer"),  # where build.build_world keeps it
             _tokenizer_token_ids(warm.world.tokenizer),
+            str(warm.entry.local),
         )
 
     def prompt_stream(self, config, world):

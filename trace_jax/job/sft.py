@@ -30,6 +30,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trace_jax import paths
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.cluster.processes import Processes
 from trace_jax.configs.sections import SFTConfig
@@ -245,7 +246,7 @@ def run_sft(
         fresh = config.embed_init_std * jax.random.normal(jax.random.key(config.seed), embed.shape, embed.dtype)
         model.embed.value = jax.device_put(fresh, embed.sharding)  # keep its place on the mesh
     graphdef, params = nnx.split(model, nnx.Param)
-    checkpointer = StateCheckpointer(pathlib.Path(workdir) / "sft", keep=1)
+    checkpointer = StateCheckpointer(paths.as_path(workdir) / "sft", keep=1)  # local or a bucket
     try:
         restored = checkpointer.restore_latest(target={"params": params})
         if restored is not None and restored.metadata.get("fingerprint") != fingerprint:

@@ -437,7 +437,7 @@ class Training:
         config = self.config
         cpus = config.mesh.rollout_cpus
         if cpus:
-            return SamplingProcess(config, self.model_config, self.start.directory, cpus)
+            return SamplingProcess(config, self.model_config, self.start.world_dir or self.start.directory, cpus)
         prompts = self.source.prompt_stream(config, self.world)
         mesh = self.placement.engine_mesh(self.processes.sampling_mesh(self.mesh))
         return SamplingSide(config, self.world, self.model_config, prompts, mesh, self.processes)

@@ -8,17 +8,25 @@ warm start (:data:`CODE`, read as syntax trees: a comment, a docstring or a refo
 other edit trains a new warm start, so an edited SFT loop, world, tokenizer, renderer or model is never
 served a stale one); the run's seed for RL, its allocation policy, optimizer and so on are not part of it.
 
-Layout under ``cache_dir`` (default ``~/.cache/trace_jax/warm_start``)::
+Layout under ``cache_dir`` (default ``~/.cache/trace_jax/warm_start``; a local folder or a bucket, ``gs://...``)::
 
     <key>/tokenizer/       the world's BPE (a HF tokenizer directory)
     <key>/sft/             orbax checkpoint of the SFT params (``trace_jax.job.sft.run_sft``)
     <key>/warm_start.json  what was trained and how (written last: its presence means complete)
-    <key>.lock             held while one run builds the entry; concurrent runs wait for it
+    <key>.lock             local cache only: held while one run builds the entry; concurrent runs wait for it
 
     entry = WarmStartCache(cache_dir).entry(config)
     with entry.building():          # exclusive; returns at once when nobody else builds it
-        ...train into entry.directory...
+        ...train into entry.directory (the tokenizer into entry.local)...
         entry.write_info({...})
+
+In a bucket (several hosts, no shared filesystem) the HF tokenizer library still reads and writes only local
+files, so each process keeps the tokenizer in a folder of its own (``entry.local``): process 0 alone trains it
+there and uploads it (``publish_tokenizer``); every process that reads it downloads it (``fetch_tokenizer``),
+from a complete entry or, within one job, after process 0 published it. The SFT checkpoint is written to the
+bucket by orbax itself (its steps are committed whole), and process 0 writes ``warm_start.json`` last. A bucket
+has no locks: two jobs that build the same key at the same time both train it, so start one job first and the
+others once its warm start is complete.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+from etils import epath
 
 from trace_jax import paths
 from trace_jax.configs import RunConfig
@@ -117,13 +126,23 @@ def fingerprint(config: RunConfig) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class CacheEntry:
-    """One warm start's directory in the cache."""
+    """One warm start's place in the cache.
+
+    directory: where the entry lives: a local folder, or a bucket's (an ``epath.Path`` URL).
+    local: the local folder whose ``tokenizer/`` the world is built from: ``directory`` itself for a local
+      cache, a folder of this process for a bucket (see the module docstring).
+    """
 
     key: str
-    directory: pathlib.Path
+    directory: pathlib.Path | epath.Path
+    local: pathlib.Path
 
     @property
-    def info_path(self) -> pathlib.Path:
+    def in_bucket(self) -> bool:
+        return paths.is_url(self.directory)
+
+    @property
+    def info_path(self) -> pathlib.Path | epath.Path:
         return self.directory / INFO_FILE
 
     def info(self) -> dict[str, Any] | None:
@@ -136,18 +155,39 @@ class CacheEntry:
             return None
 
     def write_info(self, info: Mapping[str, Any]) -> None:
-        """Records ``info`` atomically (written to a temporary file, then renamed): the entry is complete."""
+        """Records ``info`` atomically (a bucket's object is written whole; a local file is written aside, then
+        renamed): the entry is complete."""
+        text = json.dumps(dict(info), indent=2, sort_keys=True) + "\n"
+        if self.in_bucket:
+            self.info_path.write_text(text)
+            return
         tmp = self.info_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dict(info), indent=2, sort_keys=True) + "\n")
+        tmp.write_text(text)
         tmp.replace(self.info_path)
+
+    def publish_tokenizer(self) -> None:
+        """Bucket: uploads the tokenizer trained in ``local`` (process 0 alone, before ``write_info``). Local: nothing
+        to do (``local`` is the entry)."""
+        if self.in_bucket:
+            paths.copy_tree(self.local / "tokenizer", self.directory / "tokenizer")
+
+    def fetch_tokenizer(self) -> None:
+        """Bucket: downloads the entry's tokenizer into ``local`` (only once it is whole: from a complete entry, or
+        after process 0 published it). Local: nothing to do."""
+        if self.in_bucket:
+            paths.copy_tree(self.directory / "tokenizer", self.local / "tokenizer")
 
     @contextlib.contextmanager
     def building(self, notify: Any = None) -> Iterator[CacheEntry]:
-        """Exclusive access to the entry while it is checked and, if needed, built.
+        """Exclusive access to a local entry while it is checked and, if needed, built.
 
         Another process building the same key makes this wait (``notify(message)`` is called once first);
-        a process killed while building releases the lock, and the next one finishes the job.
+        a process killed while building releases the lock, and the next one finishes the job. A bucket entry
+        has no lock (see the module docstring).
         """
+        if self.in_bucket:
+            yield self
+            return
         self.directory.parent.mkdir(parents=True, exist_ok=True)
         with open(self.directory.with_suffix(".lock"), "a") as lock:
             try:
@@ -165,16 +205,16 @@ class CacheEntry:
 
 
 class WarmStartCache:
-    """The cache directory; ``entry(config)`` is where that config's warm start lives."""
+    """The cache directory (local or a bucket); ``entry(config)`` is where that config's warm start lives."""
 
     def __init__(self, cache_dir: str | pathlib.Path):
-        if paths.is_url(cache_dir):
-            raise ValueError(
-                f"warm_start.cache_dir={cache_dir!s}: the warm-start cache takes file locks, which buckets do not "
-                "have; use a local path, or a shared filesystem when several hosts run one job"
-            )
-        self.root = pathlib.Path(cache_dir).expanduser().absolute()
+        self.root = (
+            paths.as_path(cache_dir) if paths.is_url(cache_dir) else pathlib.Path(cache_dir).expanduser().absolute()
+        )
 
     def entry(self, config: RunConfig) -> CacheEntry:
         key = fingerprint(config)
-        return CacheEntry(key, self.root / key)
+        directory = self.root / key
+        if not paths.is_url(directory):
+            return CacheEntry(key, directory, directory)
+        return CacheEntry(key, directory, pathlib.Path(paths.process_local_dir(directory, "warm_start")))
