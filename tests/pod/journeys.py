@@ -43,13 +43,15 @@ def make_box(tmp_path: pathlib.Path, hosts: int = 2) -> Box:
     return Box(tmp_path / "box", env)
 
 
-def launch_command(tpu, workdir, job_env, *flags, plan=("--skip-plan",)):
-    """``tpu_pod.sh --create --watch`` for a v5p-8 named ``tpu``; ``job_env``: variables every host's job gets."""
+def launch_command(tpu, workdir, job_env, *flags, plan=("--skip-plan",), config=None):
+    """``tpu_pod.sh --create --watch`` for a v5p-8 named ``tpu``; ``job_env``: variables every host's job gets;
+    ``config``: the launcher's ``--config`` (a config file of the checkout; default: the launcher's own)."""
     envs = [arg for key, value in job_env.items() for arg in ("--env", f"{key}={value}")]
     return [
         "bash",
         str(ROOT / "launch" / "tpu_pod.sh"),
         *("--tpu", tpu, "--zone", "box-a", "--accelerator", "v5p-8", "--workdir", workdir),
+        *(("--config", config) if config else ()),
         *("--create", "--watch", *plan, *envs, "--", *flags),
     ]  # fmt: skip
 
