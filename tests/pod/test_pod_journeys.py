@@ -7,7 +7,8 @@ refused before anything is created (d).
 The box (``tests/pod/fake_gcloud.py``, ``tests/pod/journeys.py``) is a fake ``gcloud`` first on ``PATH``: each host
 is a local folder, the launcher's ssh commands run there as local processes (the real ``launch/tpu_worker.sh``),
 the hosts join one JAX job over 127.0.0.1 (the synthetic recipe on CPU, the smallest config that does a few RL
-steps), and every call is logged. The three runs share one warm-start cache folder and one compilation cache.
+steps), and every call is logged. The three runs share one warm-start cache (in the bucket) and one compilation
+cache.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def pod(tmp_path_factory):
         flags = [
             *JOB,
             "--config.rl.checkpoint_every=1",
-            f"--config.warm_start.cache_dir={tmp / 'warm_start'}",  # one folder every host sees
+            f"--config.warm_start.cache_dir={gcs.gs('warm_start')}",  # in the bucket: no shared filesystem
             f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
         ]
         box = make_box(tmp)
@@ -123,6 +124,7 @@ def test_a_an_uninterrupted_run_ends_with_its_outputs_in_the_bucket(pod, uninter
     assert {"summary.json", "metrics.jsonl", "checkpoints"} <= {p.name for p in workdir.iterdir()}
     assert [m["step"] for m in uninterrupted["metrics"] if "step" in m][-1] == STEPS
     assert uninterrupted["step"] == STEPS
+    assert any(n.endswith("/warm_start.json") for n in pod["gcs"].names("warm_start/")), "the warm start, complete"
     creates = [c for c in fake_gcloud.calls(pod["box"].root) if c[3:5] == ["create", "box-a"]]
     assert len(creates) == 1
 
