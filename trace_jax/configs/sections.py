@@ -196,8 +196,8 @@ class WarmStartConfig:
 
     cache_dir: str = documented(
         "~/.cache/trace_jax/warm_start",
-        "directory shared by all runs (``~`` expands); one subdirectory per warm-start key. Not part of any key: "
-        "moving the cache moves nothing else.",
+        "directory shared by all runs (``~`` expands), or a bucket's (``gs://...``: the hosts of a pod need no shared "
+        "filesystem); one subdirectory per warm-start key. Not part of any key: moving the cache moves nothing else.",
     )
 
 
