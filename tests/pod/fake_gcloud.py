@@ -18,7 +18,8 @@ after a grace),
 ``kill_host`` (SIGKILL one host's job), and an ``ssh_fail/<worker>`` file (ssh to that host exits 255).
 
     gcloud compute tpus tpu-vm create|describe|delete|ssh|scp ...
-    gcloud compute tpus queued-resources create|describe|delete ...
+    gcloud compute tpus queued-resources create|describe|delete ...   (create: --node-id, or --node-count and
+                                                                     --node-prefix for several slices)
 """
 
 from __future__ import annotations
@@ -120,22 +121,37 @@ def _flag(args, name, default=None):
 
 
 def _create(box, name, args, kind):
-    if _meta(box, name):
+    """One slice named ``name`` (a TPU VM, or a queued resource's one node), or, for a queued resource with
+    ``--node-count=N --node-prefix=P``, the request ``name`` and its N slices ``P-0`` .. ``P-(N-1)`` (TPU VMs)."""
+    count, prefix = int(_flag(args, "node-count", "1")), _flag(args, "node-prefix")
+    nodes = [f"{prefix}-{i}" for i in range(count)] if kind == "queued" and prefix else []
+    if any(_meta(box, n) for n in (name, *nodes)):
         print(f"ERROR: (gcloud) {name} already exists", file=sys.stderr)
         return 1
-    hosts = slice_dir(box, name) / "hosts"
-    for i in range(HOSTS):
-        (hosts / str(i)).mkdir(parents=True)
+    spot = "--spot" in args
+    for node in nodes:
+        _make_slice(box, node, {"state": "READY", "kind": "vm", "spot": spot, "request": name})
+    hosts = 0 if nodes else HOSTS
     state = "ACTIVE" if kind == "queued" else "READY"
-    _save(box, name, {"state": state, "kind": kind, "spot": "--spot" in args, "port": _free_port()})
+    _make_slice(box, name, {"state": state, "kind": kind, "spot": spot, "nodes": nodes}, hosts)
     return 0
 
 
-def _describe(box, name, kind):
+def _make_slice(box, name, meta, hosts=HOSTS):
+    for i in range(hosts):
+        (slice_dir(box, name) / "hosts" / str(i)).mkdir(parents=True)
+    slice_dir(box, name).mkdir(parents=True, exist_ok=True)
+    _save(box, name, {**meta, "port": _free_port()})
+
+
+def _describe(box, name, kind, args=()):
     meta = _meta(box, name)
     if not meta or meta["kind"] != kind:
         print(f"ERROR: (gcloud) NOT_FOUND: {name}", file=sys.stderr)
         return 1
+    if _flag(args, "format") == "value(networkEndpoints[0].ipAddress)":
+        print("127.0.0.1")  # worker 0's internal IP: every host of the box is this machine
+        return 0
     state = meta["state"]
     if kind == "queued" and state == "PREEMPTED":
         state = "SUSPENDED"  # a queued resource whose slice was preempted
@@ -148,6 +164,8 @@ def delete(box: pathlib.Path, name: str) -> int:
     if not _meta(box, name):
         print(f"ERROR: (gcloud) NOT_FOUND: {name}", file=sys.stderr)
         return 1
+    for node in _meta(box, name).get("nodes", []):  # a queued resource's slices go with it
+        delete(box, node)
     for pgid in _job_groups(box, name):
         _signal(pgid, signal.SIGKILL)
     shutil.rmtree(slice_dir(box, name))
@@ -221,7 +239,7 @@ def main(argv: list[str]) -> int:
     if verb == "create":
         return _create(box, name, args, kind)
     if verb == "describe":
-        return _describe(box, name, kind)
+        return _describe(box, name, kind, args)
     if verb == "delete":
         return delete(box, name)
     if verb == "ssh":
