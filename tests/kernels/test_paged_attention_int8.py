@@ -8,8 +8,8 @@ import numpy as np
 from trace_jax.kernels import paged_attention_int8 as int8_kernel
 from trace_jax.rollout.engine import pages
 
-B, H, KV, E, PAGE, PAGES_PER_SLOT, POOL = 3, 4, 2, 128, 8, 4, 16
-LENGTHS = (1, 13, 32)  # one position; a page and a part; every page of the slot
+B, H, KV, E, PAGE, PAGES_PER_SLOT, POOL, BLOCK = 3, 4, 2, 128, 8, 4, 16, 2
+LENGTHS = (1, 13, 32)  # one position (one block); a page and a part (one block); every page (two blocks)
 
 
 def _case(seed=0):
@@ -20,6 +20,14 @@ def _case(seed=0):
     q = rng.normal(size=(B, H, E))
     table = np.stack([rng.permutation(np.arange(1, POOL))[:PAGES_PER_SLOT] for _ in range(B)]).astype(np.int32)
     return jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), table
+
+
+def _by_layer(scales):
+    """Scales ``[K, POOL, PAGE]`` as the engine hands them over: two layers of ``POOL // 2`` pages in
+    ``scale_groups``' view (the table's pages lie in both layers and in several groups)."""
+    grouped = int8_kernel.scale_groups(scales.reshape(KV, 2, POOL // 2, PAGE))
+    assert grouped.shape == (KV, 2, 8, PAGE)  # premise: 8 pages a group, two groups
+    return grouped
 
 
 def _reference(q, k, v, table, lengths):
@@ -49,7 +57,19 @@ def test_the_int8_kernel_equals_attention_over_the_dequantized_pages():
     (kq, ks), (vq, vs) = pages.quantize(k), pages.quantize(v)
     assert kq.dtype == jnp.int8 and ks.shape == (KV, POOL, PAGE)
     lengths = jnp.asarray(LENGTHS, jnp.int32)
-    got = np.asarray(int8_kernel.paged_decode_int8(q, kq, ks, vq, vs, lengths, jnp.asarray(table), interpret=True))
+    got = np.asarray(
+        int8_kernel.paged_decode_int8(
+            q,
+            kq,
+            _by_layer(ks),
+            vq,
+            _by_layer(vs),
+            lengths,
+            jnp.asarray(table),
+            pages_per_compute_block=BLOCK,
+            interpret=True,
+        )
+    )
     dequantized = _reference(q, pages.dequantize(kq, ks), pages.dequantize(vq, vs), table, LENGTHS)
     exact = _reference(q, k, v, table, LENGTHS)
     np.testing.assert_allclose(got, dequantized, atol=1e-5)
@@ -65,7 +85,17 @@ def test_the_int8_kernel_takes_bf16_queries():
     q, k, v, table = _case(1)
     (kq, ks), (vq, vs) = pages.quantize(k), pages.quantize(v)
     lengths = jnp.asarray(LENGTHS, jnp.int32)
-    run = lambda q: int8_kernel.paged_decode_int8(q, kq, ks, vq, vs, lengths, jnp.asarray(table), interpret=True)
+    run = lambda q: int8_kernel.paged_decode_int8(
+        q,
+        kq,
+        _by_layer(ks),
+        vq,
+        _by_layer(vs),
+        lengths,
+        jnp.asarray(table),
+        pages_per_compute_block=BLOCK,
+        interpret=True,
+    )
     low = run(q.astype(jnp.bfloat16))
     assert low.dtype == jnp.bfloat16
     high = np.asarray(run(q))
@@ -75,8 +105,10 @@ def test_the_int8_kernel_takes_bf16_queries():
 def test_the_tpu_engine_decodes_an_int8_cache_through_the_int8_kernel_reading_the_pool_in_place():
     """``Engine.lower_generate`` compiled for v5p:2x2x1 (data 4) with ``cache_dtype="int8"``: one
     ``paged_attention_int8`` Mosaic call, and no array of one layer's pages of a shard in the compute dtype (the
-    dequantized copy the previous path made a layer and step). Mutant caught: the int8 cache routed to jax's
-    kernel through a dequantized layer again (its Mosaic call, a bf16 ``[kv_heads, pages, page, head_dim]``)."""
+    dequantized copy the previous path made a layer and step), and no copy of a whole scale pool (XLA lays it
+    out pages-minor; the kernel reads pages-major, so only one layer's scales may be relaid out per call).
+    Mutants caught: the int8 cache routed to jax's kernel through a dequantized layer again (its Mosaic call, a
+    bf16 ``[kv_heads, pages, page, head_dim]``); the kernel handed every layer's scales (a copy of the pool)."""
     from tests.kernels.test_tpu_kernels import TPU_QWEN
     from tests.models.tpu_topology import MOSAIC, tpu_devices
     from trace_jax.parallel import mesh as mesh_lib
@@ -94,3 +126,6 @@ def test_the_tpu_engine_decodes_an_int8_cache_through_the_int8_kernel_reading_th
     pages = config.pool_pages // 4
     layer = f"bf16[{TPU_QWEN.num_kv_heads},{pages},{config.page},{TPU_QWEN.head_dim}]"
     assert layer not in text, f"one layer's pages dequantized: {layer}"
+    pool = f"f32[{TPU_QWEN.num_kv_heads},{TPU_QWEN.num_layers},{pages},{config.page}]"
+    copies = [line for line in text.splitlines() if f"= {pool}" in line and " copy(" in line]
+    assert not copies, f"the scale pool relaid out whole each layer: {copies[0][:160]}"

@@ -12,11 +12,11 @@ A scale belongs to a position, so it factors out of the position's dot products:
 int8 values are exact in the query's dtype, so the matmuls run on the int8 pages cast in VMEM, and the scales
 multiply ``[groups, page_size]`` rows, never a ``[page_size, E]`` tile.
 
-Grid ``(slots, KV heads, pages of a slot)``, one page a step; the page table and lengths are scalar-prefetched
-and each page's block index is looked up in the table (pages past a slot's length re-name its last page, so
-nothing new is fetched, and are skipped). Online softmax in float32 over the pages (flash-attention style); the
-query heads of a KV head (``groups``) share each fetched page. Blocks are whole pages (their last two dimensions
-are the arrays'), so any ``page_size`` and ``head_dim`` lower.
+Grid ``(slots, KV heads)``; the page table and lengths are scalar-prefetched. Each grid step walks its slot's
+pages in blocks of ``pages_per_compute_block`` (only the blocks holding positions below its length), copying
+each block's pages and scales from HBM into one of two VMEM buffers while the previous block is computed (the
+page-table DMA pattern of jax's paged-attention kernel, without its prefetch across grid steps). Online
+softmax in float32 (flash-attention style); the query heads of a KV head (``groups``) share each fetched page.
 """
 
 from __future__ import annotations
@@ -45,79 +45,122 @@ def cost(b: int, h: int, kv: int, s: int, e: int, itemsize: int) -> pl.CostEstim
     )
 
 
-def _kernel(lengths_ref, table_ref, q_ref, k_ref, ks_ref, v_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref, *, page_size):
-    b, j = pl.program_id(0), pl.program_id(2)
+def _kernel(
+    lengths_ref, table_ref, q_ref, k_hbm, ks_hbm, v_hbm, vs_hbm, o_ref, k_buf, ks_buf, v_buf, vs_buf, sems,
+    *, pages_per_slot: int, block: int,
+):  # fmt: skip
+    b, h = pl.program_id(0), pl.program_id(1)
+    page_size, group = k_buf.shape[2], ks_hbm.shape[2]
     length = lengths_ref[b]
+    blocks = pl.cdiv(length, page_size * block)  # page blocks holding the slot's positions
 
-    @pl.when(j == 0)
-    def _start():
-        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    def copies(i, slot):
+        """The DMAs of block ``i``'s pages (values and scales) into buffer ``slot``; past the table's end a block
+        re-reads its last page (masked)."""
+        out = []
+        for p in range(block):
+            page = table_ref[b * pages_per_slot + jnp.minimum(i * block + p, pages_per_slot - 1)]
+            local = page % (ks_hbm.shape[1] * group)  # the page within the scales' layers (one or all)
+            row = (h, local // group, pl.ds(local % group, 1))  # its scales: row local % group of local // group
+            out += [
+                pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, p], sems.at[slot, 0]),
+                pltpu.make_async_copy(ks_hbm.at[row], ks_buf.at[slot, p], sems.at[slot, 1]),
+                pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, p], sems.at[slot, 2]),
+                pltpu.make_async_copy(vs_hbm.at[row], vs_buf.at[slot, p], sems.at[slot, 3]),
+            ]
+        return out
 
-    @pl.when(j * page_size < length)
-    def _page():
-        q = q_ref[...]  # [G, E], already scaled by 1 / sqrt(E)
-        contract_e = (((1,), (1,)), ((), ()))
-        logits = jax.lax.dot_general(q, k_ref[...].astype(q.dtype), contract_e, preferred_element_type=jnp.float32)
-        logits = logits * (ks_ref[...] * (1.0 / QUANT_DIVISOR))  # [G, Z] x [1, Z]: each position's key scale
-        position = j * page_size + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-        logits = jnp.where(position < length, logits, _MASKED)
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
-        p = jnp.exp(logits - m_new)
-        alpha = jnp.exp(m_prev - m_new)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        weights = (p * (vs_ref[...] * (1.0 / QUANT_DIVISOR))).astype(q.dtype)  # each position's value scale
-        contract_z = (((1,), (0,)), ((), ()))
-        acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
-            weights, v_ref[...].astype(q.dtype), contract_z, preferred_element_type=jnp.float32
-        )
-        m_ref[...] = m_new
+    @pl.when(blocks > 0)
+    def _first():
+        for copy in copies(0, 0):
+            copy.start()
 
-    @pl.when(j == pl.num_programs(2) - 1)
-    def _finish():
-        total = l_ref[...]
-        o_ref[...] = jnp.where(total > 0, acc_ref[...] / jnp.where(total > 0, total, 1.0), 0.0).astype(o_ref.dtype)
+    q = q_ref[...]  # [G, E], already scaled by 1 / sqrt(E)
+    contract_e, contract_z = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))
+
+    def step(i, carry):
+        slot = i % 2
+
+        @pl.when(i + 1 < blocks)
+        def _prefetch():  # the next block streams in while this one is computed
+            for copy in copies(i + 1, 1 - slot):
+                copy.start()
+
+        for copy in copies(i, slot):
+            copy.wait()
+        m, total, acc = carry
+        for p in range(block):  # one page at a time: its scales are one [1, page_size] row
+            logits = jax.lax.dot_general(
+                q, k_buf[slot, p].astype(q.dtype), contract_e, preferred_element_type=jnp.float32
+            )
+            logits = logits * (ks_buf[slot, p] * (1.0 / QUANT_DIVISOR))  # [G, Z] x [1, Z]: each key's scale
+            position = (i * block + p) * page_size + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+            logits = jnp.where(position < length, logits, _MASKED)
+            m_new = jnp.maximum(m, jnp.max(logits, axis=1, keepdims=True))
+            weights = jnp.exp(logits - m_new)
+            alpha = jnp.exp(m - m_new)
+            total = alpha * total + jnp.sum(weights, axis=1, keepdims=True)
+            weights = (weights * (vs_buf[slot, p] * (1.0 / QUANT_DIVISOR))).astype(q.dtype)  # each value's scale
+            values = v_buf[slot, p].astype(q.dtype)
+            acc = alpha * acc + jax.lax.dot_general(weights, values, contract_z, preferred_element_type=jnp.float32)
+            m = m_new
+        return m, total, acc
+
+    groups, e = q.shape
+    start = (
+        jnp.full((groups, 1), _MASKED, jnp.float32),
+        jnp.zeros((groups, 1), jnp.float32),
+        jnp.zeros((groups, e), jnp.float32),
+    )
+    _, total, acc = jax.lax.fori_loop(0, blocks, step, start)
+    o_ref[...] = jnp.where(total > 0, acc / jnp.where(total > 0, total, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def scale_groups(scales):
+    """A scale pool ``[K, layers, pages, page_size]`` as ``[K, layers * pages / g, g, page_size]``, g the largest
+    of 8, 4, 2, 1 dividing ``pages``: on TPU the pool's two minor axes are tiled (8 rows of pages x the lanes),
+    so merging ``layers`` and ``pages`` outright would relayout (copy) the pool at every layer and step, while
+    groups of 8 pages are whole tiles and the view is a bitcast. Value page ``p`` (layer-major, ``layer * pages
+    + page``) has its scales at ``[:, p // g, p % g]``."""
+    kv_heads, layers, pages, page_size = scales.shape
+    group = next(g for g in (8, 4, 2, 1) if pages % g == 0)
+    return scales.reshape(kv_heads, layers * pages // group, group, page_size)
 
 
 def paged_decode_int8(
-    q_bhe, k_pages, k_scales, v_pages, v_scales, lengths_b, table_bp, *, interpret: bool = False
-) -> jax.Array:
+    q_bhe, k_pages, k_scales, v_pages, v_scales, lengths_b, table_bp, *, pages_per_compute_block: int = 1,
+    interpret: bool = False,
+) -> jax.Array:  # fmt: skip
     """One shard's decode attention ``[B, H, E]`` in the query's dtype: query ``b`` (not yet scaled) over the
     first ``lengths_b[b]`` positions of its pages ``table_bp[b]`` in the int8 ``k_pages`` / ``v_pages``
-    ``[K, pages, page_size, E]`` with float32 ``k_scales`` / ``v_scales`` ``[K, pages, page_size]`` (read in
-    place). ``interpret`` runs it in Pallas TPU interpret mode."""
+    ``[K, n, page_size, E]`` with float32 ``k_scales`` / ``v_scales`` ``[K, n / g, g, page_size]`` (value page
+    ``p``'s scales at ``[:, p // g, p % g]``; ``scale_groups`` gives that view of ``[K, layers, pages,
+    page_size]`` without a copy; both read in place), ``pages_per_compute_block`` pages a DMA block.
+    ``interpret`` runs it in Pallas TPU interpret mode."""
     b, h, e = q_bhe.shape
-    kv_heads, pages, page_size, _ = k_pages.shape
-    groups = h // kv_heads
+    kv_heads, _, page_size, _ = k_pages.shape
+    groups, block = h // kv_heads, pages_per_compute_block
     pages_per_slot = table_bp.shape[1]
     q_bkge = (q_bhe * (1.0 / float(e) ** 0.5)).astype(q_bhe.dtype).reshape(b, kv_heads, groups, e)
-    # Scales as [K, pages, 1, page_size] (a bitcast): a page's scales are one lane-major row, its block's last
-    # two dimensions the array's.
-    k_rows, v_rows = (s.reshape(kv_heads, pages, 1, page_size) for s in (k_scales, v_scales))
-
-    def page(i, k, j, lengths_ref, table_ref):  # pages past the length re-name the last one: no new fetch
-        last = jnp.maximum(lengths_ref[i] - 1, 0) // page_size
-        return k, table_ref[i * pages_per_slot + jnp.minimum(j, last)], 0, 0
-
-    heads = pl.BlockSpec((None, None, groups, e), lambda i, k, j, *_: (i, k, 0, 0))
-    values = pl.BlockSpec((None, None, page_size, e), page)
-    scales = pl.BlockSpec((None, None, 1, page_size), page)
+    heads = pl.BlockSpec((None, None, groups, e), lambda i, k, *_: (i, k, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    buffers = [
+        pltpu.VMEM((2, block, page_size, e), k_pages.dtype),  # keys, double-buffered blocks of pages
+        pltpu.VMEM((2, block, 1, page_size), jnp.float32),  # their scales
+        pltpu.VMEM((2, block, page_size, e), v_pages.dtype),
+        pltpu.VMEM((2, block, 1, page_size), jnp.float32),
+        pltpu.SemaphoreType.DMA((2, 4)),  # per buffer: keys, key scales, values, value scales
+    ]
     call = lambda *args: pl.pallas_call(
-        functools.partial(_kernel, page_size=page_size),
+        functools.partial(_kernel, pages_per_slot=pages_per_slot, block=block),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,  # lengths, page table (flat)
-            grid=(b, kv_heads, pages_per_slot),
-            in_specs=[heads, values, scales, values, scales],
+            grid=(b, kv_heads),
+            in_specs=[heads, hbm, hbm, hbm, hbm],
             out_specs=heads,
-            scratch_shapes=[
-                pltpu.VMEM((groups, 1), jnp.float32),  # running max
-                pltpu.VMEM((groups, 1), jnp.float32),  # running sum
-                pltpu.VMEM((groups, e), jnp.float32),  # running output
-            ],
+            scratch_shapes=buffers,
         ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         out_shape=jax.ShapeDtypeStruct(q_bkge.shape, q_bkge.dtype),
         cost_estimate=cost(b, h, kv_heads, pages_per_slot * page_size, e, q_bhe.dtype.itemsize),
         name="paged_attention_int8",
@@ -127,9 +170,9 @@ def paged_decode_int8(
         table_bp.reshape(-1).astype(jnp.int32),
         q_bkge,
         k_pages,
-        k_rows,
+        k_scales,
         v_pages,
-        v_rows,
+        v_scales,
     )
     if interpret:
         with pltpu.force_tpu_interpret_mode():

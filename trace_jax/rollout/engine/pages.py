@@ -434,12 +434,14 @@ class DecodeKernel:
             # not running) reads no column beyond it.
             lengths_b = jnp.minimum(position_b + 1, table_bp.shape[1] * page_size)
             if is_quantized(dtype):  # int8 pages and their scales, dequantized in VMEM
-                k_view, k_scale, v_view, v_scale = (
-                    merged(pools[f"{n}_{f}"]) for n in "kv" for f in ("pages", "scales")
-                )
+                k_view, v_view = merged(pools["k_pages"]), merged(pools["v_pages"])
+                # One layer's scales (XLA lays the scale pool out pages-minor, the kernel reads it page-major:
+                # the slice is relaid out, a layer's scales, not the pool's, each layer and step).
+                scales = lambda name: paged_attention_int8.scale_groups(pools[f"{name}_scales"][:, layer, None])
                 out_bhe = paged_attention_int8.paged_decode_int8(
-                    q_bhe, k_view, k_scale, v_view, v_scale, lengths_b, table_layer, interpret=self.interpret
-                )
+                    q_bhe, k_view, scales("k"), v_view, scales("v"), lengths_b, table_layer,
+                    pages_per_compute_block=block, interpret=self.interpret,
+                )  # fmt: skip
             else:
                 k_view, v_view = (as_dtype(merged(pools[f"{n}_pages"]), dtype) for n in "kv")
                 out_bhe = paged_attention.paged_decode(
