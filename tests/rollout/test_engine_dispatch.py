@@ -3,6 +3,7 @@ update) keeps its own; both decode the same tokens, and the decode program holds
 
 import dataclasses
 import json
+import pathlib
 
 import jax
 import pytest
@@ -10,11 +11,14 @@ from flax import nnx
 
 from tests.helpers import run_with_fake_devices
 from tests.models.tpu_topology import tpu_devices
+from trace_jax import configs
+from trace_jax.configs import ConfigError
 from trace_jax.models import PRESETS, ModelConfig, abstract_model
 from trace_jax.parallel import mesh as mesh_lib
 from trace_jax.rollout.engine.engine import Engine, EngineConfig
 from trace_jax.rollout.engine.layout import SamplingLayout
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5  # float32 weights and cache: the two dispatches sum the same products in another order
 
 
@@ -76,3 +80,16 @@ def test_a_dense_policy_refuses_an_expert_dispatch_and_a_bad_name_is_named():
         Engine.for_model(dense, EngineConfig(max_slots=2, max_len=16, page_size=8, expert_dispatch="all_to_all"))
     with pytest.raises(ValueError, match=r"expert_dispatch='scatter'.*gather"):
         EngineConfig(expert_dispatch="scatter")
+
+
+def test_the_job_config_takes_the_key_and_names_what_is_wrong_with_it():
+    """``--config.engine.expert_dispatch``: taken for a MoE policy, refused naming the fix for a dense one (the
+    default job's ``qwen3-tiny``) and for a name that is no dispatch. Mutant caught: ``_dispatch_problems``
+    left out of ``validate`` (the dense policy passes the door and fails later, in the engine)."""
+    spec = str(ROOT / "configs" / "default.py")
+    moe = ["--config.sft.model=qwen3-moe-tiny", "--config.engine.expert_dispatch=all_to_all"]
+    assert configs.load(spec, moe).engine.expert_dispatch == "all_to_all"
+    with pytest.raises(ConfigError, match=r"sft.model='qwen3-tiny' is dense.*engine.expert_dispatch=''"):
+        configs.load(spec, ["--config.engine.expert_dispatch=all_to_all"])
+    with pytest.raises(ConfigError, match=r"engine.expert_dispatch.*one of gather, all_to_all"):
+        configs.load(spec, ["--config.engine.expert_dispatch=scatter"])
