@@ -517,8 +517,8 @@ class Engine:
 
     # --------------------------------------------------------------------------------------- report
     def describe(self) -> dict[str, Any]:
-        """Compiled programs per entry point, work counters and the decode attention (``"pallas_paged"`` or
-        ``"reference: <why>"``), for benchmarks, logs and the planner."""
+        """Compiled programs per entry point, work counters and the decode attention (``"pallas_paged"``,
+        ``"pallas_paged_int8"`` or ``"reference: <why>"``), for benchmarks, logs and the planner."""
         return {
             "compilations": dict(self.compilations),
             "counters": dict(self.counters),
