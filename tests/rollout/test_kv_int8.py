@@ -47,10 +47,11 @@ def test_the_int8_cache_round_trips_each_position_within_half_a_step_of_its_own_
 
 
 def test_the_decode_kernel_reads_an_int8_cache_like_the_reference_path():
-    """One new token per slot through the Pallas paged-attention kernel (TPU interpret mode, one shard) on an int8
-    cache: the same pools written (values and scales) and the same attention output as the reference path's
-    write + read + attention, to bf16 rounding (the kernel computes in bf16). Mutants caught: the kernel fed
-    the int8 values without their scales, another layer's scales, the new token's scale not written."""
+    """One new token per slot through the int8 paged-attention kernel (``paged_attention_int8``, TPU interpret
+    mode, one shard) on an int8 cache: the same pools written (values and scales) and the same attention output
+    as the reference path's write + read + attention (the tolerance of bf16 rounding, kept from jax's kernel;
+    ours computes in the query's dtype, float32 here). Mutants caught: the kernel fed the int8 values without
+    their scales, another layer's scales, the new token's scale not written."""
     from trace_jax.models import attention as attention_lib
 
     rng = np.random.default_rng(1)

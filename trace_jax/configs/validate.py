@@ -30,6 +30,7 @@ from trace_jax.configs.schema import prompts_drawn_per_step
 from trace_jax.data.synthetic import KINDS, SyntheticWorld, split_kinds
 from trace_jax.envs.react import TAGS
 from trace_jax.models import PRESETS
+from trace_jax.models.expert_dispatch import EXPERT_DISPATCH
 from trace_jax.parallel.mesh import MESH_AXES
 from trace_jax.rl.advantages import ESTIMATORS
 from trace_jax.rl.batch import check_objective
@@ -150,6 +151,11 @@ RULES: list[Rule] = [
     Rule("engine.steps_per_call", at_least(1), "an integer >= 1"),
     Rule("engine.max_turn_tokens", at_least(1), "an integer >= 1"),
     Rule(
+        "engine.expert_dispatch",
+        one_of(lambda: ("", *EXPERT_DISPATCH)),
+        f"'' (the model's own) or one of {', '.join(EXPERT_DISPATCH)}",
+    ),
+    Rule(
         "eval.split",
         lambda v: _is_split(v, ("train", "test", "ood", "dev")),
         f"one of train, test, ood, each optionally with question kinds ('test:chain'; kinds: {', '.join(KINDS)}) "
@@ -203,6 +209,18 @@ def _routing_problems(config: RunConfig) -> list[str]:
     return [
         f"config.engine.routing_replay=True records a mixture of experts' routing, but sft.model={preset!r} is "
         "dense (no router): choose a qwen3_moe preset (e.g. qwen3-moe-tiny) or set engine.routing_replay=False"
+    ]
+
+
+def _dispatch_problems(config: RunConfig) -> list[str]:
+    """``engine.expert_dispatch`` with a dense policy preset (the synthetic recipe's ``sft.model``): it has no
+    experts to dispatch. A checkpoint's policy is checked by the engine it builds."""
+    preset = config.sft.model
+    if config.recipe.kind != "synthetic" or not config.engine.expert_dispatch or PRESETS[preset].routing_shape:
+        return []
+    return [
+        f"config.engine.expert_dispatch={config.engine.expert_dispatch!r} chooses how a mixture of experts "
+        f"dispatches, but sft.model={preset!r} is dense: choose a qwen3_moe preset or set engine.expert_dispatch=''"
     ]
 
 
@@ -297,7 +315,8 @@ def _checked(config: Mapping[str, Any]) -> tuple[list[str], RunConfig | None]:
     if found:
         return found, None
     run = RunConfig.build(config)
-    return _objective_problems(run) + _routing_problems(run) + _prompt_problems(run) + _mesh_problems(run), run
+    checks = (_objective_problems, _routing_problems, _dispatch_problems, _prompt_problems, _mesh_problems)
+    return [problem for check in checks for problem in check(run)], run
 
 
 def problems(config: Mapping[str, Any]) -> list[str]:

@@ -14,10 +14,9 @@ kernel step reads (``pages_per_compute_block``).
 
 Numerics: the kernel loads key / value pages into VMEM and casts them to bf16 before its dot products
 (``MultiPageAsyncCopyDescriptor._maybe_dequantize`` defaults to bf16), so a float32 cache matches the float32
-reference only to bf16 rounding (tests/rollout/test_decode_kernel.py). An int8 cache reaches it as one layer's
-pages dequantized to the compute dtype (``trace_jax.rollout.engine.pages.DecodeKernel``), not through the
-kernel's own int8 mode (``QuantizedTensor``), whose wrapper broadcasts the scales head_dim wide before the call:
-an operand the size of the pool in float32 (docs/tpu_speed.md#int8-kv-cache).
+reference only to bf16 rounding (tests/rollout/test_decode_kernel.py). An int8 cache takes its own kernel
+(``paged_attention_int8``), not this kernel's int8 mode (``QuantizedTensor``), whose wrapper broadcasts the
+scales head_dim wide before the call: an operand the size of the pool in float32.
 
 The engine runs it in ``jax.shard_map`` (Mosaic kernels cannot be partitioned by XLA) and chooses it by the
 platform of its mesh's devices (``trace_jax.rollout.engine.pages.choose_decode_kernel``).

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from trace_jax.buckets import bucket
 from trace_jax.config_utils import documented
+from trace_jax.models.expert_dispatch import EXPERT_DISPATCH
 from trace_jax.rollout.engine.sampling import SamplingConfig
 
 
@@ -77,6 +78,14 @@ class EngineConfig:
         "head, about half a bf16 cache's bytes; ``trace_jax.rollout.engine.pages``); ``None`` = the model's compute "
         "dtype. int8 is off by default: its figures are in docs/tpu_speed.md#int8-kv-cache.",
     )
+    expert_dispatch: str = documented(
+        "",
+        "a mixture-of-experts policy only: the expert dispatch the engine's programs run (a key of "
+        '``trace_jax.models.expert_dispatch.EXPERT_DISPATCH``: ``gather`` or ``all_to_all``); ``""`` = the '
+        "model's own (``MoeConfig.expert_dispatch``), which the update always keeps. Both dispatches split the "
+        "experts' weights over the same ``expert`` axis, so a weight sync moves them as any other weight. Decode "
+        "wants ``all_to_all`` where the mesh has an ``expert`` axis (docs/tpu_speed.md, 'A mixture of experts').",
+    )
     routing_replay: bool = documented(
         False,
         "a mixture-of-experts policy only: the engine records the experts every token it computes went to in every "
@@ -93,6 +102,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.cache_dtype={self.cache_dtype!r} is not a KV cache dtype: use a float dtype name "
                 "(bfloat16, float32), 'int8', or None for the model's compute dtype"
+            )
+        if self.expert_dispatch and self.expert_dispatch not in EXPERT_DISPATCH:
+            raise ValueError(
+                f"EngineConfig.expert_dispatch={self.expert_dispatch!r}: use one of {tuple(EXPERT_DISPATCH)}, or '' "
+                "for the model's own"
             )
         if self.max_len % self.page:
             raise ValueError(f"EngineConfig.page_size={self.page_size} must divide max_len={self.max_len}")
@@ -162,6 +176,18 @@ class EngineConfig:
             most = bucket(self.max_slots * -(-window // self.append_width), self.append_rows, "append rows")
             shapes += [(rows, window) for rows in self.append_rows if rows <= most]
         return tuple(shapes)
+
+    def model_config(self, model_config: Any) -> Any:
+        """The config of the model the engine runs: ``model_config`` with ``expert_dispatch`` where one is set.
+        Raises ``ValueError`` for a dispatch asked of a model without experts."""
+        if not self.expert_dispatch:
+            return model_config
+        if not hasattr(model_config, "expert_dispatch"):
+            raise ValueError(
+                f"engine.expert_dispatch={self.expert_dispatch!r} chooses how a mixture of experts dispatches, but the "
+                f"{model_config.family!r} policy is dense: set engine.expert_dispatch to ''"
+            )
+        return dataclasses.replace(model_config, expert_dispatch=self.expert_dispatch)
 
     def kv_dtype(self, compute_dtype: Any) -> jnp.dtype:
         """The KV cache's value dtype: ``cache_dtype``, else the model's ``compute_dtype``."""

@@ -111,9 +111,14 @@ class Engine:
         config: EngineConfig | None = None,
         layout: Any = None,
     ):
+        self.config = config or EngineConfig()
+        # The engine's own model: the policy's, but with the engine's expert dispatch where it sets one (the
+        # graph carries the config, so a changed one is rebuilt; the weights' tree and layout are the same).
+        engine_model_config = self.config.model_config(model_config)
+        if engine_model_config != model_config:
+            graphdef, model_config = abstract_model(engine_model_config)[0], engine_model_config
         self.graphdef = graphdef
         self.model_config = model_config
-        self.config = config or EngineConfig()
         if self.config.routing_replay and model_config.routing_shape is None:
             raise ValueError(
                 f"engine.routing_replay records a mixture of experts' routing, but the {model_config.family!r} "
@@ -512,8 +517,8 @@ class Engine:
 
     # --------------------------------------------------------------------------------------- report
     def describe(self) -> dict[str, Any]:
-        """Compiled programs per entry point, work counters and the decode attention (``"pallas_paged"`` or
-        ``"reference: <why>"``), for benchmarks, logs and the planner."""
+        """Compiled programs per entry point, work counters and the decode attention (``"pallas_paged"``,
+        ``"pallas_paged_int8"`` or ``"reference: <why>"``), for benchmarks, logs and the planner."""
         return {
             "compilations": dict(self.compilations),
             "counters": dict(self.counters),

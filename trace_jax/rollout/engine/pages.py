@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from trace_jax.kernels import paged_attention
+from trace_jax.kernels import paged_attention, paged_attention_int8
 from trace_jax.models import attention as attention_lib
 from trace_jax.parallel.mesh import constrain
 
@@ -378,9 +378,9 @@ KERNEL_INTERPRET = False
 
 @dataclasses.dataclass(frozen=True)
 class DecodeKernel:
-    """``generate``'s single-token attention through jax's Pallas TPU paged-attention kernel on the engine's mesh.
-
-    The kernel, its block rules and its cost: ``trace_jax.kernels.paged_attention``.
+    """``generate``'s single-token attention through a Pallas TPU paged-attention kernel on the engine's mesh:
+    jax's for a float cache (its block rules and cost: ``trace_jax.kernels.paged_attention``), ours for an int8
+    cache, which reads the int8 pages and their scales (``trace_jax.kernels.paged_attention_int8``).
 
     Mosaic kernels cannot be partitioned by XLA, so the call runs in ``jax.shard_map`` with every mesh axis
     manual: slots (and the pool's pages) over ``slot_axes``, KV heads over ``head_axis``. Each shard reads
@@ -426,30 +426,28 @@ class DecodeKernel:
             pages_b = jnp.minimum(pages_b[:, 0], num_local_pages)  # past the table: out of bounds, dropped
             heads_1k = jnp.arange(heads_here)[None, :]
             pools = store(pools, (heads_1k, layer, pages_b[:, None], offsets_b), k_bke, v_bke, dtype)
-            if is_quantized(dtype):
-                # The kernel's own int8 mode would broadcast the scales to head_dim in HBM (a float32 array
-                # the size of the pool); the layer's pages dequantized once are read instead.
-                view = lambda name: dequantize(
-                    pools[f"{name}_pages"][:, layer], pools[f"{name}_scales"][:, layer], q_bhe.dtype
-                )
-                k_view, v_view, table_layer = view("k"), view("v"), table_bp
+            # Every layer's pages in one page axis (layer-major, a bitcast): layer ``layer``'s page p is page
+            # ``layer * num_local_pages + p``.
+            merged = lambda pool: pool.reshape(heads_here, layers * num_local_pages, *pool.shape[3:])
+            table_layer = table_bp + layer * num_local_pages
+            # The new token sees itself and every earlier position; a slot past its table (a full one that is
+            # not running) reads no column beyond it.
+            lengths_b = jnp.minimum(position_b + 1, table_bp.shape[1] * page_size)
+            if is_quantized(dtype):  # int8 pages and their scales, dequantized in VMEM
+                k_view, v_view = merged(pools["k_pages"]), merged(pools["v_pages"])
+                # One layer's scales (XLA lays the scale pool out pages-minor, the kernel reads it page-major:
+                # the slice is relaid out, a layer's scales, not the pool's, each layer and step).
+                scales = lambda name: paged_attention_int8.scale_groups(pools[f"{name}_scales"][:, layer, None])
+                out_bhe = paged_attention_int8.paged_decode_int8(
+                    q_bhe, k_view, scales("k"), v_view, scales("v"), lengths_b, table_layer,
+                    pages_per_compute_block=block, interpret=self.interpret,
+                )  # fmt: skip
             else:
-                # Every layer's pages in one page axis (layer-major): layer ``layer``'s page p is page
-                # ``layer * num_local_pages + p``.
-                view = lambda pool: as_dtype(pool.reshape(heads_here, layers * num_local_pages, *pool.shape[3:]), dtype)
-                k_view, v_view = view(pools["k_pages"]), view(pools["v_pages"])
-                table_layer = table_bp + layer * num_local_pages
-            out_bhe = paged_attention.paged_decode(
-                q_bhe,
-                k_view,
-                v_view,
-                # The new token sees itself and every earlier position; a slot past its table (a full one
-                # that is not running) reads no column beyond it.
-                jnp.minimum(position_b + 1, table_bp.shape[1] * page_size),
-                table_layer,
-                pages_per_compute_block=block,
-                interpret=self.interpret,
-            )
+                k_view, v_view = (as_dtype(merged(pools[f"{n}_pages"]), dtype) for n in "kv")
+                out_bhe = paged_attention.paged_decode(
+                    q_bhe, k_view, v_view, lengths_b, table_layer,
+                    pages_per_compute_block=block, interpret=self.interpret,
+                )  # fmt: skip
             return pools, out_bhe.astype(q_bhe.dtype)
 
         run = jax.shard_map(
@@ -470,7 +468,8 @@ def choose_decode_kernel(
     model_config: Any, engine_config: Any, mesh: Any, state_shardings: Any, interpret: bool = False
 ) -> tuple[DecodeKernel | None, str]:
     """The engine's decode attention for the devices of ``mesh``: ``(DecodeKernel, "pallas_paged")`` where the
-    Pallas paged-attention kernel applies, else ``(None, "reference: <why>")`` (the gather-based path).
+    Pallas paged-attention kernel applies (``"pallas_paged_int8"`` on an int8 cache), else
+    ``(None, "reference: <why>")`` (the gather-based path).
 
     Decided from the platform of the mesh's devices (a TPU program from a CPU host gets the kernel, a CPU
     program never does), the model's ``attention`` setting and the kernel's constraints. Raises ``ValueError``
@@ -485,14 +484,13 @@ def choose_decode_kernel(
         return None, f"reference: ModelConfig.attention={model_config.attention!r}"
     head_dim = model_config.head_dim
     kv_dtype = jnp.dtype(engine_config.kv_dtype(model_config.compute_dtype))
-    # An int8 cache reaches the kernel as one layer dequantized to the compute dtype (``DecodeKernel``).
-    kv_dtype = jnp.dtype(model_config.compute_dtype if is_quantized(kv_dtype) else kv_dtype).name
     pages_per_slot = engine_config.pages_per_slot
     block = paged_attention.pages_per_compute_block(pages_per_slot)
     pool_spec = tuple(state_shardings.k_pages.spec) + (None,) * 5
     slot_spec = (*state_shardings.lengths_b.spec, None)
     as_axes = lambda entry: () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    problems = paged_attention.problems(head_dim, kv_dtype, engine_config.page)
+    # The int8 kernel's blocks are whole pages (``paged_attention_int8``): no block rule of its own.
+    problems = [] if is_quantized(kv_dtype) else paged_attention.problems(head_dim, kv_dtype.name, engine_config.page)
     if as_axes(pool_spec[2]) != as_axes(slot_spec[0]):
         problems.append(
             f"the pool's pages are split over {as_axes(pool_spec[2])} but the slots over {as_axes(slot_spec[0])} "
@@ -504,4 +502,4 @@ def choose_decode_kernel(
         return None, "reference: " + "; ".join(problems)
     head_axes = as_axes(pool_spec[0])
     kernel = DecodeKernel(mesh, as_axes(slot_spec[0]), head_axes[0] if head_axes else None, block, interpret)
-    return kernel, "pallas_paged"
+    return kernel, "pallas_paged_int8" if is_quantized(kv_dtype) else "pallas_paged"
