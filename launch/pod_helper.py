@@ -155,7 +155,8 @@ def layout(argv: list[str]) -> int:
     picked, and prints that layout's overrides on stdout, one a line (exit 0); 3 when nothing fits. Overrides
     that pin a layout key: that layout is checked (``plan``) and nothing printed."""
     sys.path.insert(0, str(ROOT))
-    from trace_jax.plan.layout_overrides import NoLayout, layout_overrides, pinned_keys  # this checkout's
+    from trace_jax.configs import load  # the package: installed or this checkout
+    from trace_jax.plan.layout_overrides import NoLayout, layout_overrides, pinned_keys
 
     accelerator, config_spec, overrides, extra = _split(argv)
     pinned = pinned_keys(overrides)
@@ -170,7 +171,7 @@ def layout(argv: list[str]) -> int:
         with open(out) as f:
             result = json.load(f)
     try:
-        chosen = layout_overrides(result)
+        chosen = layout_overrides(result, load(config_spec, overrides).mesh.slices)
     except NoLayout as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
@@ -194,8 +195,8 @@ def layout_from(argv: list[str]) -> int:
     try:
         with open(path) as f:
             result = json.load(f)
-        chosen = layout_overrides(result)
-        model = job_model(load(config_spec, overrides))
+        run = load(config_spec, overrides)
+        model, chosen = job_model(run), layout_overrides(result, run.mesh.slices)
     except (OSError, ValueError, NoLayout) as e:
         print(f"error: --layout-from {path}: {e}", file=sys.stderr)
         return 2

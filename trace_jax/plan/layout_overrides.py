@@ -20,11 +20,12 @@ class NoLayout(ValueError):
     """The plan found no train layout that fits (or was not asked for one)."""
 
 
-def layout_overrides(plan: dict[str, Any]) -> list[str]:
+def layout_overrides(plan: dict[str, Any], slices: int = 1) -> list[str]:
     """``--config.key=value`` for each of :data:`LAYOUT_KEYS`, from the layout ``plan`` (the planner's JSON)
-    picked for the train step. ``ppo.micro_rows`` counts every slice's rows (the planner's counts one slice's);
-    an axis the plan's mesh leaves out (``expert`` of a dense model) is 1. Raises :class:`NoLayout` when the
-    plan has no fitting train layout."""
+    picked for the train step, for a job over ``slices`` slices (``mesh.slices``; each slice is laid out as the
+    plan's mesh). ``ppo.micro_rows`` counts every slice's rows: the plan's, one slice's, times ``slices``. An
+    axis the plan's mesh leaves out (``expert`` of a dense model) is 1. Raises :class:`NoLayout` when the plan
+    has no fitting train layout."""
     chosen = (plan.get("train") or {}).get("fits")
     if chosen is None:
         tried = len((plan.get("train") or {}).get("tried", ()))
@@ -32,7 +33,6 @@ def layout_overrides(plan: dict[str, Any]) -> list[str]:
             f"the plan of {plan.get('model')} on {(plan.get('topology') or {}).get('name')} found no train layout "
             f"that fits among {tried} compiled candidates: use a larger slice, fewer rows or a shorter sequence"
         )
-    slices = (plan.get("dcn") or {}).get("slices", 1)
     mesh, settings = chosen["mesh"], chosen["settings"]
     values = {f"mesh.{axis}": mesh.get(axis, 1) for axis in MESH_AXES}
     values["ppo.micro_rows"] = settings["micro_rows"] * slices
