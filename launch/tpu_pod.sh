@@ -227,7 +227,7 @@ read_layout() {
   elif [ "$PLAN_LAYOUT" = 1 ]; then
     local extra=()
     [ -n "$PLAN_ARGS" ] && read -r -a extra <<< "$PLAN_ARGS"
-    if [[ " ${extra[*]-} " != *" --backend "* ]] && \
+    if [[ " ${extra[*]-}" != *" --backend"* ]] && \
       ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('libtpu') is None)"; then
       fail "--plan-layout compiles the job's layouts for $ACCELERATOR with the TPU compiler: pip install" \
         "\"jax[tpu]==<your jax version>\" here (or --plan-args \"--backend cpu\": XLA:CPU stand-ins, small models)"
