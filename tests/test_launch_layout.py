@@ -165,3 +165,42 @@ def test_plan_layout_searches_with_the_planner_and_launches_what_it_picked():
     layout = ["--config.mesh.fsdp=1", "--config.ppo.micro_rows=8", "--config.ppo.remat=none"]
     assert all(o in job for o in layout) and job[-1] == "--config.seed=3"
     assert not any(c[:3] == [sys.executable, "launch/pod_helper.py", "plan"] for c in commands(done.stdout))
+
+
+class _Stop(Exception):
+    """Raised by the stand-in trainer: the test needs only what the job built it with."""
+
+
+def test_the_job_builds_its_update_with_ppo_remat(monkeypatch, tmp_path):
+    """The main job's ``Training`` with a stand-in start (a fresh tiny policy, no warm start) and a stand-in
+    ``RLTrainer`` that records the model its graph is of: fails if ``ppo.remat`` does not reach the update's
+    model (the job building its trainer from the start's model config alone)."""
+    import contextlib
+
+    from flax import nnx
+
+    from trace_jax.job import recipes, training
+    from trace_jax.models import create_model
+
+    model_config = ModelConfig.preset("qwen3-tiny", num_layers=1)
+    assert model_config.remat == "none"  # premise: the start's model keeps everything
+    params = nnx.split(create_model(model_config, nnx.Rngs(0)), nnx.Param)[1]
+
+    class Source:
+        def start(self, config, workdir, mesh=None, progress=None, notify=None):
+            return recipes.Start(None, model_config, params, "a fresh policy")
+
+    built = {}
+
+    def trainer(graphdef, *args, **kwargs):
+        built["model"] = nnx.merge(graphdef, params).config
+        raise _Stop
+
+    monkeypatch.setattr(recipes, "source_of", lambda config: Source())
+    monkeypatch.setattr(training, "RLTrainer", trainer)
+    console = type("Console", (), {"info": lambda self, *a: None, "progress": None})()
+    timer = type("Timer", (), {"phase": lambda self, name: contextlib.nullcontext()})()
+    config = load("configs/default.py", ["--config.ppo.remat=full"])
+    with pytest.raises(_Stop):
+        training.Training(config, tmp_path, console, timer)
+    assert built["model"].remat == "full"
