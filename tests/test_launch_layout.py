@@ -147,6 +147,10 @@ def test_the_layout_search_checks_the_engine_on_the_mesh_it_picked(monkeypatch, 
     check = pod_helper.plan_command("v5p-64", config, overrides, extra)
     assert check[check.index("--mesh") + 1] == "data=1,fsdp=2,expert=16,tensor=1"
     assert check[check.index("--remat") + 1] == "full"
+    # Nothing fits (the planner's exit 3): no layout printed, no engine check.
+    monkeypatch.setattr(pod_helper, "_run_planner", lambda *a, **k: calls.append(a) or 3)
+    assert pod_helper.layout(["v5p-64", config]) == 3
+    assert capsys.readouterr().out == "" and len(calls) == 3
 
 
 @pytest.mark.slow
