@@ -5,6 +5,7 @@
 #   launch/tpu_pod.sh --tpu NAME --zone ZONE --workdir gs://BUCKET/RUN [--project P] [--accelerator v5p-64]
 #       [--create | --queued] [--spot] [--help] [--runtime VERSION] [--python 3.11] [--env KEY=VALUE ...]
 #       [--no-stream] [--skip-check] [--skip-plan | --plan] [--plan-args "PLANNER OPTIONS"] [--dry-run]
+#       [--plan-layout | --layout-from PLAN.json]
 #       [--config configs/x.py[:arg]] [-- --config.key=value ...] [--watch [--max-relaunches N]] [--slices N]
 # --slices N (N > 1): one queued-resource request for N slices of --accelerator joined over DCN (named TPU-0 ..),
 # the job started on every host of every slice with --config.mesh.slices=N (launch/slices.sh; docs/multislice.md).
@@ -13,6 +14,13 @@
 # mesh, rows and engine; needs libtpu locally: pip install "jax[tpu]==<your jax version>") and a config whose
 # per-chip peak does not fit the chip's memory stops the launch (exit 3) with the figures. Without libtpu it is
 # skipped with a note; --skip-plan skips it; under --dry-run it is printed, and run only with --plan.
+# --plan-layout lets the plan choose the layout: the planner searches the train step's mesh, micro-batch rows and
+# remat for the slice (the job's model, rows, sequence length), checks the engine on the mesh it picks, and that
+# layout joins the job's overrides (--config.mesh.*, ppo.micro_rows, ppo.remat) on every host, relaunches
+# included; it runs under --dry-run too (the job line needs it). --layout-from PLAN.json takes the layout a saved
+# plan picked (python -m trace_jax.plan --json, or docs/plans/), refused if it planned another model or
+# accelerator; the plan step then checks it. With either, an override of one of those keys pins the layout:
+# the plan checks that one instead (docs/pod.md).
 # --watch (with --create or --queued) stays attached: when the job ends with exit status 143 (a SIGTERM, e.g. a
 # preemption notice: it checkpointed first), the slice is preempted / SUSPENDED / FAILED / gone, or the ssh to
 # worker 0 drops, it recreates the slice the same way (spot / queued included), ships and starts the same
@@ -36,7 +44,7 @@ cd "$(dirname "$0")/.."
 WORKDIR=""  # a pod needs an explicit shared workdir (common.sh defaults to a local one)
 TPU=""; ZONE=""; PROJECT=""; ACCELERATOR="v5p-64"; RUNTIME=""; PY_VERSION="3.11"
 CREATE=0; QUEUED=0; SPOT=0; SLICES=1; STREAM=1; CHECK=1; ACTION="launch"; WORKER=0; ENVS=()
-PLAN="auto"; PLAN_ARGS=""
+PLAN="auto"; PLAN_ARGS=""; PLAN_LAYOUT=0; LAYOUT_FROM=""
 WATCH=0; MAX_RELAUNCHES=10
 PREEMPTED=143  # trace_jax.job.cli.ExitCode.PREEMPTED: stopped by SIGTERM after checkpointing; a rerun resumes
 PYTHON="${PYTHON:-python3}"
@@ -63,6 +71,8 @@ parse_specific() {
     --skip-plan) PLAN=0; SHIFT_TWO=0 ;;
     --plan) PLAN=1; SHIFT_TWO=0 ;;
     --plan-args) PLAN_ARGS="$2" ;;
+    --plan-layout) PLAN_LAYOUT=1; SHIFT_TWO=0 ;;
+    --layout-from) LAYOUT_FROM="$2" ;;
     --logs | --status | --stop | --delete) ACTION="${1#--}"; SHIFT_TWO=0 ;;
     *) SHIFT_TWO=0; return 1 ;;
   esac
@@ -78,6 +88,8 @@ for kv in ${ENVS[@]+"${ENVS[@]}"}; do
 done
 [[ "$PY_VERSION" =~ ^3\.[0-9]+$ ]] || fail "--python $PY_VERSION: expected a version like 3.11"
 [[ "$MAX_RELAUNCHES" =~ ^[0-9]+$ ]] || fail "--max-relaunches $MAX_RELAUNCHES: expected a number"
+[ "$PLAN_LAYOUT" = 1 ] && [ -n "$LAYOUT_FROM" ] && fail "--plan-layout searches a layout, --layout-from reads one: pick one"
+[ "$PLAN_LAYOUT" = 1 ] && [ "$PLAN" = 0 ] && fail "--plan-layout runs the plan: drop --skip-plan"
 [ "$WATCH" = 1 ] && [ "$CREATE" = 0 ] && [ "$QUEUED" = 0 ] && \
   fail "--watch recreates the slice the way it was made: add --create or --queued"
 
@@ -163,7 +175,9 @@ launch() {
     [ "$DRY_RUN" = 1 ] && run "$PYTHON" launch/pod_helper.py check "$CONFIG" "${overrides[@]}"
     "$PYTHON" launch/pod_helper.py check "$CONFIG" "${overrides[@]}" || exit 2
   fi
-  plan_step "${overrides[@]}"
+  read_layout "${overrides[@]}"
+  overrides=(--config.distributed.mode=auto ${LAYOUT[@]+"${LAYOUT[@]}"} ${EXTRA[@]+"${EXTRA[@]}"})
+  [ "$PLAN_LAYOUT" = 1 ] || plan_step "${overrides[@]}"  # the layout search checked what it picked
   ensure_slice
   JOB=(python -m trace_jax.train "--config=$CONFIG" "--workdir=$WORKDIR" "${overrides[@]}")
   ship_and_start || fail_with "$?" "could not ship and start the job on $TPU (see above)"
@@ -202,6 +216,35 @@ plan_step() {
   [ "$code" = 0 ] || fail_with "$code" "the plan step failed (exit status $code): nothing was created; --skip-plan to launch anyway"
 }
 fail_with() { echo "$2" >&2; exit "$1"; }
+
+# The layout's overrides (--plan-layout: searched now; --layout-from: a saved plan's) into LAYOUT; none when
+# neither is given or the overrides ($@) pin a layout key (launch/pod_helper.py layout).
+read_layout() {
+  LAYOUT=()
+  local out line cmd code=0
+  if [ -n "$LAYOUT_FROM" ]; then
+    cmd=("$PYTHON" launch/pod_helper.py layout-from "$LAYOUT_FROM" "$ACCELERATOR" "$CONFIG" "$@")
+  elif [ "$PLAN_LAYOUT" = 1 ]; then
+    local extra=()
+    [ -n "$PLAN_ARGS" ] && read -r -a extra <<< "$PLAN_ARGS"
+    if [[ " ${extra[*]-}" != *" --backend"* ]] && \
+      ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('libtpu') is None)"; then
+      fail "--plan-layout compiles the job's layouts for $ACCELERATOR with the TPU compiler: pip install" \
+        "\"jax[tpu]==<your jax version>\" here (or --plan-args \"--backend cpu\": XLA:CPU stand-ins, small models)"
+    fi
+    cmd=("$PYTHON" launch/pod_helper.py layout "$ACCELERATOR" "$CONFIG" "$@" -- ${extra[@]+"${extra[@]}"})
+    note "plan the layout: search $ACCELERATOR's layouts for the job, check the engine on the one picked" \
+      "(runs under --dry-run too: the job line needs its choice)"
+  else
+    return 0
+  fi
+  [ "$DRY_RUN" = 1 ] && run "${cmd[@]}"
+  out="$("${cmd[@]}")" || code=$?
+  [ "$code" = 3 ] && fail_with 3 "no layout of the job fits $ACCELERATOR (figures above): nothing was created or shipped"
+  [ "$code" = 0 ] || fail_with "$code" "the layout step failed (exit status $code): nothing was created"
+  while read -r line; do [ -n "$line" ] && LAYOUT+=("$line"); done <<< "$out"
+  return 0
+}
 
 # Ships this checkout, installs it and starts the job on every worker; a failing step returns its status (the
 # watcher goes round again when a slice disappears under it) instead of ending the launcher.

@@ -5,6 +5,7 @@ directory: a detached job, its log and exit status, and stopping a leftover.
 """
 
 import dataclasses
+import json
 import os
 import pathlib
 import shlex
@@ -16,6 +17,7 @@ import time
 import pytest
 
 from trace_jax.configs import load_config_file, unknown_overrides
+from trace_jax.plan.layout_overrides import layout_overrides
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHON": sys.executable}
@@ -290,6 +292,10 @@ def test_the_readme_pod_example_passes_the_launchers_own_checks():
     job = shlex.split(flag(gcloud(commands(done.stdout), "ssh")[1], "command"))
     assert "--config.model.hf_dir=gs://b/Qwen3-8B" in job and "--workdir=gs://b/runs/qwen3-8b" in job
     assert any(arg.startswith("--config=") and arg.endswith("configs/search_r1.py:qwen3-8b") for arg in job), job
+    # The layout of the saved plan it names is the job's (not a mesh copied by hand).
+    words = shlex.split(line)
+    plan = json.loads((ROOT / words[words.index("--layout-from") + 1]).read_text())
+    assert all(o in job for o in layout_overrides(plan)), job
 
 
 # ------------------------------------------------------------------------------------------ the plan step

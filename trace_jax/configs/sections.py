@@ -225,8 +225,8 @@ class ModelSourceConfig:
     hf_dir: str = documented(
         "",
         "a Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE Hugging Face directory: config.json, the safetensors (one file or "
-        "sharded) and, unless tokenizer_dir says otherwise, the tokenizer files. Required. A local path: on a pod, "
-        "copy the checkpoint to every host's disk first.",
+        "sharded) and, unless tokenizer_dir says otherwise, the tokenizer files. Required. A local path or a gs:// "
+        "URL (on a pod every host reads the bucket itself, only the slices of each tensor its devices hold).",
     )
     tokenizer_dir: str = documented(
         "",

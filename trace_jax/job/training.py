@@ -89,7 +89,7 @@ class Training:
             optimizer = make_optimizer(schema.optimizer_config(config))  # the schedule in optimizer steps, from rl.*
             reference = lora.without_adapters(params) if lora.has_adapters(params) else params
             self.trainer = RLTrainer(
-                abstract_model(self.model_config)[0],
+                abstract_model(config.ppo.trained_model(self.model_config))[0],  # ppo.remat
                 lora.frozen_base(optimizer, params) if lora.has_adapters(params) else optimizer,
                 loss_config,
                 mesh=self.mesh,

@@ -58,6 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from trace_jax.config_utils import documented
 from trace_jax.models import lora
 from trace_jax.models.moe import RouterStats, router_aux_loss
+from trace_jax.models.qwen import REMAT_POLICIES
 from trace_jax.optim import guarded_update, init_sharded
 from trace_jax.parallel import multihost
 from trace_jax.parallel.mesh import traced_under
@@ -120,6 +121,13 @@ class UpdateConfig:
         "(``RLTrainer.micro_rows``), the smallest call, which also pads the fewest rows.",
     )
     shuffle_seed: int = documented(0, "seed of the per-epoch row shuffles (combined with the state's step).")
+    remat: str = documented(
+        "",
+        "what the update's layer scan keeps for the backward pass, a key of ``trace_jax.models.qwen.REMAT_POLICIES`` "
+        '("none", "save_dots", "full": less kept, less activation memory, more recompute); "": the model\'s own '
+        "(``ModelConfig.remat``). Only the update: sampling has no backward pass. ``launch/tpu_pod.sh --plan-layout`` "
+        "sets it with the mesh and ``micro_rows`` the plan picks.",
+    )
 
     def __post_init__(self):
         if self.micro_rows < 0:
@@ -130,6 +138,14 @@ class UpdateConfig:
             raise ValueError(
                 f"unknown behaviour_logprobs {self.behaviour_logprobs!r}; choose one of {BEHAVIOUR_LOGPROBS}"
             )
+        if self.remat and self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f'unknown remat {self.remat!r}; choose one of {sorted(REMAT_POLICIES)}, or "" (the model\'s)'
+            )
+
+    def trained_model(self, model_config: Any) -> Any:
+        """``model_config`` as the update runs it: with this config's ``remat`` when one is set."""
+        return dataclasses.replace(model_config, remat=self.remat) if self.remat else model_config
 
     @property
     def steps_per_batch(self) -> int:
