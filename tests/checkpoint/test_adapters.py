@@ -21,11 +21,11 @@ from trace_jax.models.lora import LoRAConfig, adapter_state
 _FAMILIES = {"qwen3": {}, "qwen3_moe": {}}
 
 
-def _trained_lora_policy(hf_dir):
+def _trained_lora_policy(hf_dir, base_quant="none"):
     """The HF checkpoint's policy with rank-4 adapters on every target, both factors random (a zero B would make
     a transposed A or a missing scale invisible)."""
     config, params = load_hf(hf_dir)
-    config, params = adapt(config, params, LoRAConfig(rank=4, alpha=8.0), seed=0)
+    config, params = adapt(config, params, LoRAConfig(rank=4, alpha=8.0, base_quant=base_quant), seed=0)
     keys = iter(jax.random.split(jax.random.key(1), 64))
     factors = jax.tree.map(lambda x: 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), adapter_state(params))
     return config, nnx.merge_state(params, factors)
@@ -51,6 +51,28 @@ def test_peft_loads_the_adapters_onto_the_base_and_computes_our_logits(tmp_path,
         np.testing.assert_array_equal(loaded[name.replace(".weight", ".default.weight")], value)
     np.testing.assert_allclose(torch_logits(model.eval(), ids), ours, atol=1e-4, rtol=0)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    np.testing.assert_allclose(torch_logits(merged, ids), ours, atol=1e-4, rtol=0)
+
+
+def test_a_qlora_policy_exports_the_same_adapter_and_a_merged_model_of_its_dequantized_base(tmp_path):
+    """With an int8 base: the PEFT adapter is the factors as trained (the same file a float base's adapters give),
+    and the merged model transformers loads (dequantized base + adapters, float32) computes our logits. Mutant
+    caught: ``merged`` adding the adapters to the int8 values without their scales."""
+    build_hf_checkpoint(tmp_path / "hf", "qwen3", tie_word_embeddings=False)
+    config, params = _trained_lora_policy(tmp_path / "hf", base_quant="int8")
+    assert params["layers"]["attn"]["q_proj"].value.dtype == jnp.int8  # premise: a quantized base
+    _, float_base = _trained_lora_policy(tmp_path / "hf")
+    ids = np.random.default_rng(0).integers(0, 128, (2, 9))
+    ours = np.asarray(nnx.merge(abstract_model(config)[0], params)(jnp.asarray(ids)).logits_btv)
+
+    adapters.export(config, params, tmp_path / "adapter", merged_dir=tmp_path / "m")
+    written = adapters.peft_tensors(config, params)
+    expected = adapters.peft_tensors(config, float_base)
+    assert written.keys() == expected.keys()
+    for name, value in expected.items():
+        np.testing.assert_array_equal(written[name], value)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert {str(p.dtype) for p in merged.parameters()} == {"torch.float32"}
     np.testing.assert_allclose(torch_logits(merged, ids), ours, atol=1e-4, rtol=0)
 
 

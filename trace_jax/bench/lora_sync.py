@@ -1,6 +1,7 @@
 """Bytes a weight sync hands the engine: the whole policy, or only its LoRA adapters.
 
-    python -m trace_jax.bench.lora_sync [--rank 8] [--presets qwen3-tiny,qwen3-8b] [--param-dtype bfloat16] [--out F]
+    python -m trace_jax.bench.lora_sync [--rank 8] [--presets qwen3-tiny,qwen3-8b] [--param-dtype bfloat16]
+        [--base-quant int8] [--out F]
 
 What a sync after the first sends is what the job sends (``Training._set_engine_weights``): ``lora.trained_part``
 of the policy, the adapters alone. A preset small enough to build (``--build-below`` parameters) is initialised,
@@ -8,12 +9,15 @@ synced whole into a decode engine, then synced again with that payload: the byte
 handed to ``Engine.set_params``, and the engine is checked to hold every weight of the policy afterwards. A larger
 preset is counted from its abstract state (``nnx.eval_shape``: shapes and dtypes, nothing allocated), which is the
 same arithmetic without the memory.
+
+With ``--base-quant int8`` (QLoRA) the first sync sends the int8 base and its scales; ``held_bytes`` is what the
+engine then holds (base as stored + adapters), ``dense_copy_bytes`` what it would hold instead with a merged copy
+of the base in the param dtype (the alternative to dequantizing per layer in the decode programs).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any
 
 import jax
@@ -43,7 +47,10 @@ def sync_bytes(config: ModelConfig, build: bool) -> dict[str, Any]:
     return {
         "counted": "arrays" if build else "abstract shapes",
         "param_dtype": config.param_dtype,
+        "base_quant": config.lora_base_quant,
         "full_bytes": full,
+        "held_bytes": _nbytes(params),
+        "dense_copy_bytes": _nbytes(abstract_model(config.without_lora)[1]),
         "lora_bytes": _nbytes(adapters),
         "lora_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(adapters))),
         "ratio": _nbytes(adapters) / full,
@@ -57,16 +64,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--targets", default="q,k,v,o,gate,up,down")
     parser.add_argument("--presets", default="qwen3-tiny,qwen3-8b")
     parser.add_argument("--param-dtype", default=None, help="override the presets' param dtype (e.g. bfloat16)")
+    parser.add_argument("--base-quant", default="none", help="lora.base_quant of the policy (int8: QLoRA)")
     parser.add_argument("--build-below", type=int, default=10_000_000, help="build presets with fewer params")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     results = {}
     for name in args.presets.split(","):
-        fields = dict(lora_rank=args.rank, lora_alpha=args.alpha, lora_targets=args.targets)
+        fields = dict(
+            lora_rank=args.rank, lora_alpha=args.alpha, lora_targets=args.targets, lora_base_quant=args.base_quant
+        )
         if args.param_dtype:
             fields["param_dtype"] = args.param_dtype
         config = ModelConfig.preset(name, **fields)
-        params = abstract_model(dataclasses.replace(config, lora_rank=0))[1]
+        params = abstract_model(config.without_lora)[1]
         small = sum(np.prod(x.shape) for x in jax.tree.leaves(params)) < args.build_below
         results[name] = sync_bytes(config, build=small)
     return emit({"rank": args.rank, "targets": args.targets, "presets": results, "machine": machine()}, args.out)
