@@ -482,33 +482,59 @@ def _shapes(comps: dict[str, Computation]) -> dict[str, str]:
     return shapes
 
 
-def summarize(text: str, devices: int) -> HloSummary:
-    """Counts of one compiled program's HLO text, per device and per run (``devices``: the mesh size)."""
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """What one instruction of a program costs per run: FLOPs (a dot / convolution, fused or not, or what a
+    Mosaic kernel states) and HBM bytes (an instruction that runs as its own kernel)."""
+
+    computation: str
+    instruction: Instruction
+    executions: float
+    flops: float  # per run (executions included)
+    bytes: float  # per run
+    fused: bool  # inside a fusion / reducer: its bytes are its kernel's
+
+
+def costs(text: str) -> tuple[list[Cost], dict[str, Computation], dict[str, str], list[int], int]:
+    """Every instruction of a compiled program that costs FLOPs or HBM bytes, as ``summarize`` counts them, with
+    the parsed computations, the value types, the loops' trip counts and the number of unknown loops."""
     comps, entry = parse(text)
     shapes = _shapes(comps)
     runs, fused, loops, unknown = _runs(comps, entry)
+    out = []
+    for name, times in runs.items():
+        inside = name in fused
+        for ins in comps[name].instructions:
+            flops = _dot_flops(ins, shapes) if ins.op in ("dot", "convolution") else 0.0
+            flops += _kernel_cost(ins).get("flops", 0.0)
+            moves = not (inside or ins.op in _FREE or ins.op.endswith("-done"))
+            size = _hbm_bytes(ins, comps, shapes, type_bytes(ins.type)) if moves else 0.0
+            if flops or size:
+                out.append(Cost(name, ins, times, times * flops, times * size, inside))
+    return out, comps, shapes, loops, unknown
+
+
+def summarize(text: str, devices: int) -> HloSummary:
+    """Counts of one compiled program's HLO text, per device and per run (``devices``: the mesh size)."""
+    found, _, shapes, loops, unknown = costs(text)
     flops = bytes_accessed = 0.0
     coll: dict[str, dict[str, float]] = {}
-    for name, times in runs.items():
-        for ins in comps[name].instructions:
-            if ins.op in ("dot", "convolution"):
-                flops += times * _dot_flops(ins, shapes)
-            flops += times * _kernel_cost(ins).get("flops", 0.0)
-            if name in fused or ins.op in _FREE or ins.op.endswith("-done"):
-                continue
+    for cost in found:
+        flops += cost.flops
+        bytes_accessed += cost.bytes
+        ins, times = cost.instruction, cost.executions
+        kind = ins.op.removesuffix("-start")
+        if kind in COLLECTIVES and not cost.fused:
             out_bytes = type_bytes(ins.type)
             in_bytes = sum(type_bytes(shapes.get(o, "")) for o in ins.operands)
-            bytes_accessed += times * _hbm_bytes(ins, comps, shapes, out_bytes)
-            kind = ins.op.removesuffix("-start")
-            if kind in COLLECTIVES:
-                n = _group_size(ins.attrs, devices)
-                size = max(in_bytes, out_bytes) if ins.op.endswith("-start") else out_bytes
-                if kind == "reduce-scatter":
-                    size = in_bytes
-                share = (n - 1) / n if n > 1 else 0.0
-                wire = {"all-reduce": 2 * share, "collective-permute": 1.0}.get(kind, share) * size
-                entry_ = coll.setdefault(kind, {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
-                entry_["count"] += times
-                entry_["bytes"] += times * size
-                entry_["wire_bytes"] += times * wire
+            n = _group_size(ins.attrs, devices)
+            size = max(in_bytes, out_bytes) if ins.op.endswith("-start") else out_bytes
+            if kind == "reduce-scatter":
+                size = in_bytes
+            share = (n - 1) / n if n > 1 else 0.0
+            wire = {"all-reduce": 2 * share, "collective-permute": 1.0}.get(kind, share) * size
+            entry_ = coll.setdefault(kind, {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
+            entry_["count"] += times
+            entry_["bytes"] += times * size
+            entry_["wire_bytes"] += times * wire
     return HloSummary(flops, bytes_accessed, coll, kernel_names(text), loops, unknown)
