@@ -238,3 +238,48 @@ def test_the_paged_kernel_costs_the_pages_its_table_names():
     pages = 2 * 32 * 2 * 16 * 128 * 2  # keys and values, 32 pages of [2 heads, 16, 128] bf16
     small = (4 + 32 + 1 + 1) * 4 + 2 * 4 * 2 * 128 * 4  # ints, queries and output
     assert summary.bytes_accessed == pytest.approx(pages + small)
+
+
+# A layer's weight (bf16[512,128] = 128 KiB in HBM) prefetched into VMEM (``S(1)``) by four async slices and
+# concatenated there, as the TPU compiler does with a layer's all-gathered weight; a small HBM -> VMEM copy;
+# a matmul fusion reading both from VMEM and writing its [8,128] output to HBM. (Shapes from the v6e-64
+# update's accumulate program: ``slice-start`` of ``s8[33554432]`` in eight ``s8[4194304]{...S(1)}`` slices.)
+VMEM = """
+HloModule jit_vmem
+
+%dot_fusion (p0: bf16[512,128], p1: bf16[8,512]) -> bf16[8,128] {
+  %p0 = bf16[512,128]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %p1 = bf16[8,512]{1,0:T(8,128)(2,1)S(1)} parameter(1)
+  ROOT %d = bf16[8,128]{1,0:T(8,128)(2,1)} dot(%p1, %p0), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (w.0: s8[131072], x.0: bf16[8,512]) -> bf16[8,128] {
+  %w.0 = s8[131072]{0:T(1024)(128)(4,1)} parameter(0)
+  %x.0 = bf16[8,512]{1,0:T(8,128)(2,1)} parameter(1)
+  SLICES
+  %w = bf16[512,128]{1,0:T(8,128)(2,1)S(1)} custom-call(%sd0, %sd1, %sd2, %sd3), custom_call_target="ConcatBitcast"
+  %cs = (bf16[8,512]{1,0:T(8,128)(2,1)}, bf16[8,512]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%x.0)
+  %cd = bf16[8,512]{1,0:T(8,128)(2,1)S(1)} copy-done(%cs)
+  ROOT %out = bf16[8,128]{1,0:T(8,128)(2,1)} fusion(%w, %cd), kind=kOutput, calls=%dot_fusion
+}
+""".replace(
+    "SLICES",
+    "\n".join(
+        f"  %ss{i} = ((s8[131072]{{0:T(1024)(128)(4,1)}}), s8[32768]{{0:T(1024)(128)(4,1)S(1)}}, s32[]{{:S(2)}}) "
+        f"slice-start(%w.0), slice={{[{i * 32768}:{(i + 1) * 32768}]}}\n"
+        f"  %sd{i} = s8[32768]{{0:T(1024)(128)(4,1)S(1)}} slice-done(%ss{i})"
+        for i in range(4)
+    ),
+)
+
+
+def test_arrays_the_compiler_placed_in_vmem_cost_no_hbm_bytes():
+    """The weight is read from HBM once (its four slices, 128 KiB), the input once by the copy (8 KiB), and the
+    matmul writes its output (2 KiB); nothing in ``S(1)`` (VMEM) is HBM traffic: 138 KiB in all, where counting
+    every operand and output as HBM gives about 5x that (each slice-start's whole source, the concatenation
+    read and written, the copy's destination, the fusion's VMEM operands). Mutants caught: memory spaces
+    ignored (``hbm_bytes`` as ``type_bytes``), a ``slice-start`` costing its whole source."""
+    assert hlo.hbm_bytes("bf16[8,128]{1,0:T(8,128)(2,1)S(1)}") == 0 < hlo.hbm_bytes("bf16[8,128]{1,0}") == 2048
+    summary = hlo.summarize(VMEM, devices=1)
+    assert summary.flops == 2 * 8 * 512 * 128
+    assert summary.bytes_accessed == 131072 + 8 * 512 * 2 + 8 * 128 * 2, summary.bytes_accessed

@@ -14,7 +14,9 @@ listed in ``unknown_loops``; each branch of a conditional counts as 1/branches o
   such as jax's splash and paged attention, adds none);
 * bytes: operands + output of every instruction that runs as its own kernel (a fusion, a copy, a
   collective, a custom call; not the tuple plumbing), as XLA's cost analysis counts HBM traffic, except what
-  it does not touch: an operand only sliced (in the fusion or in fusions nested in it: a layer of a scanned
+  it does not touch: an array the compiler placed in VMEM or another on-chip memory (``S(1)`` ... in its
+  layout: ``hbm_bytes``; an async ``slice-start`` / ``copy-start`` into VMEM costs the bytes it reads from
+  HBM), an operand only sliced (in the fusion or in fusions nested in it: a layer of a scanned
   weight stack) costs its slices, a buffer updated in place its update, the paged-attention kernel the pages
   its table names, a Mosaic kernel that states its bytes those (``_hbm_bytes``); ``byte_consumers`` lists
   them per instruction, largest first;
@@ -54,6 +56,30 @@ _FREE = {
 def type_bytes(text: str) -> int:
     """Bytes of an HLO type (an array or a tuple of arrays; layouts ignored)."""
     return sum(_DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x) for d, dims in _ARRAY.findall(text))
+
+
+# An array and its layout: ``bf16[4,128]{1,0:T(8,128)(2,1)S(1)}``. ``S(n)`` names the memory space the
+# compiler assigned it (openxla.org/xla/shapes, "memory space identifiers"): none or S(0) is HBM; on a TPU
+# S(1) is VMEM and the others other on-chip or host memories, none of them HBM traffic.
+_ARRAY_LAYOUT = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\](\{[^{}]*\})?")
+_SPACE = re.compile(r"S\((\d+)\)")
+
+
+def hbm_bytes(text: str) -> int:
+    """Bytes of the arrays of an HLO type that live in HBM (memory space 0: no ``S(n)``, or ``S(0)``, in the
+    layout); an array the compiler placed in VMEM (``S(1)`` on a TPU) or another memory costs no HBM bytes."""
+    total = 0
+    for dtype, dims, layout in _ARRAY_LAYOUT.findall(text):
+        space = _SPACE.search(layout or "")
+        if space is None or space.group(1) == "0":
+            total += _DTYPE_BYTES[dtype] * math.prod(int(x) for x in dims.split(",") if x)
+    return total
+
+
+def _async_destination(ins_type: str) -> str:
+    """The destination of an async copy / slice (``copy-start``: ``(source, destination, context)``)."""
+    parts = _top_level_split(ins_type.strip()[1:-1]) if ins_type.strip().startswith("(") else [ins_type]
+    return parts[1] if len(parts) > 1 else ins_type
 
 
 def _dims(text: str) -> list[int]:
@@ -241,7 +267,7 @@ def _sliced_bytes(comp: Computation, name: str, comps: dict[str, Computation], d
     total = 0.0
     for use in uses:
         if use.op in _SLICING and use.operands[0] == name and name not in use.operands[1:]:
-            total += type_bytes(use.type)
+            total += type_bytes(use.type)  # a slice of a value in HBM reads its bytes there
             continue
         if use.op == "bitcast":
             inner = _sliced_bytes(comp, use.name, comps, depth + 1)
@@ -280,9 +306,9 @@ def _paged_kernel_bytes(ins: Instruction, shapes: dict[str, str], out_bytes: int
     for t in types:
         dims = _dims(t)
         if len(dims) == 4 and entries and dims[1] > entries:
-            total += type_bytes(t) * entries / dims[1]
+            total += hbm_bytes(t) * entries / dims[1]
         else:
-            total += type_bytes(t)
+            total += hbm_bytes(t)
     return total
 
 
@@ -295,16 +321,20 @@ def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str
     if ins.op == "custom-call" and any(k in n for n in kernel_ops(ins.attrs) for k in _PAGED_KERNELS):
         return _paged_kernel_bytes(ins, shapes, out_bytes)
     if ins.op in ("dynamic-update-slice", "scatter") and len(ins.operands) >= 2:
-        update = type_bytes(shapes.get(ins.operands[-1], ""))
-        return 2.0 * update + sum(type_bytes(shapes.get(o, "")) for o in ins.operands[1:-1])
-    if ins.op in _SLICING:
-        return 2.0 * out_bytes
+        update = hbm_bytes(shapes.get(ins.operands[-1], ""))
+        return 2.0 * update + sum(hbm_bytes(shapes.get(o, "")) for o in ins.operands[1:-1])
+    if ins.op in _SLICING or ins.op == "slice-start":  # reads its slice where the source lives, writes it
+        out_type = _async_destination(ins.type) if ins.op == "slice-start" else ins.type
+        source_in_hbm = bool(ins.operands) and hbm_bytes(shapes.get(ins.operands[0], "")) > 0
+        return source_in_hbm * type_bytes(out_type) + hbm_bytes(out_type)
+    if ins.op == "copy-start":  # an async copy between memories (HBM <-> VMEM): its source and destination
+        return hbm_bytes(shapes.get(ins.operands[0], "")) + hbm_bytes(_async_destination(ins.type))
     stated = _kernel_cost(ins).get("bytes_accessed")
     if stated is not None:
         return stated
     callee = next((t for k, t in _callees(ins.attrs) if k == "calls"), None) if ins.op == "fusion" else None
     if callee is None or callee not in comps:
-        return out_bytes + sum(type_bytes(shapes.get(o, "")) for o in ins.operands)
+        return out_bytes + sum(hbm_bytes(shapes.get(o, "")) for o in ins.operands)
     body = comps[callee]
     users = _users(body)
     total = 0.0
@@ -312,7 +342,7 @@ def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str
     for position, name in _parameters(body).items():
         if position >= len(ins.operands):
             continue
-        full = type_bytes(shapes.get(ins.operands[position], ""))
+        full = hbm_bytes(shapes.get(ins.operands[position], ""))
         uses = users.get(name, [])
         sliced = _sliced_bytes(body, name, comps)
         if sliced is not None:
@@ -326,7 +356,7 @@ def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str
         if r.name == _root_name(body):
             root = r
     if in_place and root is not None and root.op in ("dynamic-update-slice", "scatter"):
-        return total + 2.0 * type_bytes(shapes.get(root.operands[-1], ""))
+        return total + 2.0 * hbm_bytes(shapes.get(root.operands[-1], ""))
     return total + out_bytes
 
 
@@ -464,7 +494,7 @@ def byte_consumers(text: str) -> list[ByteConsumer]:
             kernel = next((t for k, t in _callees(ins.attrs) if k == "calls"), "")
             if ins.op == "custom-call":
                 kernel = next(iter(kernel_names(ins.attrs)), "") or _custom_call_target(ins.attrs)
-            size = _hbm_bytes(ins, comps, shapes, type_bytes(ins.type))
+            size = _hbm_bytes(ins, comps, shapes, hbm_bytes(ins.type))
             out.append(ByteConsumer(name, ins.name, ins.op, ins.type.strip(), times, size, kernel))
     return sorted(out, key=lambda c: -c.total)
 
@@ -508,7 +538,7 @@ def costs(text: str) -> tuple[list[Cost], dict[str, Computation], dict[str, str]
             flops = _dot_flops(ins, shapes) if ins.op in ("dot", "convolution") else 0.0
             flops += _kernel_cost(ins).get("flops", 0.0)
             moves = not (inside or ins.op in _FREE or ins.op.endswith("-done"))
-            size = _hbm_bytes(ins, comps, shapes, type_bytes(ins.type)) if moves else 0.0
+            size = _hbm_bytes(ins, comps, shapes, hbm_bytes(ins.type)) if moves else 0.0
             if flops or size:
                 out.append(Cost(name, ins, times, times * flops, times * size, inside))
     return out, comps, shapes, loops, unknown

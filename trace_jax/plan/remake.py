@@ -165,11 +165,12 @@ def check(plan: dict[str, Any], kind: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ make
-def make(row: Row, plan_dir: str = PLAN_DIR) -> dict[str, Any]:
-    """Runs ``row``'s command in this process, checks it, stamps it with its row and command, writes it."""
+def make(row: Row, plan_dir: str = PLAN_DIR, hlo_dir: str | None = None) -> dict[str, Any]:
+    """Runs ``row``'s command in this process, checks it, stamps it with its row and command, writes it; with
+    ``hlo_dir``, every compiled program's HLO text also goes to ``hlo_dir/<row>`` (``--hlo-dir``)."""
     from trace_jax.plan.__main__ import main as plan_main  # imports jax once the backend's flags are set
 
-    result = plan_main([*row.argv])
+    result = plan_main([*row.argv, *(("--hlo-dir", os.path.join(hlo_dir, row.name)) if hlo_dir else ())])
     problems = check(result, row.kind)
     if problems:
         raise SystemExit(f"row {row.name}: " + "; ".join(problems))
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trace_jax.plan.remake", description=__doc__.split("\n")[0])
     parser.add_argument("--only", help="comma-separated rows (default: every row)")
     parser.add_argument("--out-dir", default=PLAN_DIR, help="where the plans are written")
+    parser.add_argument("--hlo-dir", help="also write each row's compiled HLO texts under DIR/<row> (gzip)")
     parser.add_argument("--list", action="store_true", help="print the rows and their commands, compile nothing")
     parser.add_argument(
         "--calibrate-only", action="store_true", help="rewrite the fractions and restamp the plans, compile nothing"
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     anchor_rows = {a.row for a in ANCHORS.values()}
     for row in rows:
         start = time.perf_counter()
-        make(row, args.out_dir)
+        make(row, args.out_dir, args.hlo_dir)
         print(f"remade {row.name} in {time.perf_counter() - start:.0f}s", flush=True)
         if row.name in anchor_rows:
             write_calibration(args.out_dir)
