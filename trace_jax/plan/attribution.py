@@ -191,15 +191,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("hlo", help="a compiled program's HLO text (.gz or plain), as --hlo-dir writes it")
     parser.add_argument("--json", help="write the attribution here")
-    parser.add_argument("--top", type=int, default=25, help="rows of the by-source table printed")
+    parser.add_argument("--top", type=int, default=25, help="sources printed and written (largest first)")
     args = parser.parse_args(argv)
     result = attribute(_read(args.hlo))
     print(table(result, "by_part", args.top))
     print()
     print(table(result, "by_source", args.top))
-    if args.json:
+    if args.json:  # every part; the --top largest sources
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({**result, "by_source": result["by_source"][: args.top]}, f, indent=1)
     return result
 
 
