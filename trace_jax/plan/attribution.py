@@ -40,7 +40,7 @@ PARTS: tuple[tuple[str, str], ...] = (
     (r"^kernel:tree_attention", "tree attention kernel"),
     (r"^kernel:", "other Mosaic kernels"),
     (r"^collective:", "collectives"),
-    (r"logprobs\.py|losses\.py", "LM head, log-probs, loss"),
+    (r"logprobs\.py|losses\.py|Qwen\.logits", "LM head, log-probs, loss"),
     (r"Attention\._project|Attention\.__call__", "attention projections (q, k, v, o)"),
     (r"rope|RMSNorm", "norms and RoPE"),
     (r"MLP\.|moe\.py|expert_dispatch\.py", "MLP / experts"),
