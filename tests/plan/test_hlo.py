@@ -283,3 +283,24 @@ def test_arrays_the_compiler_placed_in_vmem_cost_no_hbm_bytes():
     summary = hlo.summarize(VMEM, devices=1)
     assert summary.flops == 2 * 8 * 512 * 128
     assert summary.bytes_accessed == 131072 + 8 * 512 * 2 + 8 * 128 * 2, summary.bytes_accessed
+
+
+def test_a_collective_between_vmem_buffers_still_crosses_the_interconnect():
+    """An all-gather whose operand and result the compiler placed in VMEM moves no HBM bytes but still sends its
+    bytes over ICI. Mutant caught: instructions with no FLOPs and no HBM bytes dropped before the collectives
+    are counted (108 of the v6e-64 update's 440 all-gathers went missing that way)."""
+    text = """
+HloModule jit_ag
+
+ENTRY %main (x.0: bf16[64,128]) -> bf16[256,128] {
+  %x.0 = bf16[64,128]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  ROOT %ag = bf16[256,128]{1,0:T(8,128)(2,1)S(1)} all-gather(%x.0), dimensions={0}, replica_groups=[1,4]<=[4]
+}
+"""
+    summary = hlo.summarize(text, devices=4)
+    assert summary.bytes_accessed == 0
+    assert summary.collectives["all-gather"] == {
+        "count": 1,
+        "bytes": 256 * 128 * 2,
+        "wire_bytes": 256 * 128 * 2 * 3 / 4,
+    }

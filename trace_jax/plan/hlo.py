@@ -539,7 +539,7 @@ def costs(text: str) -> tuple[list[Cost], dict[str, Computation], dict[str, str]
             flops += _kernel_cost(ins).get("flops", 0.0)
             moves = not (inside or ins.op in _FREE or ins.op.endswith("-done"))
             size = _hbm_bytes(ins, comps, shapes, hbm_bytes(ins.type)) if moves else 0.0
-            if flops or size:
+            if flops or size or (moves and ins.op.removesuffix("-start") in COLLECTIVES):  # ICI even in VMEM
                 out.append(Cost(name, ins, times, times * flops, times * size, inside))
     return out, comps, shapes, loops, unknown
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shlex
 import time
@@ -181,6 +182,39 @@ def make(row: Row, plan_dir: str = PLAN_DIR, hlo_dir: str | None = None) -> dict
     return result
 
 
+def recount(row: Row, hlo_dir: str, plan_dir: str = PLAN_DIR) -> dict[str, Any]:
+    """Re-reads ``row``'s committed plan's programs from the HLO texts a ``--hlo-dir`` run kept
+    (``hlo_dir/<row>/<program>_<digest>.hlo.txt.gz``) with the current ``trace_jax.plan.hlo``, and recomputes its
+    predicted times: a fix to how a compiled program is counted, applied without compiling again. A program
+    without its HLO text is an error naming it."""
+    import glob
+    import gzip
+
+    from trace_jax.plan import hlo
+    from trace_jax.plan.__main__ import Planner, build_parser, predicted_times
+    from trace_jax.plan.topology import parse_topology
+
+    file = os.path.join(plan_dir, f"{row.name}.json")
+    with open(file) as f:
+        plan = json.load(f)
+    programs = dict((plan["train"]["fits"] or {}).get("programs", {}))
+    if plan["engine"]["fits"] is not None:
+        programs[plan["engine"]["fits"]["program"]] = plan["engine"]["fits"]
+    for name, program in programs.items():
+        found = sorted(glob.glob(os.path.join(hlo_dir, row.name, f"{name}_*.hlo.txt.gz")))
+        if len(found) != 1:
+            raise SystemExit(f"row {row.name}: {len(found)} HLO texts of program {name} in {hlo_dir}/{row.name}")
+        mesh = plan["engine"]["fits"]["mesh"] if name == "generate" else plan["train"]["fits"]["mesh"]
+        with gzip.open(found[0], "rt") as f:
+            program["hlo"] = hlo.summarize(f.read(), math.prod(mesh.values())).as_dict()
+    args = build_parser().parse_args(list(row.argv))
+    topology = parse_topology(args.topology)
+    plan["timing"] = predicted_times(plan, Planner(args, topology.chips, topology).config, topology, args)
+    with open(file, "w") as f:
+        json.dump(plan, f, indent=2)
+    return plan
+
+
 def write_calibration(plan_dir: str = PLAN_DIR, path: str = CALIBRATION_FILE) -> dict[str, Any]:
     """The attained fraction of every anchor whose row's plan is in ``plan_dir``, written to ``path``."""
     fractions = {}
@@ -225,6 +259,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", help="comma-separated rows (default: every row)")
     parser.add_argument("--out-dir", default=PLAN_DIR, help="where the plans are written")
     parser.add_argument("--hlo-dir", help="also write each row's compiled HLO texts under DIR/<row> (gzip)")
+    parser.add_argument(
+        "--recount",
+        action="store_true",
+        help="re-read each row's plan from the HLO texts in --hlo-dir, compile nothing",
+    )
     parser.add_argument("--list", action="store_true", help="print the rows and their commands, compile nothing")
     parser.add_argument(
         "--calibrate-only", action="store_true", help="rewrite the fractions and restamp the plans, compile nothing"
@@ -235,6 +274,14 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows:
             print(f"{row.name} [{row.kind}]: {row.command}")
         return
+    if args.recount:
+        if not args.hlo_dir:
+            raise SystemExit("--recount reads the HLO texts of a --hlo-dir run: give --hlo-dir DIR")
+        for row in rows:
+            recount(row, args.hlo_dir, args.out_dir)
+            print(f"recounted {row.name}", flush=True)
+        write_calibration(args.out_dir)
+        rows = []
     if args.calibrate_only:
         write_calibration(args.out_dir)
         rows = []
