@@ -304,3 +304,44 @@ ENTRY %main (x.0: bf16[64,128]) -> bf16[256,128] {
         "bytes": 256 * 128 * 2,
         "wire_bytes": 256 * 128 * 2 * 3 / 4,
     }
+
+
+# The TPU compiler's bidirectional windowed einsum (an all-gathered matmul computed chunk by chunk while the
+# chunks travel both ways round the ring): its counter runs to 16 in steps of 2, each step a 2-tap matmul.
+STRIDED = """
+HloModule jit_windowed
+
+%cond (p.c: (u32[], bf16[8,128])) -> pred[] {
+  %p.c = (u32[], bf16[8,128]{1,0}) parameter(0)
+  %i.c = u32[] get-tuple-element(%p.c), index=0
+  %limit = u32[] constant(16)
+  ROOT %lt = pred[] compare(%i.c, %limit), direction=LT
+}
+
+%body (p.b: (u32[], bf16[8,128])) -> (u32[], bf16[8,128]) {
+  %p.b = (u32[], bf16[8,128]{1,0}) parameter(0)
+  %i.b = u32[] get-tuple-element(%p.b), index=0
+  %x.b = bf16[8,128]{1,0} get-tuple-element(%p.b), index=1
+  %two = u32[] constant(2)
+  %next = u32[] add(%i.b, %two)
+  %d = bf16[8,128]{1,0} dot(%x.b, %x.b), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %t = (u32[], bf16[8,128]{1,0}) tuple(%next, %d)
+}
+
+ENTRY %main (x.0: bf16[8,128]) -> bf16[8,128] {
+  %x.0 = bf16[8,128]{1,0} parameter(0)
+  %zero = u32[] constant(0)
+  %init = (u32[], bf16[8,128]{1,0}) tuple(%zero, %x.0)
+  %w = (u32[], bf16[8,128]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = bf16[8,128]{1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_a_loop_counting_in_steps_of_two_runs_half_its_limit():
+    """A counter that runs to 16 in steps of 2 is 8 iterations: the matmul in the body counts 8 times. Mutant
+    caught: the step ignored (16 iterations: the Qwen3-8B v5p-64 update's matmuls, all computed in such loops
+    on fsdp 32, counted twice, its HLO FLOPs 1.82x the model's)."""
+    summary = hlo.summarize(STRIDED, devices=1)
+    assert summary.loops == [8]
+    assert summary.flops == 8 * 2 * 8 * 8 * 128

@@ -160,10 +160,54 @@ def _callees(attrs: str) -> list[tuple[str, str]]:
     return out
 
 
-def _trip_count(condition: Computation | None) -> int | None:
-    """The constant a ``lax.scan`` / ``fori_loop`` condition compares its counter with (counter from 0)."""
+def _constants(comp: Computation) -> dict[str, int]:
+    return {
+        i.name: int(i.args) for i in comp.instructions if i.op == "constant" and re.fullmatch(r"\s*-?\d+\s*", i.args)
+    }
+
+
+def _tuple_index(comp: Computation, name: str) -> int | None:
+    """The tuple index ``name`` reads from ``comp``'s parameter (a ``get-tuple-element`` of it), or None."""
+    found = next((i for i in comp.instructions if i.name == name), None)
+    if found is None or found.op != "get-tuple-element":
+        return None
+    index = re.search(r"index=(\d+)", found.attrs)
+    return int(index.group(1)) if index else None
+
+
+def _step(body: Computation | None, index: int | None) -> int:
+    """How much ``body`` adds to its loop state's element ``index`` an iteration: the constant of an ``add`` of
+    that element and a constant at that position of the root tuple (1 where it cannot be read)."""
+    if body is None or index is None:
+        return 1
+    by_name = {i.name: i for i in body.instructions}
+    root = by_name.get(_root_name(body))
+    if root is None or root.op != "tuple" or index >= len(root.operands):
+        return 1
+    update = by_name.get(root.operands[index])
+    constants = _constants(body)
+    if update is None or update.op != "add" or len(update.operands) != 2:
+        return 1
+    counter, step = update.operands if update.operands[1] in constants else update.operands[::-1]
+    if step not in constants or _tuple_index(body, counter) != index or constants[step] <= 0:
+        return 1
+    return constants[step]
+
+
+def _trip_count(condition: Computation | None, body: Computation | None = None) -> int | None:
+    """Iterations of a ``while`` whose counter runs from 0 while below a constant: the constant over the step
+    the body adds to the counter (1 for ``lax.scan`` / ``fori_loop``; 2 in the TPU compiler's bidirectional
+    windowed-einsum loops, which compute two chunks an iteration)."""
     if condition is None:
         return None
+    constants = _constants(condition)
+    for ins in condition.instructions:
+        if ins.op == "compare" and "direction=LT" in ins.attrs:
+            for operand in ins.operands:
+                if operand in constants:
+                    other = next((o for o in ins.operands if o != operand), "")
+                    return -(-constants[operand] // _step(body, _tuple_index(condition, other)))
+    return None
     constants = {}
     for ins in condition.instructions:
         if ins.op == "constant" and re.fullmatch(r"\s*-?\d+\s*", ins.args):
@@ -457,7 +501,7 @@ def _runs(comps: dict[str, Computation], entry: str) -> tuple[dict[str, float], 
             if ins.op == "while":
                 body = next((t for k, t in callees if k == "body"), None)
                 cond = next((t for k, t in callees if k == "condition"), None)
-                trips = _trip_count(comps.get(cond))
+                trips = _trip_count(comps.get(cond), comps.get(body))
                 if trips is None:
                     unknown += 1
                     trips = 1
