@@ -344,4 +344,4 @@ def test_a_loop_counting_in_steps_of_two_runs_half_its_limit():
     on fsdp 32, counted twice, its HLO FLOPs 1.82x the model's)."""
     summary = hlo.summarize(STRIDED, devices=1)
     assert summary.loops == [8]
-    assert summary.flops == 8 * 2 * 8 * 8 * 128
+    assert summary.flops == 8 * 2 * (8 * 128) * 128  # 8 iterations x 2 x output elements x contracted
