@@ -345,3 +345,41 @@ def test_a_loop_counting_in_steps_of_two_runs_half_its_limit():
     summary = hlo.summarize(STRIDED, devices=1)
     assert summary.loops == [8]
     assert summary.flops == 8 * 2 * (8 * 128) * 128  # 8 iterations x 2 x output elements x contracted
+
+
+# A layer of a scan saving two residuals for the backward pass: one fusion writes its slice of each stacked
+# buffer in place (a tuple of two dynamic-update-slices; shapes cut down from the v5p-64 update's).
+TWO_IN_PLACE = """
+HloModule jit_save
+
+%save (a.1: f32[36,64,128], b.1: bf16[36,64,128], x.1: bf16[1,64,128], i.1: s32[]) -> (f32[36,64,128], bf16[36,64,128])\
+ {
+  %a.1 = f32[36,64,128]{2,1,0} parameter(0)
+  %b.1 = bf16[36,64,128]{2,1,0} parameter(1)
+  %x.1 = bf16[1,64,128]{2,1,0} parameter(2)
+  %i.1 = s32[] parameter(3)
+  %z = s32[] constant(0)
+  %xf = f32[1,64,128]{2,1,0} convert(%x.1)
+  %ua = f32[36,64,128]{2,1,0} dynamic-update-slice(%a.1, %xf, %i.1, %z, %z)
+  %ub = bf16[36,64,128]{2,1,0} dynamic-update-slice(%b.1, %x.1, %i.1, %z, %z)
+  ROOT %t = (f32[36,64,128]{2,1,0}, bf16[36,64,128]{2,1,0}) tuple(%ua, %ub)
+}
+
+ENTRY %main (a.0: f32[36,64,128], b.0: bf16[36,64,128], x.0: bf16[1,64,128], i.0: s32[])\
+ -> (f32[36,64,128], bf16[36,64,128]) {
+  %a.0 = f32[36,64,128]{2,1,0} parameter(0)
+  %b.0 = bf16[36,64,128]{2,1,0} parameter(1)
+  %x.0 = bf16[1,64,128]{2,1,0} parameter(2)
+  %i.0 = s32[] parameter(3)
+  ROOT %f = (f32[36,64,128]{2,1,0}, bf16[36,64,128]{2,1,0}) fusion(%a.0, %b.0, %x.0, %i.0), kind=kLoop, calls=%save
+}
+"""
+
+
+def test_a_fusion_writing_several_stacks_in_place_costs_their_updates():
+    """Each output of the fusion is a stack written one layer at a time: it costs its update read and written
+    (f32 and bf16 [1,64,128]) and its input, not the stacks (2.3 MiB and 1.2 MiB a layer). Mutant caught: a
+    tuple of in-place updates counted as whole outputs (the v5p-64 update's saved residuals: 176 GB a call
+    for one such fusion)."""
+    summary = hlo.summarize(TWO_IN_PLACE, devices=1)
+    assert summary.bytes_accessed == 64 * 128 * 2 + 2 * 64 * 128 * 4 + 2 * 64 * 128 * 2 + 4, summary.bytes_accessed

@@ -365,8 +365,8 @@ def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str
     if ins.op == "custom-call" and any(k in n for n in kernel_ops(ins.attrs) for k in _PAGED_KERNELS):
         return _paged_kernel_bytes(ins, shapes, out_bytes)
     if ins.op in ("dynamic-update-slice", "scatter") and len(ins.operands) >= 2:
-        update = hbm_bytes(shapes.get(ins.operands[-1], ""))
-        return 2.0 * update + sum(hbm_bytes(shapes.get(o, "")) for o in ins.operands[1:-1])
+        others = [o for o in ins.operands[1:] if o != _update_operand(ins)]
+        return 2.0 * hbm_bytes(shapes.get(_update_operand(ins), "")) + sum(hbm_bytes(shapes.get(o, "")) for o in others)
     if ins.op in _SLICING or ins.op == "slice-start":  # reads its slice where the source lives, writes it
         out_type = _async_destination(ins.type) if ins.op == "slice-start" else ins.type
         source_in_hbm = bool(ins.operands) and hbm_bytes(shapes.get(ins.operands[0], "")) > 0
@@ -400,8 +400,25 @@ def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str
         if r.name == _root_name(body):
             root = r
     if in_place and root is not None and root.op in ("dynamic-update-slice", "scatter"):
-        return total + 2.0 * hbm_bytes(shapes.get(root.operands[-1], ""))
+        return total + 2.0 * hbm_bytes(shapes.get(_update_operand(root), ""))
+    if in_place and root is not None and root.op == "tuple":  # several outputs, some of them updated in place
+        by_name = {i.name: i for i in body.instructions}
+        types = _top_level_split(ins.type.strip()[1:-1]) if ins.type.strip().startswith("(") else []
+        if len(types) == len(root.operands):
+            for element, out_type in zip(root.operands, types, strict=True):
+                made = by_name.get(element)
+                if made is not None and made.op in ("dynamic-update-slice", "scatter") and hbm_bytes(out_type):
+                    total += 2.0 * hbm_bytes(shapes.get(_update_operand(made), ""))
+                else:
+                    total += hbm_bytes(out_type)
+            return total
     return total + out_bytes
+
+
+def _update_operand(ins: Instruction) -> str:
+    """The operand an in-place update writes: a ``dynamic-update-slice``'s second (then its indices), a
+    ``scatter``'s last (its updates)."""
+    return ins.operands[1] if ins.op == "dynamic-update-slice" else ins.operands[-1]
 
 
 def _users(body: Computation) -> dict[str, list[Instruction]]:
