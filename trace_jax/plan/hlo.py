@@ -167,8 +167,12 @@ def _constants(comp: Computation) -> dict[str, int]:
 
 
 def _tuple_index(comp: Computation, name: str) -> int | None:
-    """The tuple index ``name`` reads from ``comp``'s parameter (a ``get-tuple-element`` of it), or None."""
-    found = next((i for i in comp.instructions if i.name == name), None)
+    """The tuple index ``name`` reads from ``comp``'s parameter (a ``get-tuple-element`` of it, through copies
+    and bitcasts), or None."""
+    by_name = {i.name: i for i in comp.instructions}
+    found = by_name.get(name)
+    while found is not None and found.op in ("copy", "bitcast") and len(found.operands) == 1:
+        found = by_name.get(found.operands[0])
     if found is None or found.op != "get-tuple-element":
         return None
     index = re.search(r"index=(\d+)", found.attrs)
