@@ -1,13 +1,14 @@
 """The committed plans: one registry makes them all, each agrees with itself, rooflines carry calibrated estimates."""
 
 import copy
+import gzip
 import json
 import os
 
 import pytest
 
 from tests.test_docs import reference_figures
-from trace_jax.plan import calibration, figures, remake
+from trace_jax.plan import calibration, figures, hlo, remake
 from trace_jax.plan.__main__ import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -127,10 +128,6 @@ def test_recount_rereads_a_plans_programs_from_their_kept_hlo_and_recomputes_its
     """A committed decode row re-counted from a kept HLO text (a stand-in, so the figures must move): the
     engine's counts become that text's and the decode rate follows from them, no compile. Mutant caught: the
     engine's program left out of the re-count (only the update's programs re-read)."""
-    import gzip
-
-    from trace_jax.plan import hlo
-
     row = remake.ROWS["qwen3-8b_v6e-4_decode-64"]
     plan_dir, hlo_dir = tmp_path / "plans", tmp_path / "hlo"
     (hlo_dir / row.name).mkdir(parents=True)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import gzip
 import json
 import math
 import os
@@ -24,8 +26,9 @@ import shlex
 import time
 from typing import Any
 
-from trace_jax.plan import calibration
+from trace_jax.plan import calibration, hlo
 from trace_jax.plan.calibration import ANCHORS, CALIBRATION_FILE, attained
+from trace_jax.plan.topology import parse_topology
 
 PLAN_DIR = "docs/plans"
 # Files in PLAN_DIR that another command writes (not the planner), with that command.
@@ -187,12 +190,7 @@ def recount(row: Row, hlo_dir: str, plan_dir: str = PLAN_DIR) -> dict[str, Any]:
     (``hlo_dir/<row>/<program>_<digest>.hlo.txt.gz``) with the current ``trace_jax.plan.hlo``, and recomputes its
     predicted times: a fix to how a compiled program is counted, applied without compiling again. A program
     without its HLO text is an error naming it."""
-    import glob
-    import gzip
-
-    from trace_jax.plan import hlo
-    from trace_jax.plan.__main__ import Planner, build_parser, predicted_times
-    from trace_jax.plan.topology import parse_topology
+    from trace_jax.plan.__main__ import Planner, build_parser, predicted_times  # imports jax once the flags are set
 
     file = os.path.join(plan_dir, f"{row.name}.json")
     with open(file) as f:
