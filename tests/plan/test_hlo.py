@@ -238,3 +238,149 @@ def test_the_paged_kernel_costs_the_pages_its_table_names():
     pages = 2 * 32 * 2 * 16 * 128 * 2  # keys and values, 32 pages of [2 heads, 16, 128] bf16
     small = (4 + 32 + 1 + 1) * 4 + 2 * 4 * 2 * 128 * 4  # ints, queries and output
     assert summary.bytes_accessed == pytest.approx(pages + small)
+
+
+# A layer's weight (bf16[512,128] = 128 KiB in HBM) prefetched into VMEM (``S(1)``) by four async slices and
+# concatenated there, as the TPU compiler does with a layer's all-gathered weight; a small HBM -> VMEM copy;
+# a matmul fusion reading both from VMEM and writing its [8,128] output to HBM. (Shapes from the v6e-64
+# update's accumulate program: ``slice-start`` of ``s8[33554432]`` in eight ``s8[4194304]{...S(1)}`` slices.)
+VMEM = """
+HloModule jit_vmem
+
+%dot_fusion (p0: bf16[512,128], p1: bf16[8,512]) -> bf16[8,128] {
+  %p0 = bf16[512,128]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %p1 = bf16[8,512]{1,0:T(8,128)(2,1)S(1)} parameter(1)
+  ROOT %d = bf16[8,128]{1,0:T(8,128)(2,1)} dot(%p1, %p0), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (w.0: s8[131072], x.0: bf16[8,512]) -> bf16[8,128] {
+  %w.0 = s8[131072]{0:T(1024)(128)(4,1)} parameter(0)
+  %x.0 = bf16[8,512]{1,0:T(8,128)(2,1)} parameter(1)
+  SLICES
+  %w = bf16[512,128]{1,0:T(8,128)(2,1)S(1)} custom-call(%sd0, %sd1, %sd2, %sd3), custom_call_target="ConcatBitcast"
+  %cs = (bf16[8,512]{1,0:T(8,128)(2,1)}, bf16[8,512]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%x.0)
+  %cd = bf16[8,512]{1,0:T(8,128)(2,1)S(1)} copy-done(%cs)
+  ROOT %out = bf16[8,128]{1,0:T(8,128)(2,1)} fusion(%w, %cd), kind=kOutput, calls=%dot_fusion
+}
+""".replace(
+    "SLICES",
+    "\n".join(
+        f"  %ss{i} = ((s8[131072]{{0:T(1024)(128)(4,1)}}), s8[32768]{{0:T(1024)(128)(4,1)S(1)}}, s32[]{{:S(2)}}) "
+        f"slice-start(%w.0), slice={{[{i * 32768}:{(i + 1) * 32768}]}}\n"
+        f"  %sd{i} = s8[32768]{{0:T(1024)(128)(4,1)S(1)}} slice-done(%ss{i})"
+        for i in range(4)
+    ),
+)
+
+
+def test_arrays_the_compiler_placed_in_vmem_cost_no_hbm_bytes():
+    """The weight is read from HBM once (its four slices, 128 KiB), the input once by the copy (8 KiB), and the
+    matmul writes its output (2 KiB); nothing in ``S(1)`` (VMEM) is HBM traffic: 138 KiB in all, where counting
+    every operand and output as HBM gives about 5x that (each slice-start's whole source, the concatenation
+    read and written, the copy's destination, the fusion's VMEM operands). Mutants caught: memory spaces
+    ignored (``hbm_bytes`` as ``type_bytes``), a ``slice-start`` costing its whole source."""
+    assert hlo.hbm_bytes("bf16[8,128]{1,0:T(8,128)(2,1)S(1)}") == 0 < hlo.hbm_bytes("bf16[8,128]{1,0}") == 2048
+    summary = hlo.summarize(VMEM, devices=1)
+    assert summary.flops == 2 * 8 * 512 * 128
+    assert summary.bytes_accessed == 131072 + 8 * 512 * 2 + 8 * 128 * 2, summary.bytes_accessed
+
+
+def test_a_collective_between_vmem_buffers_still_crosses_the_interconnect():
+    """An all-gather whose operand and result the compiler placed in VMEM moves no HBM bytes but still sends its
+    bytes over ICI. Mutant caught: instructions with no FLOPs and no HBM bytes dropped before the collectives
+    are counted (108 of the v6e-64 update's 440 all-gathers went missing that way)."""
+    text = """
+HloModule jit_ag
+
+ENTRY %main (x.0: bf16[64,128]) -> bf16[256,128] {
+  %x.0 = bf16[64,128]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  ROOT %ag = bf16[256,128]{1,0:T(8,128)(2,1)S(1)} all-gather(%x.0), dimensions={0}, replica_groups=[1,4]<=[4]
+}
+"""
+    summary = hlo.summarize(text, devices=4)
+    assert summary.bytes_accessed == 0
+    assert summary.collectives["all-gather"] == {
+        "count": 1,
+        "bytes": 256 * 128 * 2,
+        "wire_bytes": 256 * 128 * 2 * 3 / 4,
+    }
+
+
+# The TPU compiler's bidirectional windowed einsum (an all-gathered matmul computed chunk by chunk while the
+# chunks travel both ways round the ring): its counter runs to 16 in steps of 2 (added to a copy of it).
+STRIDED = """
+HloModule jit_windowed
+
+%cond (p.c: (u32[], bf16[8,128])) -> pred[] {
+  %p.c = (u32[], bf16[8,128]{1,0}) parameter(0)
+  %i.c = u32[] get-tuple-element(%p.c), index=0
+  %limit = u32[] constant(16)
+  ROOT %lt = pred[] compare(%i.c, %limit), direction=LT
+}
+
+%body (p.b: (u32[], bf16[8,128])) -> (u32[], bf16[8,128]) {
+  %p.b = (u32[], bf16[8,128]{1,0}) parameter(0)
+  %i.b = u32[] get-tuple-element(%p.b), index=0
+  %x.b = bf16[8,128]{1,0} get-tuple-element(%p.b), index=1
+  %two = u32[] constant(2)
+  %i.copy = u32[] copy(%i.b)
+  %next = u32[] add(%i.copy, %two)
+  %d = bf16[8,128]{1,0} dot(%x.b, %x.b), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %t = (u32[], bf16[8,128]{1,0}) tuple(%next, %d)
+}
+
+ENTRY %main (x.0: bf16[8,128]) -> bf16[8,128] {
+  %x.0 = bf16[8,128]{1,0} parameter(0)
+  %zero = u32[] constant(0)
+  %init = (u32[], bf16[8,128]{1,0}) tuple(%zero, %x.0)
+  %w = (u32[], bf16[8,128]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = bf16[8,128]{1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_a_loop_counting_in_steps_of_two_runs_half_its_limit():
+    """A counter that runs to 16 in steps of 2 is 8 iterations: the matmul in the body counts 8 times. Mutant
+    caught: the step ignored (16 iterations: the Qwen3-8B v5p-64 update's matmuls, all computed in such loops
+    on fsdp 32, counted twice, its HLO FLOPs 1.82x the model's)."""
+    summary = hlo.summarize(STRIDED, devices=1)
+    assert summary.loops == [8]
+    assert summary.flops == 8 * 2 * (8 * 128) * 128  # 8 iterations x 2 x output elements x contracted
+
+
+# A layer of a scan saving two residuals for the backward pass: one fusion writes its slice of each stacked
+# buffer in place (a tuple of two dynamic-update-slices; shapes cut down from the v5p-64 update's).
+TWO_IN_PLACE = """
+HloModule jit_save
+
+%save (a.1: f32[36,64,128], b.1: bf16[36,64,128], x.1: bf16[1,64,128], i.1: s32[]) -> (f32[36,64,128], bf16[36,64,128])\
+ {
+  %a.1 = f32[36,64,128]{2,1,0} parameter(0)
+  %b.1 = bf16[36,64,128]{2,1,0} parameter(1)
+  %x.1 = bf16[1,64,128]{2,1,0} parameter(2)
+  %i.1 = s32[] parameter(3)
+  %z = s32[] constant(0)
+  %xf = f32[1,64,128]{2,1,0} convert(%x.1)
+  %ua = f32[36,64,128]{2,1,0} dynamic-update-slice(%a.1, %xf, %i.1, %z, %z)
+  %ub = bf16[36,64,128]{2,1,0} dynamic-update-slice(%b.1, %x.1, %i.1, %z, %z)
+  ROOT %t = (f32[36,64,128]{2,1,0}, bf16[36,64,128]{2,1,0}) tuple(%ua, %ub)
+}
+
+ENTRY %main (a.0: f32[36,64,128], b.0: bf16[36,64,128], x.0: bf16[1,64,128], i.0: s32[])\
+ -> (f32[36,64,128], bf16[36,64,128]) {
+  %a.0 = f32[36,64,128]{2,1,0} parameter(0)
+  %b.0 = bf16[36,64,128]{2,1,0} parameter(1)
+  %x.0 = bf16[1,64,128]{2,1,0} parameter(2)
+  %i.0 = s32[] parameter(3)
+  ROOT %f = (f32[36,64,128]{2,1,0}, bf16[36,64,128]{2,1,0}) fusion(%a.0, %b.0, %x.0, %i.0), kind=kLoop, calls=%save
+}
+"""
+
+
+def test_a_fusion_writing_several_stacks_in_place_costs_their_updates():
+    """Each output of the fusion is a stack written one layer at a time: it costs its update read and written
+    (f32 and bf16 [1,64,128]) and its input, not the stacks (2.3 MiB and 1.2 MiB a layer). Mutant caught: a
+    tuple of in-place updates counted as whole outputs (the v5p-64 update's saved residuals: 176 GB a call
+    for one such fusion)."""
+    summary = hlo.summarize(TWO_IN_PLACE, devices=1)
+    assert summary.bytes_accessed == 64 * 128 * 2 + 2 * 64 * 128 * 4 + 2 * 64 * 128 * 2 + 4, summary.bytes_accessed

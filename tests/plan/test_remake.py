@@ -1,13 +1,14 @@
 """The committed plans: one registry makes them all, each agrees with itself, rooflines carry calibrated estimates."""
 
 import copy
+import gzip
 import json
 import os
 
 import pytest
 
 from tests.test_docs import reference_figures
-from trace_jax.plan import calibration, figures, remake
+from trace_jax.plan import calibration, figures, hlo, remake
 from trace_jax.plan.__main__ import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -108,3 +109,38 @@ def test_the_benchmarks_page_quotes_each_plan_figure_as_its_committed_plan_reads
     assert found
     for anchor, value in found.items():
         assert page.get(f"benchmarks.md#{anchor}") == value, f"{anchor}: run python -m trace_jax.plan.figures"
+
+
+# One decode step's matmul, the engine's whole program in this stand-in: 2 x 8 x 128 x 1,024 FLOPs, 2 MiB of
+# bf16 weights read.
+STAND_IN = """
+HloModule jit_generate
+
+ENTRY %main (x.0: bf16[8,1024], w.0: bf16[1024,1024]) -> bf16[8,1024] {
+  %x.0 = bf16[8,1024]{1,0} parameter(0)
+  %w.0 = bf16[1024,1024]{1,0} parameter(1)
+  ROOT %d = bf16[8,1024]{1,0} dot(%x.0, %w.0), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_recount_rereads_a_plans_programs_from_their_kept_hlo_and_recomputes_its_times(tmp_path):
+    """A committed decode row re-counted from a kept HLO text (a stand-in, so the figures must move): the
+    engine's counts become that text's and the decode rate follows from them, no compile. Mutant caught: the
+    engine's program left out of the re-count (only the update's programs re-read)."""
+    row = remake.ROWS["qwen3-8b_v6e-4_decode-64"]
+    plan_dir, hlo_dir = tmp_path / "plans", tmp_path / "hlo"
+    (hlo_dir / row.name).mkdir(parents=True)
+    plan_dir.mkdir()
+    with open(os.path.join(remake.PLAN_DIR, f"{row.name}.json")) as f:
+        before = json.load(f)
+    (plan_dir / f"{row.name}.json").write_text(json.dumps(before))
+    (hlo_dir / row.name / "generate_0.hlo.txt.gz").write_bytes(gzip.compress(STAND_IN.encode()))
+    after = remake.recount(row, str(hlo_dir), str(plan_dir))
+    want = hlo.summarize(STAND_IN, devices=4).as_dict()
+    assert (
+        after["engine"]["fits"]["hlo"] == want
+        and want["bytes_accessed"] < before["engine"]["fits"]["hlo"]["bytes_accessed"]
+    )
+    assert after["timing"]["decode"]["tokens_per_s"] > before["timing"]["decode"]["tokens_per_s"]
+    assert json.loads((plan_dir / f"{row.name}.json").read_text())["timing"] == after["timing"]

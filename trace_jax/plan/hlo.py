@@ -14,7 +14,9 @@ listed in ``unknown_loops``; each branch of a conditional counts as 1/branches o
   such as jax's splash and paged attention, adds none);
 * bytes: operands + output of every instruction that runs as its own kernel (a fusion, a copy, a
   collective, a custom call; not the tuple plumbing), as XLA's cost analysis counts HBM traffic, except what
-  it does not touch: an operand only sliced (in the fusion or in fusions nested in it: a layer of a scanned
+  it does not touch: an array the compiler placed in VMEM or another on-chip memory (``S(1)`` ... in its
+  layout: ``hbm_bytes``; an async ``slice-start`` / ``copy-start`` into VMEM costs the bytes it reads from
+  HBM), an operand only sliced (in the fusion or in fusions nested in it: a layer of a scanned
   weight stack) costs its slices, a buffer updated in place its update, the paged-attention kernel the pages
   its table names, a Mosaic kernel that states its bytes those (``_hbm_bytes``); ``byte_consumers`` lists
   them per instruction, largest first;
@@ -54,6 +56,30 @@ _FREE = {
 def type_bytes(text: str) -> int:
     """Bytes of an HLO type (an array or a tuple of arrays; layouts ignored)."""
     return sum(_DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x) for d, dims in _ARRAY.findall(text))
+
+
+# An array and its layout: ``bf16[4,128]{1,0:T(8,128)(2,1)S(1)}``. ``S(n)`` names the memory space the
+# compiler assigned it (openxla.org/xla/shapes, "memory space identifiers"): none or S(0) is HBM; on a TPU
+# S(1) is VMEM and the others other on-chip or host memories, none of them HBM traffic.
+_ARRAY_LAYOUT = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\](\{[^{}]*\})?")
+_SPACE = re.compile(r"S\((\d+)\)")
+
+
+def hbm_bytes(text: str) -> int:
+    """Bytes of the arrays of an HLO type that live in HBM (memory space 0: no ``S(n)``, or ``S(0)``, in the
+    layout); an array the compiler placed in VMEM (``S(1)`` on a TPU) or another memory costs no HBM bytes."""
+    total = 0
+    for dtype, dims, layout in _ARRAY_LAYOUT.findall(text):
+        space = _SPACE.search(layout or "")
+        if space is None or space.group(1) == "0":
+            total += _DTYPE_BYTES[dtype] * math.prod(int(x) for x in dims.split(",") if x)
+    return total
+
+
+def _async_destination(ins_type: str) -> str:
+    """The destination of an async copy / slice (``copy-start``: ``(source, destination, context)``)."""
+    parts = _top_level_split(ins_type.strip()[1:-1]) if ins_type.strip().startswith("(") else [ins_type]
+    return parts[1] if len(parts) > 1 else ins_type
 
 
 def _dims(text: str) -> list[int]:
@@ -134,10 +160,58 @@ def _callees(attrs: str) -> list[tuple[str, str]]:
     return out
 
 
-def _trip_count(condition: Computation | None) -> int | None:
-    """The constant a ``lax.scan`` / ``fori_loop`` condition compares its counter with (counter from 0)."""
+def _constants(comp: Computation) -> dict[str, int]:
+    return {
+        i.name: int(i.args) for i in comp.instructions if i.op == "constant" and re.fullmatch(r"\s*-?\d+\s*", i.args)
+    }
+
+
+def _tuple_index(comp: Computation, name: str) -> int | None:
+    """The tuple index ``name`` reads from ``comp``'s parameter (a ``get-tuple-element`` of it, through copies
+    and bitcasts), or None."""
+    by_name = {i.name: i for i in comp.instructions}
+    found = by_name.get(name)
+    while found is not None and found.op in ("copy", "bitcast") and len(found.operands) == 1:
+        found = by_name.get(found.operands[0])
+    if found is None or found.op != "get-tuple-element":
+        return None
+    index = re.search(r"index=(\d+)", found.attrs)
+    return int(index.group(1)) if index else None
+
+
+def _step(body: Computation | None, index: int | None) -> int:
+    """How much ``body`` adds to its loop state's element ``index`` an iteration: the constant of an ``add`` of
+    that element and a constant at that position of the root tuple (1 where it cannot be read)."""
+    if body is None or index is None:
+        return 1
+    by_name = {i.name: i for i in body.instructions}
+    root = by_name.get(_root_name(body))
+    if root is None or root.op != "tuple" or index >= len(root.operands):
+        return 1
+    update = by_name.get(root.operands[index])
+    constants = _constants(body)
+    if update is None or update.op != "add" or len(update.operands) != 2:
+        return 1
+    counter, step = update.operands if update.operands[1] in constants else update.operands[::-1]
+    if step not in constants or _tuple_index(body, counter) != index or constants[step] <= 0:
+        return 1
+    return constants[step]
+
+
+def _trip_count(condition: Computation | None, body: Computation | None = None) -> int | None:
+    """Iterations of a ``while`` whose counter runs from 0 while below a constant: the constant over the step
+    the body adds to the counter (1 for ``lax.scan`` / ``fori_loop``; 2 in the TPU compiler's bidirectional
+    windowed-einsum loops, which compute two chunks an iteration)."""
     if condition is None:
         return None
+    constants = _constants(condition)
+    for ins in condition.instructions:
+        if ins.op == "compare" and "direction=LT" in ins.attrs:
+            for operand in ins.operands:
+                if operand in constants:
+                    other = next((o for o in ins.operands if o != operand), "")
+                    return -(-constants[operand] // _step(body, _tuple_index(condition, other)))
+    return None
     constants = {}
     for ins in condition.instructions:
         if ins.op == "constant" and re.fullmatch(r"\s*-?\d+\s*", ins.args):
@@ -241,7 +315,7 @@ def _sliced_bytes(comp: Computation, name: str, comps: dict[str, Computation], d
     total = 0.0
     for use in uses:
         if use.op in _SLICING and use.operands[0] == name and name not in use.operands[1:]:
-            total += type_bytes(use.type)
+            total += type_bytes(use.type)  # a slice of a value in HBM reads its bytes there
             continue
         if use.op == "bitcast":
             inner = _sliced_bytes(comp, use.name, comps, depth + 1)
@@ -280,9 +354,9 @@ def _paged_kernel_bytes(ins: Instruction, shapes: dict[str, str], out_bytes: int
     for t in types:
         dims = _dims(t)
         if len(dims) == 4 and entries and dims[1] > entries:
-            total += type_bytes(t) * entries / dims[1]
+            total += hbm_bytes(t) * entries / dims[1]
         else:
-            total += type_bytes(t)
+            total += hbm_bytes(t)
     return total
 
 
@@ -295,16 +369,20 @@ def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str
     if ins.op == "custom-call" and any(k in n for n in kernel_ops(ins.attrs) for k in _PAGED_KERNELS):
         return _paged_kernel_bytes(ins, shapes, out_bytes)
     if ins.op in ("dynamic-update-slice", "scatter") and len(ins.operands) >= 2:
-        update = type_bytes(shapes.get(ins.operands[-1], ""))
-        return 2.0 * update + sum(type_bytes(shapes.get(o, "")) for o in ins.operands[1:-1])
-    if ins.op in _SLICING:
-        return 2.0 * out_bytes
+        others = [o for o in ins.operands[1:] if o != _update_operand(ins)]
+        return 2.0 * hbm_bytes(shapes.get(_update_operand(ins), "")) + sum(hbm_bytes(shapes.get(o, "")) for o in others)
+    if ins.op in _SLICING or ins.op == "slice-start":  # reads its slice where the source lives, writes it
+        out_type = _async_destination(ins.type) if ins.op == "slice-start" else ins.type
+        source_in_hbm = bool(ins.operands) and hbm_bytes(shapes.get(ins.operands[0], "")) > 0
+        return source_in_hbm * type_bytes(out_type) + hbm_bytes(out_type)
+    if ins.op == "copy-start":  # an async copy between memories (HBM <-> VMEM): its source and destination
+        return hbm_bytes(shapes.get(ins.operands[0], "")) + hbm_bytes(_async_destination(ins.type))
     stated = _kernel_cost(ins).get("bytes_accessed")
     if stated is not None:
         return stated
     callee = next((t for k, t in _callees(ins.attrs) if k == "calls"), None) if ins.op == "fusion" else None
     if callee is None or callee not in comps:
-        return out_bytes + sum(type_bytes(shapes.get(o, "")) for o in ins.operands)
+        return out_bytes + sum(hbm_bytes(shapes.get(o, "")) for o in ins.operands)
     body = comps[callee]
     users = _users(body)
     total = 0.0
@@ -312,7 +390,7 @@ def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str
     for position, name in _parameters(body).items():
         if position >= len(ins.operands):
             continue
-        full = type_bytes(shapes.get(ins.operands[position], ""))
+        full = hbm_bytes(shapes.get(ins.operands[position], ""))
         uses = users.get(name, [])
         sliced = _sliced_bytes(body, name, comps)
         if sliced is not None:
@@ -326,8 +404,25 @@ def _hbm_bytes(ins: Instruction, comps: dict[str, Computation], shapes: dict[str
         if r.name == _root_name(body):
             root = r
     if in_place and root is not None and root.op in ("dynamic-update-slice", "scatter"):
-        return total + 2.0 * type_bytes(shapes.get(root.operands[-1], ""))
+        return total + 2.0 * hbm_bytes(shapes.get(_update_operand(root), ""))
+    if in_place and root is not None and root.op == "tuple":  # several outputs, some of them updated in place
+        by_name = {i.name: i for i in body.instructions}
+        types = _top_level_split(ins.type.strip()[1:-1]) if ins.type.strip().startswith("(") else []
+        if len(types) == len(root.operands):
+            for element, out_type in zip(root.operands, types, strict=True):
+                made = by_name.get(element)
+                if made is not None and made.op in ("dynamic-update-slice", "scatter") and hbm_bytes(out_type):
+                    total += 2.0 * hbm_bytes(shapes.get(_update_operand(made), ""))
+                else:
+                    total += hbm_bytes(out_type)
+            return total
     return total + out_bytes
+
+
+def _update_operand(ins: Instruction) -> str:
+    """The operand an in-place update writes: a ``dynamic-update-slice``'s second (then its indices), a
+    ``scatter``'s last (its updates)."""
+    return ins.operands[1] if ins.op == "dynamic-update-slice" else ins.operands[-1]
 
 
 def _users(body: Computation) -> dict[str, list[Instruction]]:
@@ -427,7 +522,7 @@ def _runs(comps: dict[str, Computation], entry: str) -> tuple[dict[str, float], 
             if ins.op == "while":
                 body = next((t for k, t in callees if k == "body"), None)
                 cond = next((t for k, t in callees if k == "condition"), None)
-                trips = _trip_count(comps.get(cond))
+                trips = _trip_count(comps.get(cond), comps.get(body))
                 if trips is None:
                     unknown += 1
                     trips = 1
@@ -464,7 +559,7 @@ def byte_consumers(text: str) -> list[ByteConsumer]:
             kernel = next((t for k, t in _callees(ins.attrs) if k == "calls"), "")
             if ins.op == "custom-call":
                 kernel = next(iter(kernel_names(ins.attrs)), "") or _custom_call_target(ins.attrs)
-            size = _hbm_bytes(ins, comps, shapes, type_bytes(ins.type))
+            size = _hbm_bytes(ins, comps, shapes, hbm_bytes(ins.type))
             out.append(ByteConsumer(name, ins.name, ins.op, ins.type.strip(), times, size, kernel))
     return sorted(out, key=lambda c: -c.total)
 
@@ -482,33 +577,59 @@ def _shapes(comps: dict[str, Computation]) -> dict[str, str]:
     return shapes
 
 
-def summarize(text: str, devices: int) -> HloSummary:
-    """Counts of one compiled program's HLO text, per device and per run (``devices``: the mesh size)."""
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """What one instruction of a program costs per run: FLOPs (a dot / convolution, fused or not, or what a
+    Mosaic kernel states) and HBM bytes (an instruction that runs as its own kernel)."""
+
+    computation: str
+    instruction: Instruction
+    executions: float
+    flops: float  # per run (executions included)
+    bytes: float  # per run
+    fused: bool  # inside a fusion / reducer: its bytes are its kernel's
+
+
+def costs(text: str) -> tuple[list[Cost], dict[str, Computation], dict[str, str], list[int], int]:
+    """Every instruction of a compiled program that costs FLOPs or HBM bytes, as ``summarize`` counts them, with
+    the parsed computations, the value types, the loops' trip counts and the number of unknown loops."""
     comps, entry = parse(text)
     shapes = _shapes(comps)
     runs, fused, loops, unknown = _runs(comps, entry)
+    out = []
+    for name, times in runs.items():
+        inside = name in fused
+        for ins in comps[name].instructions:
+            flops = _dot_flops(ins, shapes) if ins.op in ("dot", "convolution") else 0.0
+            flops += _kernel_cost(ins).get("flops", 0.0)
+            moves = not (inside or ins.op in _FREE or ins.op.endswith("-done"))
+            size = _hbm_bytes(ins, comps, shapes, hbm_bytes(ins.type)) if moves else 0.0
+            if flops or size or (moves and ins.op.removesuffix("-start") in COLLECTIVES):  # ICI even in VMEM
+                out.append(Cost(name, ins, times, times * flops, times * size, inside))
+    return out, comps, shapes, loops, unknown
+
+
+def summarize(text: str, devices: int) -> HloSummary:
+    """Counts of one compiled program's HLO text, per device and per run (``devices``: the mesh size)."""
+    found, _, shapes, loops, unknown = costs(text)
     flops = bytes_accessed = 0.0
     coll: dict[str, dict[str, float]] = {}
-    for name, times in runs.items():
-        for ins in comps[name].instructions:
-            if ins.op in ("dot", "convolution"):
-                flops += times * _dot_flops(ins, shapes)
-            flops += times * _kernel_cost(ins).get("flops", 0.0)
-            if name in fused or ins.op in _FREE or ins.op.endswith("-done"):
-                continue
+    for cost in found:
+        flops += cost.flops
+        bytes_accessed += cost.bytes
+        ins, times = cost.instruction, cost.executions
+        kind = ins.op.removesuffix("-start")
+        if kind in COLLECTIVES and not cost.fused:
             out_bytes = type_bytes(ins.type)
             in_bytes = sum(type_bytes(shapes.get(o, "")) for o in ins.operands)
-            bytes_accessed += times * _hbm_bytes(ins, comps, shapes, out_bytes)
-            kind = ins.op.removesuffix("-start")
-            if kind in COLLECTIVES:
-                n = _group_size(ins.attrs, devices)
-                size = max(in_bytes, out_bytes) if ins.op.endswith("-start") else out_bytes
-                if kind == "reduce-scatter":
-                    size = in_bytes
-                share = (n - 1) / n if n > 1 else 0.0
-                wire = {"all-reduce": 2 * share, "collective-permute": 1.0}.get(kind, share) * size
-                entry_ = coll.setdefault(kind, {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
-                entry_["count"] += times
-                entry_["bytes"] += times * size
-                entry_["wire_bytes"] += times * wire
+            n = _group_size(ins.attrs, devices)
+            size = max(in_bytes, out_bytes) if ins.op.endswith("-start") else out_bytes
+            if kind == "reduce-scatter":
+                size = in_bytes
+            share = (n - 1) / n if n > 1 else 0.0
+            wire = {"all-reduce": 2 * share, "collective-permute": 1.0}.get(kind, share) * size
+            entry_ = coll.setdefault(kind, {"count": 0, "bytes": 0.0, "wire_bytes": 0.0})
+            entry_["count"] += times
+            entry_["bytes"] += times * size
+            entry_["wire_bytes"] += times * wire
     return HloSummary(flops, bytes_accessed, coll, kernel_names(text), loops, unknown)

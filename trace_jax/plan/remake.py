@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import gzip
 import json
+import math
 import os
 import shlex
 import time
 from typing import Any
 
-from trace_jax.plan import calibration
+from trace_jax.plan import calibration, hlo
 from trace_jax.plan.calibration import ANCHORS, CALIBRATION_FILE, attained
+from trace_jax.plan.topology import parse_topology
 
 PLAN_DIR = "docs/plans"
 # Files in PLAN_DIR that another command writes (not the planner), with that command.
@@ -165,11 +169,12 @@ def check(plan: dict[str, Any], kind: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ make
-def make(row: Row, plan_dir: str = PLAN_DIR) -> dict[str, Any]:
-    """Runs ``row``'s command in this process, checks it, stamps it with its row and command, writes it."""
+def make(row: Row, plan_dir: str = PLAN_DIR, hlo_dir: str | None = None) -> dict[str, Any]:
+    """Runs ``row``'s command in this process, checks it, stamps it with its row and command, writes it; with
+    ``hlo_dir``, every compiled program's HLO text also goes to ``hlo_dir/<row>`` (``--hlo-dir``)."""
     from trace_jax.plan.__main__ import main as plan_main  # imports jax once the backend's flags are set
 
-    result = plan_main([*row.argv])
+    result = plan_main([*row.argv, *(("--hlo-dir", os.path.join(hlo_dir, row.name)) if hlo_dir else ())])
     problems = check(result, row.kind)
     if problems:
         raise SystemExit(f"row {row.name}: " + "; ".join(problems))
@@ -178,6 +183,34 @@ def make(row: Row, plan_dir: str = PLAN_DIR) -> dict[str, Any]:
     with open(os.path.join(plan_dir, f"{row.name}.json"), "w") as f:
         json.dump(result, f, indent=2)
     return result
+
+
+def recount(row: Row, hlo_dir: str, plan_dir: str = PLAN_DIR) -> dict[str, Any]:
+    """Re-reads ``row``'s committed plan's programs from the HLO texts a ``--hlo-dir`` run kept
+    (``hlo_dir/<row>/<program>_<digest>.hlo.txt.gz``) with the current ``trace_jax.plan.hlo``, and recomputes its
+    predicted times: a fix to how a compiled program is counted, applied without compiling again. A program
+    without its HLO text is an error naming it."""
+    from trace_jax.plan.__main__ import Planner, build_parser, predicted_times  # imports jax once the flags are set
+
+    file = os.path.join(plan_dir, f"{row.name}.json")
+    with open(file) as f:
+        plan = json.load(f)
+    programs = dict((plan["train"]["fits"] or {}).get("programs", {}))
+    if plan["engine"]["fits"] is not None:
+        programs[plan["engine"]["fits"]["program"]] = plan["engine"]["fits"]
+    for name, program in programs.items():
+        found = sorted(glob.glob(os.path.join(hlo_dir, row.name, f"{name}_*.hlo.txt.gz")))
+        if len(found) != 1:
+            raise SystemExit(f"row {row.name}: {len(found)} HLO texts of program {name} in {hlo_dir}/{row.name}")
+        mesh = plan["engine"]["fits"]["mesh"] if name == "generate" else plan["train"]["fits"]["mesh"]
+        with gzip.open(found[0], "rt") as f:
+            program["hlo"] = hlo.summarize(f.read(), math.prod(mesh.values())).as_dict()
+    args = build_parser().parse_args(list(row.argv))
+    topology = parse_topology(args.topology)
+    plan["timing"] = predicted_times(plan, Planner(args, topology.chips, topology).config, topology, args)
+    with open(file, "w") as f:
+        json.dump(plan, f, indent=2)
+    return plan
 
 
 def write_calibration(plan_dir: str = PLAN_DIR, path: str = CALIBRATION_FILE) -> dict[str, Any]:
@@ -223,6 +256,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trace_jax.plan.remake", description=__doc__.split("\n")[0])
     parser.add_argument("--only", help="comma-separated rows (default: every row)")
     parser.add_argument("--out-dir", default=PLAN_DIR, help="where the plans are written")
+    parser.add_argument("--hlo-dir", help="also write each row's compiled HLO texts under DIR/<row> (gzip)")
+    parser.add_argument(
+        "--recount",
+        action="store_true",
+        help="re-read each row's plan from the HLO texts in --hlo-dir, compile nothing",
+    )
     parser.add_argument("--list", action="store_true", help="print the rows and their commands, compile nothing")
     parser.add_argument(
         "--calibrate-only", action="store_true", help="rewrite the fractions and restamp the plans, compile nothing"
@@ -233,13 +272,21 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows:
             print(f"{row.name} [{row.kind}]: {row.command}")
         return
+    if args.recount:
+        if not args.hlo_dir:
+            raise SystemExit("--recount reads the HLO texts of a --hlo-dir run: give --hlo-dir DIR")
+        for row in rows:
+            recount(row, args.hlo_dir, args.out_dir)
+            print(f"recounted {row.name}", flush=True)
+        write_calibration(args.out_dir)
+        rows = []
     if args.calibrate_only:
         write_calibration(args.out_dir)
         rows = []
     anchor_rows = {a.row for a in ANCHORS.values()}
     for row in rows:
         start = time.perf_counter()
-        make(row, args.out_dir)
+        make(row, args.out_dir, args.hlo_dir)
         print(f"remade {row.name} in {time.perf_counter() - start:.0f}s", flush=True)
         if row.name in anchor_rows:
             write_calibration(args.out_dir)
