@@ -10,6 +10,7 @@ import pytest
 from trace_jax.models import ModelConfig, lora
 from trace_jax.parallel.mesh import make_mesh
 from trace_jax.plan import lora as plan_lora
+from trace_jax.plan import remake
 from trace_jax.plan.compile import abstract_batch, abstract_train_state, shard_bytes
 from trace_jax.plan.timing import model_flops_per_token
 from trace_jax.rl.losses import LossConfig
@@ -76,3 +77,13 @@ def test_the_lora_options_name_what_is_wrong():
     with pytest.raises(SystemExit, match=r"--lora-rank/--lora-targets: .*\['qkv'\]"):
         plan_lora.adapted(TINY, 8, 16.0, "qkv")
     assert plan_lora.adapted(TINY, 0, 16.0, "q") is TINY
+
+
+def test_a_fits_table_cell_may_not_fit_but_must_have_compiled_the_update():
+    refused = {"train": {"fits": None, "tried": [{"program": "update", "error": "RESOURCE_EXHAUSTED"}]}}
+    assert remake.check(refused, "fit") == []
+    assert remake.check({"train": {"fits": None, "tried": []}}, "fit") == [
+        "no update compiled (the row's command must compile it)"
+    ]
+    fitting = {"train": {"fits": {"program": "update"}, "tried": [{}]}, "timing": {}}
+    assert remake.check(fitting, "fit") == ["no update timing"]
