@@ -13,7 +13,6 @@ same arithmetic without the memory.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any
 
 import jax
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.param_dtype:
             fields["param_dtype"] = args.param_dtype
         config = ModelConfig.preset(name, **fields)
-        params = abstract_model(dataclasses.replace(config, lora_rank=0))[1]
+        params = abstract_model(config.without_lora)[1]
         small = sum(np.prod(x.shape) for x in jax.tree.leaves(params)) < args.build_below
         results[name] = sync_bytes(config, build=small)
     return emit({"rank": args.rank, "targets": args.targets, "presets": results, "machine": machine()}, args.out)

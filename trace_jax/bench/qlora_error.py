@@ -8,8 +8,10 @@ reference; each variant replaces the weights of every LoRA-targeted projection (
 q, k, v, o, gate, up, down; embeddings, norms and the head stay float32) by
 
 - ``bfloat16``: the weights rounded to bfloat16;
-- ``int8`` / ``int4``: symmetric absmax integers per output channel (one float32 scale per output column),
-  dequantized to float32 (what a layer computing ``q * scale`` sees).
+- ``int8`` / ``int4``: symmetric absmax integers per output channel of each layer (one float32 scale per output
+  column: ``trace_jax.models.lora.quantize``, what ``lora.base_quant`` stores), dequantized to float32;
+- ``int4_g32``: int4 with one scale per group of 32 consecutive input rows of each output column (group-wise
+  scales, as 4-bit QLoRA formats use; the input axes flattened).
 
 Reported per variant: the largest and mean absolute logit error, the error relative to the reference logits' spread
 (standard deviation), and the fraction of positions whose argmax token is unchanged.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -29,23 +32,27 @@ from flax import nnx
 from trace_jax.bench.report import emit, machine
 from trace_jax.checkpoint.state import StateCheckpointer
 from trace_jax.models import ModelConfig, abstract_model, create_model
-from trace_jax.models.lora import TARGETS
+from trace_jax.models.lora import TARGETS, dequantize, quantize
 
 
-def quantized(w: jax.Array, bits: int, in_axes: int) -> jax.Array:
-    """``w`` (``[*in, *out]``, ``in_axes`` input axes) through symmetric absmax ``bits``-bit integers per output
-    channel and back to float32."""
-    top = 2 ** (bits - 1) - 1
-    w = w.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(w), axis=tuple(range(in_axes)), keepdims=True) / top
-    scale = jnp.where(scale == 0, 1.0, scale)
-    return jnp.clip(jnp.round(w / scale), -top, top) * scale
+def per_channel(w: jax.Array, bits: int, in_axes: int) -> jax.Array:
+    """``w`` (``[l, *in, *out]``) through ``lora.quantize`` (``bits`` bits, a scale per output channel) and back."""
+    return dequantize(*quantize(w, bits, in_axes))
+
+
+def group_wise(w: jax.Array, bits: int, in_axes: int, group: int) -> jax.Array:
+    """``w`` (``[l, *in, *out]``) through ``bits``-bit integers with a scale per ``group`` consecutive input rows
+    (the input axes flattened) of each output column, and back."""
+    shape = w.shape
+    fan_in = math.prod(shape[1 : 1 + in_axes])
+    return per_channel(w.reshape(shape[0] * fan_in // group, group, -1), bits, 1).reshape(shape)
 
 
 VARIANTS = {
     "bfloat16": lambda w, in_axes: w.astype(jnp.bfloat16).astype(jnp.float32),
-    "int8": lambda w, in_axes: quantized(w, 8, in_axes),
-    "int4": lambda w, in_axes: quantized(w, 4, in_axes),
+    "int8": lambda w, in_axes: per_channel(w, 8, in_axes),
+    "int4": lambda w, in_axes: per_channel(w, 4, in_axes),
+    "int4_g32": lambda w, in_axes: group_wise(w, 4, in_axes, 32),
 }
 # A projection's input axes after the layers axis (the models' ``LORA_TARGETS``).
 _IN_AXES = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1}

@@ -17,7 +17,6 @@ checkpoints have no dense layers).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any
@@ -103,5 +102,4 @@ def export(
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(peft_config(config, tensors, base_model), f, indent=2)
     if merged_dir is not None:
-        base_config = dataclasses.replace(config, lora_rank=0)
-        hf.save_hf(base_config, lora.merged(params, config.lora.scale), merged_dir, max_shard_bytes, token_ids)
+        hf.save_hf(config.without_lora, lora.merged(params, config.lora.scale), merged_dir, max_shard_bytes, token_ids)

@@ -66,10 +66,11 @@ def abstract_model(config: ModelConfig | Any) -> tuple[nnx.GraphDef, nnx.State]:
 
 def with_adapters(params: Any, model_config: Any, rngs: nnx.Rngs) -> Any:
     """Base ``params`` (an ``nnx.State`` of a model without adapters) plus fresh adapters for
-    ``model_config.lora``: the params of ``create_model(model_config)`` whose base is ``params``."""
-    base_config = dataclasses.replace(model_config, lora_rank=0)
-    model = nnx.merge(abstract_model(base_config)[0], params)
+    ``model_config.lora`` (and, with its ``base_quant``, that base quantized where adapters sit): the params of
+    ``create_model(model_config)`` whose base is ``params``."""
+    model = nnx.merge(abstract_model(model_config.without_lora)[0], params)
     lora.add_adapters(model, model_config.lora, rngs)
+    lora.quantize_base(model, model_config.lora)
     return nnx.split(model, nnx.Param)[1]
 
 
@@ -79,6 +80,10 @@ def adapt(model_config: Any, params: Any, config: lora.LoRAConfig, seed: int) ->
     if not config.rank:
         return model_config, params
     adapted = dataclasses.replace(
-        model_config, lora_rank=config.rank, lora_alpha=config.alpha, lora_targets=config.targets
+        model_config,
+        lora_rank=config.rank,
+        lora_alpha=config.alpha,
+        lora_targets=config.targets,
+        lora_base_quant=config.base_quant,
     )
     return adapted, with_adapters(params, adapted, nnx.Rngs(seed))

@@ -17,6 +17,13 @@ module path of the op, while these models run their layers by ``lax.scan`` over 
 contract through ``token_matmul``'s reshapes, so the interception point is not the projection's; adapters as
 variables of the layer ride the scan, the sharding table (their ``logical_axes``) and checkpoints unchanged.
 
+QLoRA (``base_quant``): ``quantize_base`` replaces each adapted projection's base by frozen integer storage
+(``QuantizedBase``): ``<projection>`` holds symmetric absmax integers per output channel and
+``<projection>_scale`` one float32 scale per output column (``[l, 1 per input axis, *out]``, the output axes'
+logical names), so the base takes one byte a weight in memory. ``weight`` dequantizes it before adding ``A @ B``.
+Which formats are offered is measured, not assumed (``trace_jax.bench.qlora_error``; docs/lora.md): int8 per
+channel keeps nearly all of the policy's greedy tokens, int4 (per channel or per group of 32) does not.
+
 Which projections take adapters: a module lists them in its class attribute ``LORA_TARGETS`` (projection
 attribute -> number of leading input axes after the layers axis); the dense ``Attention`` and ``MLP`` do, a
 mixture of experts' expert stacks do not (not adapted here).
@@ -51,6 +58,22 @@ class LoRAParam(nnx.Param):
     """A LoRA factor (``A`` or ``B``): the trained part of an adapted model."""
 
 
+class QuantizedBase(nnx.Param):
+    """Frozen quantized storage of an adapted projection's base: its integer values (``<projection>``) or their
+    per-output-channel float32 scales (``<projection>_scale``). Never trained: no gradient reaches it
+    (``weight`` reads it under ``stop_gradient`` and the trainer differentiates the adapters alone)."""
+
+
+# ``lora.base_quant`` -> the integer bits of the frozen base (None: the base keeps its dtype).
+BASE_QUANT = {"none": None, "int8": 8}
+# Formats measured and refused, with the measurement (``python -m trace_jax.bench.qlora_error``, docs/lora.md).
+REFUSED_BASE_QUANT = {
+    "int4": "on the default job's policy, int4 moves the logits by up to 6.45 with one scale per output channel "
+    "and 4.83 with one per 32 input rows (int8 per channel: 0.295) and changes 31% and 30% of its greedy tokens "
+    "(int8: 1.2%)",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     """Low-rank adapters on the policy: the base weights stay frozen and only the adapters train."""
@@ -62,6 +85,13 @@ class LoRAConfig:
         "comma-separated projections that take adapters, from q, k, v, o (attention) and gate, up, down (the "
         "dense feed-forward block; a mixture of experts' expert weights take none).",
     )
+    base_quant: str = documented(
+        "none",
+        "storage of the frozen base of every adapted projection (QLoRA): 'none' keeps its dtype; 'int8' stores "
+        "symmetric absmax int8 values with one float32 scale per output channel (a byte a weight; dequantized "
+        "before the adapters are added). Needs lora.rank > 0. int4 is refused: measured not exact enough "
+        "(docs/lora.md).",
+    )
 
     def __post_init__(self):
         if self.rank < 0:
@@ -71,6 +101,17 @@ class LoRAConfig:
             raise ValueError(f"lora.targets names {unknown}; choose from {', '.join(TARGETS)}")
         if self.rank and not self.target_names:
             raise ValueError("lora.targets is empty; name at least one projection (e.g. 'q,v')")
+        if self.base_quant in REFUSED_BASE_QUANT:
+            raise ValueError(
+                f"lora.base_quant={self.base_quant!r} is refused: {REFUSED_BASE_QUANT[self.base_quant]}; "
+                "use lora.base_quant=int8"
+            )
+        if self.base_quant not in BASE_QUANT:
+            raise ValueError(f"lora.base_quant={self.base_quant!r}; choose one of {', '.join(BASE_QUANT)}")
+        if BASE_QUANT[self.base_quant] and not self.rank:
+            raise ValueError(
+                f"lora.base_quant={self.base_quant!r} quantizes the frozen base under adapters; set lora.rank > 0"
+            )
 
     @property
     def target_names(self) -> tuple[str, ...]:
@@ -89,15 +130,41 @@ def _b_name(projection: str) -> str:
     return f"{projection}_lora_b"
 
 
+def _scale_name(projection: str) -> str:
+    return f"{projection}_scale"
+
+
+def quantize(w: jax.Array, bits: int, in_axes: int) -> tuple[jax.Array, jax.Array]:
+    """``w`` (``[l, *in, *out]``: the layers axis, ``in_axes`` input axes, the output axes) as symmetric absmax
+    ``bits``-bit integers per output channel of each layer: ``(int8 values, float32 scale)``, the scale
+    ``[l, 1 per input axis, *out]``, ``values * scale`` the dequantized weight. An all-zero column gets scale 1."""
+    top = 2 ** (bits - 1) - 1
+    w = w.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(w), axis=tuple(range(1, 1 + in_axes)), keepdims=True) / top
+    scale = jnp.where(scale == 0, 1.0, scale)
+    return jnp.clip(jnp.round(w / scale), -top, top).astype(jnp.int8), scale
+
+
+def dequantize(values: jax.Array, scale: jax.Array) -> jax.Array:
+    """``values * scale`` in float32 (``quantize``'s inverse up to rounding); broadcasts with or without the
+    layers axis (the scale keeps a size-1 axis per input axis)."""
+    return values.astype(jnp.float32) * scale
+
+
 def weight(module: nnx.Module, projection: str) -> jax.Array:
     """The weight ``module.<projection>`` computes with: the base alone, or with adapters
-    ``stop_gradient(W) + s * A @ B`` in the base's dtype (``s`` is ``module.lora_scale``)."""
+    ``stop_gradient(W) + s * A @ B`` in the adapters' dtype (``s`` is ``module.lora_scale``). A quantized base
+    (``quantize_base``) is dequantized first, in float32, and the sum rounded once to the adapters' dtype."""
     base = getattr(module, projection).value
     a = getattr(module, _a_name(projection), None)
     if a is None:
         return base
     b = getattr(module, _b_name(projection)).value
     delta = jnp.tensordot(a.value.astype(jnp.float32), b.astype(jnp.float32), axes=1) * module.lora_scale
+    scale = getattr(module, _scale_name(projection), None)
+    if scale is not None:
+        dense = jax.lax.stop_gradient(dequantize(base, scale.value))
+        return (dense + delta).astype(a.value.dtype)
     return jax.lax.stop_gradient(base) + delta.astype(base.dtype)
 
 
@@ -134,6 +201,33 @@ def add_adapters(model: nnx.Module, config: LoRAConfig, rngs: nnx.Rngs) -> int:
             module.lora_scale = config.scale
             adapted += 1
     return adapted
+
+
+def quantize_base(model: nnx.Module, config: LoRAConfig) -> int:
+    """Replaces, in place, the base weight of every projection of ``model`` that carries adapters by its frozen
+    quantized storage (``config.base_quant``; ``QuantizedBase``): ``<projection>`` the integer values (the
+    base's logical axes) and ``<projection>_scale`` the float32 scales (the output axes' logical names, ``None``
+    on the size-1 input axes). Returns how many projections it quantized (0 with ``base_quant='none'``). Call it
+    after ``add_adapters`` (the factors take the base's floating dtype)."""
+    bits = BASE_QUANT[config.base_quant]
+    if not bits:
+        return 0
+    quantized = 0
+    for _, module in list(nnx.iter_graph(model)):
+        targets = getattr(type(module), "LORA_TARGETS", None)
+        if not isinstance(module, nnx.Module) or not targets:
+            continue
+        for projection, in_axes in targets.items():
+            base = getattr(module, projection, None)
+            if not hasattr(module, _a_name(projection)) or isinstance(base, QuantizedBase):
+                continue
+            axes = base.get_metadata()["logical_axes"]
+            values, scale = quantize(base.value, bits, in_axes)
+            setattr(module, projection, QuantizedBase(values, logical_axes=axes))
+            scale_axes = (axes[0], *(None,) * in_axes, *axes[1 + in_axes :])
+            setattr(module, _scale_name(projection), QuantizedBase(scale, logical_axes=scale_axes))
+            quantized += 1
+    return quantized
 
 
 def is_adapter_path(path: tuple[Any, ...]) -> bool:
@@ -226,20 +320,35 @@ def base_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
 def merged(params: Any, scale: float) -> Any:
     """The params of the same model without adapters: every adapted base ``W`` replaced by
     ``W + scale * A @ B`` (computed in float32, stored in ``W``'s dtype, as ``weight`` computes it) and the
-    factors dropped. ``scale`` is the adapters' ``alpha / rank``."""
+    factors dropped. ``scale`` is the adapters' ``alpha / rank``. A quantized base (``quantize_base``) is
+    dequantized (float32) first and the sum stored, as a plain ``nnx.Param``, in the adapters' dtype; its
+    scales are dropped."""
     flat = dict(nnx.to_flat_state(params))
     out = []
     for path, variable in flat.items():
-        if is_adapter_path(path):
+        if is_adapter_path(path) or _is_scale_of(path, flat):
             continue
         a = flat.get((*path[:-1], _a_name(str(path[-1]))))
         if a is not None:
             b = flat[(*path[:-1], _b_name(str(path[-1])))]
             per_layer = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1))  # factors stack over the layers axis
             delta = per_layer(a.value.astype(jnp.float32), b.value.astype(jnp.float32)) * scale
-            variable = variable.replace(variable.value + delta.astype(variable.value.dtype))
+            quant_scale = flat.get((*path[:-1], _scale_name(str(path[-1]))))
+            if quant_scale is None:
+                variable = variable.replace(variable.value + delta.astype(variable.value.dtype))
+            else:
+                dense = dequantize(variable.value, quant_scale.value) + delta
+                variable = nnx.Param(dense.astype(a.value.dtype), **variable.get_metadata())
         out.append((path, variable))
     return nnx.from_flat_state(out)
+
+
+def _is_scale_of(path: tuple[Any, ...], flat: dict[tuple[Any, ...], Any]) -> bool:
+    """Whether ``path`` is a quantized base's scale (``<projection>_scale`` beside a ``QuantizedBase``)."""
+    name = str(path[-1])
+    if not name.endswith("_scale"):
+        return False
+    return isinstance(flat.get((*path[:-1], name.removesuffix("_scale"))), QuantizedBase)
 
 
 def without_adapters(params: Any) -> Any:

@@ -87,6 +87,7 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: str = "q,k,v,o,gate,up,down"
+    lora_base_quant: str = "none"
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):
@@ -102,7 +103,14 @@ class ModelConfig:
     @property
     def lora(self) -> lora_lib.LoRAConfig:
         """The adapters this architecture carries (``rank == 0``: none)."""
-        return lora_lib.LoRAConfig(rank=self.lora_rank, alpha=self.lora_alpha, targets=self.lora_targets)
+        return lora_lib.LoRAConfig(
+            rank=self.lora_rank, alpha=self.lora_alpha, targets=self.lora_targets, base_quant=self.lora_base_quant
+        )
+
+    @property
+    def without_lora(self) -> ModelConfig:
+        """This architecture without adapters (nor a quantized base): the base the adapters go on."""
+        return dataclasses.replace(self, lora_rank=0, lora_base_quant="none")
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -555,6 +563,7 @@ class Qwen(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = _param(rngs, config, (d, v), ("embed", "vocab"), d)
         lora_lib.add_adapters(self, config.lora, rngs)  # last: the base initialises the same with or without them
+        lora_lib.quantize_base(self, config.lora)  # after the adapters: they take the base's floating dtype
 
     def init_layers(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         """Builds the decoder layers (``layers``: one stack of dense ``DecoderLayer``s)."""
