@@ -5,6 +5,7 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from trace_jax.models import ModelConfig, lora
@@ -37,14 +38,17 @@ def _returned_unchanged(compiled_text: str) -> set[str]:
     return {name for name in re.findall(r"%([\w.\-]+)", operands) if name in params}
 
 
-def test_a_lora_plan_trains_the_adapters_alone_and_apply_passes_the_base_through():
-    config = plan_lora.adapted(TINY, 4, 8.0, "q,k,v,o,gate,up,down")
+@pytest.mark.parametrize("base_quant", ["none", "int8"])
+def test_a_lora_plan_trains_the_adapters_alone_and_apply_passes_the_base_through(base_quant):
+    config = plan_lora.adapted(TINY, 4, 8.0, "q,k,v,o,gate,up,down", base_quant)
     mesh = make_mesh(devices=jax.devices()[:1])
     graphdef, state, optimizer = abstract_train_state(config, mesh)
     adapters = lora.adapter_state(state.params)
     parts = plan_lora.param_parts(state.params)
     adapter_bytes, base_bytes = shard_bytes(adapters), shard_bytes(parts["weights"])
-    assert 0 < 10 * adapter_bytes < base_bytes  # the premise: a base much bigger than its adapters
+    assert 0 < 3 * adapter_bytes < base_bytes  # the premise: a base much bigger than its adapters
+    int8 = [x for x in jax.tree.leaves(parts["weights"]) if x.dtype == jnp.int8]
+    assert len(int8) == (7 if base_quant == "int8" else 0)  # QLoRA: the 7 projections (stacked over layers) in int8
 
     # AdamW's two moments of the adapters alone (plus its step count).
     assert 2 * adapter_bytes <= shard_bytes(state.opt_state) <= 2 * adapter_bytes + 16
@@ -74,8 +78,12 @@ def test_a_lora_plan_trains_the_adapters_alone_and_apply_passes_the_base_through
 
 
 def test_the_lora_options_name_what_is_wrong():
-    with pytest.raises(SystemExit, match=r"--lora-rank/--lora-targets: .*\['qkv'\]"):
+    with pytest.raises(SystemExit, match=r"--lora-rank/--lora-targets/--lora-base-quant: .*\['qkv'\]"):
         plan_lora.adapted(TINY, 8, 16.0, "qkv")
+    with pytest.raises(SystemExit, match=r"int4.* is refused"):
+        plan_lora.adapted(TINY, 8, 16.0, "q", "int4")
+    with pytest.raises(SystemExit, match=r"--lora-base-quant int8 .* set --lora-rank"):
+        plan_lora.adapted(TINY, 0, 16.0, "q", "int8")
     assert plan_lora.adapted(TINY, 0, 16.0, "q") is TINY
 
 

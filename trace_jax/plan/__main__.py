@@ -230,8 +230,10 @@ class Planner:
                 raise SystemExit(f"--expert-dispatch needs a mixture-of-experts preset; {args.model} is dense")
             self.config = dataclasses.replace(self.config, expert_dispatch=args.expert_dispatch)
         # --lora-*: the job's adapters on the policy (the update trains them alone; the engine decodes with them).
-        if getattr(args, "lora_rank", 0):
-            self.config = plan_lora.adapted(self.config, args.lora_rank, args.lora_alpha, args.lora_targets)
+        if hasattr(args, "lora_rank"):
+            self.config = plan_lora.adapted(
+                self.config, args.lora_rank, args.lora_alpha, args.lora_targets, args.lora_base_quant
+            )
         self.engine_dispatch = getattr(args, "engine_expert_dispatch", None)
         if self.engine_dispatch and not hasattr(self.config, "expert_dispatch"):
             raise SystemExit(f"--engine-expert-dispatch needs a mixture-of-experts preset; {args.model} is dense")
@@ -685,6 +687,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-alpha", type=float, default=16.0, help="the adapters' scale numerator (lora.alpha)")
     parser.add_argument(
         "--lora-targets", default="q,k,v,o,gate,up,down", help="projections that take adapters (lora.targets)"
+    )
+    parser.add_argument(
+        "--lora-base-quant",
+        default="none",
+        help="the frozen base's storage under the adapters (lora.base_quant): none or int8 (QLoRA)",
     )
     parser.add_argument("--hlo-dir", help="also write every compiled program's HLO text here (gzip)")
     parser.add_argument(

@@ -26,19 +26,23 @@ from trace_jax.models import abstract_model, lora, num_params
 from trace_jax.plan.timing import model_flops_per_token
 
 
-def adapted(config: Any, rank: int, alpha: float, targets: str) -> Any:
-    """``config`` carrying adapters of ``rank`` on ``targets`` (scale ``alpha / rank``), as the job's
-    ``models.adapt`` makes it; ``config`` unchanged with rank 0. A bad rank or target raises a ``SystemExit``
-    naming the option."""
+def adapted(config: Any, rank: int, alpha: float, targets: str, base_quant: str = "none") -> Any:
+    """``config`` carrying adapters of ``rank`` on ``targets`` (scale ``alpha / rank``) and, with ``base_quant``
+    (``lora.BASE_QUANT``), their frozen base quantized (QLoRA), as the job's ``models.adapt`` makes it;
+    ``config`` unchanged with rank 0. A bad value raises a ``SystemExit`` naming the option."""
     if not rank:
+        if base_quant != "none":
+            raise SystemExit(f"--lora-base-quant {base_quant} quantizes the base under adapters; set --lora-rank")
         return config
     if not hasattr(config, "lora_rank"):
         raise SystemExit(f"--lora-rank needs a model that takes adapters; {type(config).__name__} has no lora_rank")
     try:
-        lora.LoRAConfig(rank=rank, alpha=alpha, targets=targets)
+        lora.LoRAConfig(rank=rank, alpha=alpha, targets=targets, base_quant=base_quant)
     except ValueError as e:
-        raise SystemExit(f"--lora-rank/--lora-targets: {e}") from None
-    return dataclasses.replace(config, lora_rank=rank, lora_alpha=alpha, lora_targets=targets)
+        raise SystemExit(f"--lora-rank/--lora-targets/--lora-base-quant: {e}") from None
+    return dataclasses.replace(
+        config, lora_rank=rank, lora_alpha=alpha, lora_targets=targets, lora_base_quant=base_quant
+    )
 
 
 def job_optimizer(optimizer: optax.GradientTransformation, params: Any) -> optax.GradientTransformation:
@@ -64,8 +68,8 @@ def train_state_bytes(config: Any, param_bytes: int) -> int:
 
 
 def param_parts(params: Any) -> dict[str, Any]:
-    """A state's params by kind: ``weights`` (with adapters: the frozen base alone) and, with adapters,
-    ``adapters``."""
+    """A state's params by kind: ``weights`` (with adapters: the frozen base alone, quantized or not, with its
+    scales) and, with adapters, ``adapters``."""
     if not lora.has_adapters(params):
         return {"weights": params}
     return {
@@ -78,7 +82,12 @@ def settings(config: Any) -> dict[str, Any]:
     """The adapters a plan's update carries, for its report (empty without adapters)."""
     if not getattr(config, "lora_rank", 0):
         return {}
-    return {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha, "lora_targets": config.lora_targets}
+    return {
+        "lora_rank": config.lora_rank,
+        "lora_alpha": config.lora_alpha,
+        "lora_targets": config.lora_targets,
+        "lora_base_quant": config.lora_base_quant,
+    }
 
 
 def train_flops_per_token(config: Any, context: float) -> float:
