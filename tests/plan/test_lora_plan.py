@@ -2,6 +2,7 @@
 the base frozen), and the ``--lora-*`` options are checked."""
 
 import math
+import os
 import re
 
 import jax
@@ -11,12 +12,13 @@ import pytest
 from trace_jax.models import ModelConfig, lora
 from trace_jax.parallel.mesh import make_mesh
 from trace_jax.plan import lora as plan_lora
-from trace_jax.plan import remake
+from trace_jax.plan import lora_fits, remake
 from trace_jax.plan.compile import abstract_batch, abstract_train_state, shard_bytes
 from trace_jax.plan.timing import model_flops_per_token
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLTrainer, UpdateConfig
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ModelConfig.preset(
     "qwen3-tiny",
     num_layers=2,
@@ -95,3 +97,13 @@ def test_a_fits_table_cell_may_not_fit_but_must_have_compiled_the_update():
     ]
     fitting = {"train": {"fits": {"program": "update"}, "tried": [{}]}, "timing": {}}
     assert remake.check(fitting, "fit") == ["no update timing"]
+
+
+def test_the_lora_page_quotes_each_committed_fits_cell_as_its_plan_reads():
+    """Mutant caught: the MFU printed with another rounding (`:.0%`)."""
+    with open(os.path.join(ROOT, "docs", "lora.md")) as f:
+        page = f.read()
+    found = lora_fits.lines()
+    assert found, "no fits-table plan committed"
+    for row, text in found.items():
+        assert text in page, f"{row}: run python -m trace_jax.plan.lora_fits and paste its line into docs/lora.md"

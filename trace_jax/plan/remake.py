@@ -76,6 +76,18 @@ def _decode(slots: int) -> tuple[str, ...]:
             "--engine-len", "2048", "--mesh", "data=1,fsdp=1,tensor=4", *_FIT)  # fmt: skip
 
 
+# The fits table's layouts (mesh, rows a forward/backward call, remat), by slice: the planner's estimate's picks.
+_LORA_8B = {
+    "v5e-8": ("data=1,fsdp=8,tensor=1", 8, "full"),
+    "v6e-8": ("data=1,fsdp=8,tensor=1", 16, "full"),
+    "v5p-8": ("data=1,fsdp=4,tensor=1", 4, "none"),
+}
+_LORA_32B = {
+    "v5e-8": ("data=1,fsdp=8,tensor=1", 8, "full"),
+    "v6e-8": ("data=1,fsdp=8,tensor=1", 8, "full"),
+    "v5p-8": ("data=1,fsdp=4,tensor=1", 8, "full"),
+}
+
 ROWS: dict[str, Row] = {
     r.name: r
     for r in (
@@ -148,15 +160,10 @@ ROWS: dict[str, Row] = {
             ),
         ),
         # The 8-chip LoRA fits table (docs/lora.md): each layout chosen by the planner's estimate.
-        *_lora_rows(
-            "qwen3-8b",
-            "none",
-            {
-                "v5e-8": ("data=1,fsdp=8,tensor=1", 8, "full"),
-                "v6e-8": ("data=1,fsdp=8,tensor=1", 16, "full"),
-                "v5p-8": ("data=1,fsdp=4,tensor=1", 4, "none"),
-            },
-        ),
+        *_lora_rows("qwen3-8b", "none", _LORA_8B),
+        *_lora_rows("qwen3-8b", "int8", _LORA_8B),
+        *_lora_rows("qwen3-32b", "int8", _LORA_32B),
+        *_lora_rows("qwen3-32b", "none", _LORA_32B),
     )
 }
 
