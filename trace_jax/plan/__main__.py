@@ -211,6 +211,7 @@ class Planner:
         import jax  # JAX only after _set_fake_devices: the fake device count is read when JAX starts
 
         from trace_jax.models import ModelConfig
+        from trace_jax.plan import lora as plan_lora  # imports jax: only after _set_fake_devices
 
         self.args = args
         self.devices = jax.devices() if self.backend == "cpu" else []
@@ -228,6 +229,11 @@ class Planner:
             if not hasattr(self.config, "expert_dispatch"):
                 raise SystemExit(f"--expert-dispatch needs a mixture-of-experts preset; {args.model} is dense")
             self.config = dataclasses.replace(self.config, expert_dispatch=args.expert_dispatch)
+        # --lora-*: the job's adapters on the policy (the update trains them alone; the engine decodes with them).
+        if hasattr(args, "lora_rank"):
+            self.config = plan_lora.adapted(
+                self.config, args.lora_rank, args.lora_alpha, args.lora_targets, args.lora_base_quant
+            )
         self.engine_dispatch = getattr(args, "engine_expert_dispatch", None)
         if self.engine_dispatch and not hasattr(self.config, "expert_dispatch"):
             raise SystemExit(f"--engine-expert-dispatch needs a mixture-of-experts preset; {args.model} is dense")
@@ -259,13 +265,13 @@ class Planner:
 
     def train(self, topology: Topology, budget: int, depth_check: bool = False) -> dict[str, Any]:
         # These import JAX: only after _set_fake_devices (the fake device count is read when JAX starts).
-        from trace_jax.models import num_params
         from trace_jax.parallel.mesh import make_mesh
         from trace_jax.plan import compile as plan_compile  # imports jax: only once the backend's device flags are set
+        from trace_jax.plan import lora as plan_lora
 
         args, config = self.args, self.config
         devices = self.devices_for(topology)
-        state_bytes = num_params(config) * (4 if args.param_dtype == "float32" else 2) * 4 / topology.chips
+        state_bytes = plan_lora.train_state_bytes(config, 4 if args.param_dtype == "float32" else 2) / topology.chips
         out: dict[str, Any] = {"fits": None, "tried": []}
         fresh = self.compiles + args.max_compiles  # candidates compiled before (memoised) cost nothing
         copies = 2.5 if self.backend == "cpu" else 1.0
@@ -431,11 +437,8 @@ def predicted_times(result: dict[str, Any], config: Any, topology: Topology, arg
     """The step-time model (``trace_jax.plan.timing``) applied to the chosen programs: each program's bounds,
     the update's time and MFU, decode tokens/s, and one RL step split by phase. None for a slice without a
     chip in the table (GPUs)."""
-    from trace_jax.plan.timing import (  # imports jax: only once the backend's device flags are set
-        CHIPS,
-        model_flops_per_token,
-        program_time,
-    )
+    from trace_jax.plan.lora import train_flops_per_token  # imports jax: only once the backend's flags are set
+    from trace_jax.plan.timing import CHIPS, program_time
 
     chip = CHIPS.get(topology.family.name)
     if chip is None:
@@ -453,7 +456,7 @@ def predicted_times(result: dict[str, Any], config: Any, topology: Topology, arg
             times["apply"]["seconds"] + times["zero"]["seconds"]
         )
         tokens = s["rows"] * s["seq_len"]
-        flops = model_flops_per_token(config, s["seq_len"] / 2) * tokens
+        flops = train_flops_per_token(config, s["seq_len"] / 2) * tokens  # a frozen base: no weight gradient
         out["update"] = {
             "optimizer_step_s": step,
             "update_s": s["ppo_epochs"] * step,
@@ -678,6 +681,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", help="compile only this layout, e.g. data=1,fsdp=-1,tensor=4 (the job's mesh)")
     parser.add_argument("--micro-rows", type=int, default=0, help="with --mesh: rows per forward/backward call")
     parser.add_argument("--remat", choices=REMATS, help="with --mesh: the remat policy (default: the preset's)")
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="LoRA adapters of this rank on the policy, the base frozen (0: none)"
+    )
+    parser.add_argument("--lora-alpha", type=float, default=16.0, help="the adapters' scale numerator (lora.alpha)")
+    parser.add_argument(
+        "--lora-targets", default="q,k,v,o,gate,up,down", help="projections that take adapters (lora.targets)"
+    )
+    parser.add_argument(
+        "--lora-base-quant",
+        default="none",
+        help="the frozen base's storage under the adapters (lora.base_quant): none or int8 (QLoRA)",
+    )
     parser.add_argument("--hlo-dir", help="also write every compiled program's HLO text here (gzip)")
     parser.add_argument(
         "--require-fit", action="store_true", help="exit 3 (after printing the figures) when a part does not fit"

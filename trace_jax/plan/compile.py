@@ -6,7 +6,9 @@ Nothing here allocates model-sized memory: parameters, optimizer state, batches 
 compiled program is per device. The kinds reported:
 
 * weights / optimizer / batch / kv_cache: the per-device bytes of those arguments (from their shard shapes);
-* gradients: the per-device bytes of one gradient accumulator (params-shaped, inside the temporaries);
+  with LoRA adapters (``plan.lora``) weights is the frozen base and adapters the trained factors;
+* gradients: the per-device bytes of one gradient accumulator (shaped as the trained part, inside the
+  temporaries);
 * temporaries: XLA's ``temp_size_in_bytes`` (activations, gradients, workspace);
 * peak: arguments + temporaries + outputs that do not alias a donated argument.
 
@@ -33,10 +35,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trace_jax.models import ModelConfig, abstract_model
+from trace_jax.models import ModelConfig, abstract_model, lora
 from trace_jax.optim import make_optimizer, optimizer_shardings
 from trace_jax.parallel import mesh as mesh_lib
 from trace_jax.plan import hlo
+from trace_jax.plan import lora as plan_lora
 from trace_jax.plan.dcn import dcn_traffic
 from trace_jax.plan.topology import Topology
 from trace_jax.rl.batch import TrainBatch
@@ -200,9 +203,10 @@ def abstract_batch(rows: int, seq_len: int, mesh: Mesh, with_ref: bool) -> Train
 
 
 def abstract_train_state(config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, TrainState, Any]:
-    """``(graphdef, TrainState of sharded ShapeDtypeStruct, optimizer)``: AdamW as the job makes it."""
+    """``(graphdef, TrainState of sharded ShapeDtypeStruct, optimizer)``: AdamW as the job makes it; with
+    adapters (``config.lora_rank``) on the adapters alone, the base frozen (``plan.lora.job_optimizer``)."""
     graphdef, params = abstract_params(config, mesh)
-    optimizer = make_optimizer(weight_decay=0.1)
+    optimizer = plan_lora.job_optimizer(make_optimizer(weight_decay=0.1), params)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_state = _with_shardings(
         jax.eval_shape(optimizer.init, params),
@@ -236,9 +240,9 @@ def update_programs(
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         lowered = trainer.lower_update(state, micro)
     by_kind = {
-        "weights": shard_bytes(state.params),
+        **{kind: shard_bytes(part) for kind, part in plan_lora.param_parts(state.params).items()},
         "optimizer": shard_bytes(state.opt_state),
-        "gradients": shard_bytes(state.params),
+        "gradients": shard_bytes(lora.trained_part(state.params)),
         "batch": shard_bytes(micro),
     }
     settings = {
@@ -253,6 +257,7 @@ def update_programs(
         "param_dtype": config.param_dtype,
         "dtype": config.dtype,
         "expert_dispatch": getattr(config, "expert_dispatch", None),  # MoeConfig's; None for a dense model
+        **plan_lora.settings(config),
     }
     programs, peaks, temps = {}, [], []
     for name, low in lowered.items():

@@ -57,11 +57,40 @@ def _rl(model: str, topology: str, mesh: str, micro_rows: int, remat: str, *more
     return ("--model", model, "--topology", topology, *_RL, *layout, *more)
 
 
+def _lora_fit(model: str, topology: str, quant: str, mesh: str, micro_rows: int, remat: str) -> tuple[str, ...]:
+    # An 8-chip slice's LoRA update (rank 64, every projection, a bf16 base): 256 rows x 4,096 tokens, the
+    # update alone (the engine decodes base + adapters as a full-weight engine does).
+    layout = ("--mesh", mesh, "--micro-rows", str(micro_rows), "--remat", remat)
+    adapters = ("--lora-rank", "64", "--lora-alpha", "128", *(("--lora-base-quant", quant) if quant != "none" else ()))
+    return ("--model", model, "--topology", topology, "--rows", "256", "--seq-len", "4096", "--slots", "0",
+            "--param-dtype", "bfloat16", *adapters, *layout, *_FIT)  # fmt: skip
+
+
+def _lora_rows(model: str, quant: str, layouts: dict[str, tuple[str, int, str]]) -> tuple[Row, ...]:
+    suffix = "lora" if quant == "none" else f"qlora-{quant}"
+    return tuple(
+        Row(f"{model}_{topology}_{suffix}", "fit", _lora_fit(model, topology, quant, *layout))
+        for topology, layout in layouts.items()
+    )
+
+
 def _decode(slots: int) -> tuple[str, ...]:
     # sglang-jax's Qwen3-8B benchmark: one v6e-4 host, tensor parallel over its 4 chips.
     return ("--model", "qwen3-8b", "--topology", "v6e-4", "--rows", "0", "--slots", str(slots),
             "--engine-len", "2048", "--mesh", "data=1,fsdp=1,tensor=4", *_FIT)  # fmt: skip
 
+
+# The fits table's layouts (mesh, rows a forward/backward call, remat), by slice: the planner's estimate's picks.
+_LORA_8B = {
+    "v5e-8": ("data=1,fsdp=8,tensor=1", 8, "full"),
+    "v6e-8": ("data=1,fsdp=8,tensor=1", 16, "full"),
+    "v5p-8": ("data=1,fsdp=4,tensor=1", 4, "none"),
+}
+_LORA_32B = {
+    "v5e-8": ("data=1,fsdp=4,tensor=2", 4, "full"),  # fsdp 8 (8 rows a call) asks 16.57 GiB with an int8 base
+    "v6e-8": ("data=1,fsdp=8,tensor=1", 8, "full"),
+    "v5p-8": ("data=1,fsdp=4,tensor=1", 8, "full"),
+}
 
 ROWS: dict[str, Row] = {
     r.name: r
@@ -134,6 +163,11 @@ ROWS: dict[str, Row] = {
                 "all_to_all",
             ),
         ),
+        # The 8-chip LoRA fits table (docs/lora.md): each layout chosen by the planner's estimate.
+        *_lora_rows("qwen3-8b", "none", _LORA_8B),
+        *_lora_rows("qwen3-8b", "int8", _LORA_8B),
+        *_lora_rows("qwen3-32b", "int8", _LORA_32B),
+        *_lora_rows("qwen3-32b", "none", _LORA_32B),
     )
 }
 
@@ -160,7 +194,15 @@ def _check_decode(plan: dict[str, Any]) -> list[str]:
     return _programs(plan, "engine") + ([] if (plan.get("timing") or {}).get("decode") else ["no decode timing"])
 
 
-KIND_CHECKS = {"rl": _check_rl, "pretrain": _check_pretrain, "decode": _check_decode}
+def _check_fit(plan: dict[str, Any]) -> list[str]:
+    """A fits-table cell: the update compiled (fitting or refused by the compiler, with its need), and timed
+    when it fits."""
+    if not plan["train"]["tried"]:
+        return ["no update compiled (the row's command must compile it)"]
+    return _check_pretrain(plan) if plan["train"]["fits"] else []
+
+
+KIND_CHECKS = {"rl": _check_rl, "pretrain": _check_pretrain, "decode": _check_decode, "fit": _check_fit}
 
 
 def check(plan: dict[str, Any], kind: str) -> list[str]:
