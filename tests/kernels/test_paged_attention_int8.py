@@ -43,6 +43,23 @@ def _reference(q, k, v, table, lengths):
     return out
 
 
+def _kernel(q, kq, ks, vq, vs, table):
+    """The int8 kernel in interpret mode over quantized pages and their scales (one layer's, as the engine
+    hands them over), at the case's lengths."""
+    lengths = jnp.asarray(LENGTHS, jnp.int32)
+    return int8_kernel.paged_decode_int8(
+        q,
+        kq,
+        _by_layer(ks),
+        vq,
+        _by_layer(vs),
+        lengths,
+        jnp.asarray(table),
+        pages_per_compute_block=BLOCK,
+        interpret=True,
+    )
+
+
 def test_the_kernels_quantization_convention_is_the_engines():
     assert int8_kernel.QUANT_DIVISOR == pages.QUANT_DIVISOR
 
@@ -56,20 +73,7 @@ def test_the_int8_kernel_equals_attention_over_the_dequantized_pages():
     q, k, v, table = _case()
     (kq, ks), (vq, vs) = pages.quantize(k), pages.quantize(v)
     assert kq.dtype == jnp.int8 and ks.shape == (KV, POOL, PAGE)
-    lengths = jnp.asarray(LENGTHS, jnp.int32)
-    got = np.asarray(
-        int8_kernel.paged_decode_int8(
-            q,
-            kq,
-            _by_layer(ks),
-            vq,
-            _by_layer(vs),
-            lengths,
-            jnp.asarray(table),
-            pages_per_compute_block=BLOCK,
-            interpret=True,
-        )
-    )
+    got = np.asarray(_kernel(q, kq, ks, vq, vs, table))
     dequantized = _reference(q, pages.dequantize(kq, ks), pages.dequantize(vq, vs), table, LENGTHS)
     exact = _reference(q, k, v, table, LENGTHS)
     np.testing.assert_allclose(got, dequantized, atol=1e-5)
@@ -84,18 +88,7 @@ def test_the_int8_kernel_takes_bf16_queries():
     0.054 of outputs up to ~8)."""
     q, k, v, table = _case(1)
     (kq, ks), (vq, vs) = pages.quantize(k), pages.quantize(v)
-    lengths = jnp.asarray(LENGTHS, jnp.int32)
-    run = lambda q: int8_kernel.paged_decode_int8(
-        q,
-        kq,
-        _by_layer(ks),
-        vq,
-        _by_layer(vs),
-        lengths,
-        jnp.asarray(table),
-        pages_per_compute_block=BLOCK,
-        interpret=True,
-    )
+    run = lambda q: _kernel(q, kq, ks, vq, vs, table)
     low = run(q.astype(jnp.bfloat16))
     assert low.dtype == jnp.bfloat16
     high = np.asarray(run(q))
