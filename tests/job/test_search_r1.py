@@ -305,22 +305,8 @@ def test_every_input_read_from_a_bucket_and_the_export_lands_there_loadable_by_t
     from trace_jax import paths
 
     with gcs_emulator("bucket") as gcs:
-        paths.copy_tree(files["hf"], gcs.gs("hf"))
-        paths.copy_tree(files["data"], gcs.gs("data"))
-        epath.Path(files["corpus"]).copy(epath.Path(gcs.gs("corpus.jsonl")))
-        command = [
-            sys.executable,
-            "-m",
-            "trace_jax.train",
-            f"--config={TINY}",
-            f"--config.model.hf_dir={gcs.gs('hf')}",
-            f"--config.data.dir={gcs.gs('data')}",
-            "--config.retriever.kind=bm25",
-            f"--config.retriever.corpus={gcs.gs('corpus.jsonl')}",
-            "--config.rl.steps=1",
-            "--config.eval.num_questions=2",
-            f"--workdir={gcs.gs('run')}",
-        ]
+        inputs = fixtures.in_bucket(files, gcs)
+        command = [sys.executable, "-m", "trace_jax.train", f"--config={TINY}", *inputs, f"--workdir={gcs.gs('run')}"]
         env = dict(os.environ, PYTHONPATH=str(REPO), **gcs.env)
         run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-4000:]

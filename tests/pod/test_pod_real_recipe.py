@@ -30,17 +30,9 @@ def test_a_the_search_r1_recipe_reads_its_inputs_from_the_bucket_on_every_host_a
     files = fixtures.write_all(tmp_path / "files")
     box = make_box(tmp_path)
     with gcs_emulator("bucket") as gcs:
-        paths.copy_tree(files["hf"], gcs.gs("hf"))
-        paths.copy_tree(files["data"], gcs.gs("data"))
-        epath.Path(files["corpus"]).copy(epath.Path(gcs.gs("corpus.jsonl")))
         job_env = {**gcs.env, "JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo"}
         flags = [
-            f"--config.model.hf_dir={gcs.gs('hf')}",
-            f"--config.data.dir={gcs.gs('data')}",
-            "--config.retriever.kind=bm25",
-            f"--config.retriever.corpus={gcs.gs('corpus.jsonl')}",
-            "--config.rl.steps=1",
-            "--config.eval.num_questions=2",
+            *fixtures.in_bucket(files, gcs),
             f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
         ]
         command = launch_command(TPU, gcs.gs("run"), job_env, *flags, config="configs/search_r1.py:tiny")
