@@ -293,11 +293,14 @@ def test_a_stalled_retrieval_server_costs_bounded_time_per_search_is_counted_and
     assert elapsed < searches * (0.5 + 0.5) + 30  # the deadline per search, plus decoding; not a hang
 
 
-def test_every_input_read_from_a_bucket_and_the_export_lands_there_loadable_by_transformers(files, tmp_path):
-    """The recipe with the checkpoint, its tokenizer, ``data.dir``, the BM25 corpus and the workdir (so the
-    prepared TFDS files too) all ``gs://`` in an emulated bucket, nothing of them on this disk: a 1-step run exits 0
-    and ``hf_export/`` lands in the bucket, where transformers loads it (after a download). Fails on any reader
-    that assumes a local path (``pathlib.Path`` / ``open`` on ``data.dir`` or the corpus: not found)."""
+def test_a_lora_run_reads_every_input_from_a_bucket_and_exports_there_what_transformers_and_peft_load(files, tmp_path):
+    """The recipe with LoRA by one override (``lora.rank``), the checkpoint, its tokenizer, ``data.dir``, the BM25
+    corpus and the workdir (so the prepared TFDS files too) all ``gs://`` in an emulated bucket, nothing of them on
+    this disk: a 1-step run exits 0 and ``hf_export/`` lands in the bucket (after a download): transformers loads the
+    merged model, and peft loads ``adapter/`` (rank 4) onto the original checkpoint (the logits' agreement is
+    ``tests/checkpoint/test_adapters.py``'s). Fails on any reader that assumes a local path (``pathlib.Path`` /
+    ``open`` on ``data.dir`` or the corpus: not found) and on a recipe that ignores ``lora.rank`` (no adapter)."""
+    import peft
     from etils import epath
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -306,7 +309,10 @@ def test_every_input_read_from_a_bucket_and_the_export_lands_there_loadable_by_t
 
     with gcs_emulator("bucket") as gcs:
         inputs = fixtures.in_bucket(files, gcs)
-        command = [sys.executable, "-m", "trace_jax.train", f"--config={TINY}", *inputs, f"--workdir={gcs.gs('run')}"]
+        command = [
+            *(sys.executable, "-m", "trace_jax.train", f"--config={TINY}", *inputs),
+            *("--config.lora.rank=4", f"--workdir={gcs.gs('run')}"),
+        ]
         env = dict(os.environ, PYTHONPATH=str(REPO), **gcs.env)
         run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-4000:]
@@ -314,9 +320,14 @@ def test_every_input_read_from_a_bucket_and_the_export_lands_there_loadable_by_t
         assert (bucket / "run" / "tfds").is_dir()  # premise: the prepared questions were kept in the bucket
         export = bucket / "run" / recipes.EXPORT_DIR
         assert (export / "config.json").is_file()
+        assert (export / recipes.ADAPTER_DIR / "adapter_config.json").is_file()
         paths.copy_tree(export, tmp_path / "export")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "export")
     assert tokenizer.get_vocab() == load_tokenizer(files["hf"]).get_vocab()
     ids = np.asarray([tokenizer.encode("Where was Kalo born?")])
-    assert np.isfinite(torch_logits(model, ids)).all()
+    assert np.isfinite(torch_logits(merged, ids)).all()
+    adapter = tmp_path / "export" / recipes.ADAPTER_DIR
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
+    adapted = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(files["hf"]), adapter).eval()
+    assert np.isfinite(torch_logits(adapted, ids)).all()  # shapes of every factor match the base's (else it raises)
