@@ -176,27 +176,6 @@ def write_all(
     return {"hf": hf, "data": data, "corpus": corpus_path, "tokenizer": hf}
 
 
-def in_bucket(files: dict[str, pathlib.Path], gcs: Any) -> list[str]:
-    """Copies :func:`write_all`'s checkpoint, question files and corpus into the emulated bucket ``gcs``
-    (``tests.gcs_emulator``) and returns the job's overrides that read every one of them from there: BM25 over the
-    bucket's corpus, one RL step, two evaluation questions."""
-    from etils import epath
-
-    from trace_jax import paths
-
-    paths.copy_tree(files["hf"], gcs.gs("hf"))
-    paths.copy_tree(files["data"], gcs.gs("data"))
-    epath.Path(files["corpus"]).copy(epath.Path(gcs.gs("corpus.jsonl")))
-    return [
-        f"--config.model.hf_dir={gcs.gs('hf')}",
-        f"--config.data.dir={gcs.gs('data')}",
-        "--config.retriever.kind=bm25",
-        f"--config.retriever.corpus={gcs.gs('corpus.jsonl')}",
-        "--config.rl.steps=1",
-        "--config.eval.num_questions=2",
-    ]
-
-
 def write_checkpoint(
     hf: str | pathlib.Path,
     tokenizer: PreTrainedTokenizerFast,

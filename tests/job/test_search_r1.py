@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -293,6 +294,27 @@ def test_a_stalled_retrieval_server_costs_bounded_time_per_search_is_counted_and
     assert elapsed < searches * (0.5 + 0.5) + 30  # the deadline per search, plus decoding; not a hang
 
 
+def in_bucket(files: dict[str, pathlib.Path], gcs: Any) -> list[str]:
+    """Copies ``fixtures.write_all``'s checkpoint, question files and corpus into the emulated bucket ``gcs``
+    (``tests.gcs_emulator``) and returns the job's overrides that read every one of them from there: BM25 over the
+    bucket's corpus, one RL step, two evaluation questions."""
+    from etils import epath
+
+    from trace_jax import paths
+
+    paths.copy_tree(files["hf"], gcs.gs("hf"))
+    paths.copy_tree(files["data"], gcs.gs("data"))
+    epath.Path(files["corpus"]).copy(epath.Path(gcs.gs("corpus.jsonl")))
+    return [
+        f"--config.model.hf_dir={gcs.gs('hf')}",
+        f"--config.data.dir={gcs.gs('data')}",
+        "--config.retriever.kind=bm25",
+        f"--config.retriever.corpus={gcs.gs('corpus.jsonl')}",
+        "--config.rl.steps=1",
+        "--config.eval.num_questions=2",
+    ]
+
+
 def test_a_lora_run_reads_every_input_from_a_bucket_and_exports_there_what_transformers_and_peft_load(files, tmp_path):
     """The recipe with LoRA by one override (``lora.rank``), the checkpoint, its tokenizer, ``data.dir``, the BM25
     corpus and the workdir (so the prepared TFDS files too) all ``gs://`` in an emulated bucket, nothing of them on
@@ -308,7 +330,7 @@ def test_a_lora_run_reads_every_input_from_a_bucket_and_exports_there_what_trans
     from trace_jax import paths
 
     with gcs_emulator("bucket") as gcs:
-        inputs = fixtures.in_bucket(files, gcs)
+        inputs = in_bucket(files, gcs)
         command = [
             *(sys.executable, "-m", "trace_jax.train", f"--config={TINY}", *inputs),
             *("--config.lora.rank=4", f"--workdir={gcs.gs('run')}"),

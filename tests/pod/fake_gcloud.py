@@ -20,6 +20,12 @@ after a grace),
     gcloud compute tpus tpu-vm create|describe|delete|ssh|scp ...
     gcloud compute tpus queued-resources create|describe|delete ...   (create: --node-id, or --node-count and
                                                                      --node-prefix for several slices)
+    gcloud storage buckets create gs://B [--project=P] [--location=L]
+    gcloud storage cp -r SRC... gs://B/[PREFIX/]
+
+The two ``storage`` calls (the README's step 1) act on the GCS emulator that ``STORAGE_EMULATOR_HOST`` names
+(``tests/gcs_emulator.py``) through the real client (gcsfs behind epath), and are refused without it: nothing here
+reaches a real bucket. ``cp`` keeps each source's basename under the destination, as ``gcloud storage cp -r`` does.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ def _save(box, name, meta):
     (slice_dir(box, name) / "slice.json").write_text(json.dumps(meta))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -141,7 +147,7 @@ def _make_slice(box, name, meta, hosts=HOSTS):
     for i in range(hosts):
         (slice_dir(box, name) / "hosts" / str(i)).mkdir(parents=True)
     slice_dir(box, name).mkdir(parents=True, exist_ok=True)
-    _save(box, name, {**meta, "port": _free_port()})
+    _save(box, name, {**meta, "port": free_port()})
 
 
 def _describe(box, name, kind, args=()):
@@ -219,6 +225,70 @@ def _scp(box, args):
     return 0
 
 
+def _emulated(command: str) -> bool:
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        return True
+    print(f"fake gcloud: storage {command} needs STORAGE_EMULATOR_HOST (a GCS emulator): refused", file=sys.stderr)
+    return False
+
+
+def _buckets_create(args):
+    """``storage buckets create gs://B [--project=P] [--location=L]``: a new bucket on the emulator."""
+    import gcsfs  # test-only dependency (the `gcs` extra)
+
+    urls = [a for a in args if not a.startswith("--")]
+    unknown = [a for a in args if a.startswith("--") and a.split("=", 1)[0] not in ("--project", "--location")]
+    if len(urls) != 1 or not urls[0].startswith("gs://") or "/" in urls[0][5:].strip("/") or unknown:
+        print(
+            f"fake gcloud: storage buckets create takes gs://BUCKET [--project --location], got {args}", file=sys.stderr
+        )
+        return 2
+    bucket = urls[0][5:].strip("/")
+    fs = gcsfs.GCSFileSystem(project=_flag(args, "project", "box"))
+    if fs.exists(bucket):
+        print(f"ERROR: (gcloud) HTTPError 409: the bucket gs://{bucket} already exists", file=sys.stderr)
+        return 1
+    fs.mkdir(bucket, location=_flag(args, "location"))
+    return 0
+
+
+def _cp(args):
+    """``storage cp -r SRC... gs://B/[PREFIX/]``: each local file or folder to ``gs://B/[PREFIX/]<basename>``."""
+    from etils import epath
+
+    from trace_jax import paths
+
+    if not args or args[0] not in ("-r", "--recursive"):
+        print(f"fake gcloud: storage cp takes -r SRC... gs://BUCKET/, got {args}", file=sys.stderr)
+        return 2
+    *sources, dest = args[1:]
+    if not sources or not dest.startswith("gs://") or any(s.startswith("-") for s in sources):
+        print(f"fake gcloud: storage cp -r takes local sources and a gs:// destination, got {args}", file=sys.stderr)
+        return 2
+    missing = [s for s in sources if not os.path.exists(s)]
+    if missing:
+        print(f"ERROR: (gcloud) The following URLs matched no objects or files: {' '.join(missing)}", file=sys.stderr)
+        return 1
+    for source in map(pathlib.Path, sources):
+        target = epath.Path(dest.rstrip("/")) / source.name
+        if source.is_dir():
+            paths.copy_tree(source, target)
+        else:
+            epath.Path(source).copy(target, overwrite=True)
+    return 0
+
+
+STORAGE = {("buckets", "create"): _buckets_create, ("cp",): _cp}
+
+
+def _storage(argv):
+    for words, command in STORAGE.items():
+        if tuple(argv[1 : 1 + len(words)]) == words:
+            return command(argv[1 + len(words) :]) if _emulated(" ".join(words)) else 2
+    print(f"fake gcloud: not implemented: {argv}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str]) -> int:
     box = root()
     box.mkdir(parents=True, exist_ok=True)
@@ -230,6 +300,8 @@ def main(argv: list[str]) -> int:
         else:
             kill_host(box, argv[2], int(argv[3]))
         return 0
+    if argv[:1] == ["storage"]:
+        return _storage(argv)
     if argv[:3] != ["compute", "tpus", "tpu-vm"] and argv[:3] != ["compute", "tpus", "queued-resources"]:
         print(f"fake gcloud: not implemented: {argv}", file=sys.stderr)
         return 2
