@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -168,6 +169,15 @@ def weight(module: nnx.Module, projection: str) -> jax.Array:
     return jax.lax.stop_gradient(base) + delta.astype(base.dtype)
 
 
+def _projections(model: nnx.Module) -> Iterator[tuple[nnx.Module, str, int]]:
+    """``(module, projection, in_axes)`` for every projection a module of ``model`` lists in ``LORA_TARGETS``
+    (taken as a list first: the caller may set attributes on the modules)."""
+    for _, module in list(nnx.iter_graph(model)):
+        targets = getattr(type(module), "LORA_TARGETS", None)
+        if isinstance(module, nnx.Module) and targets:
+            yield from ((module, projection, in_axes) for projection, in_axes in targets.items())
+
+
 def add_adapters(model: nnx.Module, config: LoRAConfig, rngs: nnx.Rngs) -> int:
     """Attaches ``A``/``B`` factors (``LoRAParam``) to every targeted projection of ``model`` in place and
     returns how many projections took them (0 with ``config.rank == 0``: the model is left untouched).
@@ -179,13 +189,8 @@ def add_adapters(model: nnx.Module, config: LoRAConfig, rngs: nnx.Rngs) -> int:
         return 0
     wanted = {TARGETS[name] for name in config.target_names}
     adapted = 0
-    for _, module in list(nnx.iter_graph(model)):
-        targets = getattr(type(module), "LORA_TARGETS", None)
-        if not isinstance(module, nnx.Module) or not targets:
-            continue
-        for projection, in_axes in targets.items():
-            if projection not in wanted:
-                continue
+    for module, projection, in_axes in _projections(model):
+        if projection in wanted:
             base = getattr(module, projection)
             axes = base.get_metadata()["logical_axes"]
             split = 1 + in_axes  # the layers axis, then the input axes
@@ -213,14 +218,9 @@ def quantize_base(model: nnx.Module, config: LoRAConfig) -> int:
     if not bits:
         return 0
     quantized = 0
-    for _, module in list(nnx.iter_graph(model)):
-        targets = getattr(type(module), "LORA_TARGETS", None)
-        if not isinstance(module, nnx.Module) or not targets:
-            continue
-        for projection, in_axes in targets.items():
-            base = getattr(module, projection, None)
-            if not hasattr(module, _a_name(projection)) or isinstance(base, QuantizedBase):
-                continue
+    for module, projection, in_axes in _projections(model):
+        base = getattr(module, projection, None)
+        if hasattr(module, _a_name(projection)) and not isinstance(base, QuantizedBase):
             axes = base.get_metadata()["logical_axes"]
             values, scale = quantize(base.value, bits, in_axes)
             setattr(module, projection, QuantizedBase(values, logical_axes=axes))
