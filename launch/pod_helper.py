@@ -77,12 +77,12 @@ def plan_command(
     accelerator: str, config_spec: str, overrides: list[str], extra: list[str], search: bool = False
 ) -> list[str]:
     """The planner's command line for this job on ``accelerator``: the model preset (``sft.model``, or the real
-    recipe's variant, e.g. ``qwen3-8b``), the job's
-    mesh, micro-batch rows (``ppo.micro_rows``; 0 is one row per batch shard) and remat (``ppo.remat``; "": the
-    preset's), its longest training row (the largest ``batch.length_buckets`` or ``batch.pack_length``), the
-    engine's slots, window and dtypes, and ``--require-fit``; ``extra`` (planner options) is appended, so it can
-    override any of them. ``search``: the train step alone, its layout searched (no mesh, micro-batch rows or
-    remat given) for :func:`search_rows` rows."""
+    recipe's variant, e.g. ``qwen3-8b``), the job's mesh, micro-batch rows (``ppo.micro_rows``; 0 is one row per
+    batch shard), remat (``ppo.remat``; "": the preset's) and windowed matmuls (``ppo.windowed_einsum``), its
+    longest training row (the largest ``batch.length_buckets`` or ``batch.pack_length``), the engine's slots,
+    window and dtypes, and ``--require-fit``; ``extra`` (planner options) is appended, so it can override any of
+    them. ``search``: the train step alone, its layout searched (no mesh, micro-batch rows or remat given;
+    windowed matmuls both ways) for :func:`search_rows` rows."""
     sys.path.insert(0, str(ROOT))
     from trace_jax.configs import load  # the package: installed or this checkout
     from trace_jax.plan.topology import parse_topology  # no jax import
@@ -91,13 +91,14 @@ def plan_command(
     axes = {"data": run.mesh.data, "fsdp": run.mesh.fsdp, "expert": run.mesh.expert, "tensor": run.mesh.tensor}
     seq_len = run.batch.pack_length or max(run.batch.length_buckets)
     engine, ppo, model = run.engine, run.ppo, run.model
-    if search:
-        layout = ["--rows", str(search_rows(run, parse_topology(accelerator).chips))]
+    if search:  # the chosen layout is also compiled without windowed matmuls; the faster is kept
+        layout = ["--rows", str(search_rows(run, parse_topology(accelerator).chips)), "--windowed-einsum", "auto"]
     else:
         layout = [
             "--mesh", ",".join(f"{k}={v}" for k, v in axes.items()),
             "--micro-rows", str(ppo.micro_rows),
             *(["--remat", ppo.remat] if ppo.remat else []),  # "": the preset's, the planner's default too
+            "--windowed-einsum", "on" if ppo.windowed_einsum else "off",
             "--rows", "-1",
             "--max-compiles", "1",
         ]  # fmt: skip

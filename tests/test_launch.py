@@ -315,8 +315,8 @@ def test_tpu_pod_dry_run_prints_the_plan_step_before_the_slice_is_made():
 
 
 def test_the_plan_step_compiles_the_configs_own_layout():
-    """Fails if the plan step ignores the job's mesh, model preset, micro-batch rows, longest row or engine
-    (it would check another program than the one the pod runs)."""
+    """Fails if the plan step ignores the job's mesh, model preset, micro-batch rows, windowed matmuls, longest
+    row or engine (it would check another program than the one the pod runs)."""
     sys.path.insert(0, str(ROOT / "launch"))
     import pod_helper
 
@@ -327,6 +327,13 @@ def test_the_plan_step_compiles_the_configs_own_layout():
     assert value("--mesh") == "data=1,fsdp=8,expert=1,tensor=4" and value("--micro-rows") == "16"
     assert value("--seq-len") == "4096" and value("--engine-len") == "4096" and value("--slots") == "128"
     assert "--require-fit" in argv and argv[-2:] == ["--margin", "0.2"]
+    assert value("--windowed-einsum") == "on"
+    unwindowed = [*overrides, "--config.ppo.windowed_einsum=false"]
+    argv = pod_helper.plan_command("v5p-64", "configs/search_r1.py:qwen3-8b", unwindowed, [])
+    assert value("--windowed-einsum") == "off"
+    # --plan-layout's search compiles its pick both ways and keeps the faster
+    argv = pod_helper.plan_command("v5p-64", "configs/search_r1.py:qwen3-8b", [], [], search=True)
+    assert value("--windowed-einsum") == "auto" and "--mesh" not in argv
 
 
 def _patch_default(monkeypatch, cls, name, value):

@@ -43,8 +43,8 @@ def _starts(cmds):
 
 
 def test_the_plans_layout_becomes_the_jobs_mesh_micro_rows_and_remat():
-    """Fails if the mapping drops or misreads a part of the layout (micro_rows, remat, an axis), or if a key it
-    sets is not one the job's config door accepts."""
+    """Fails if the mapping drops or misreads a part of the layout (micro_rows, remat, windowed matmuls, an
+    axis), or if a key it sets is not one the job's config door accepts."""
     overrides = layout_overrides(RECORDED)
     assert overrides == [
         "--config.mesh.data=1",
@@ -53,10 +53,14 @@ def test_the_plans_layout_becomes_the_jobs_mesh_micro_rows_and_remat():
         "--config.mesh.tensor=1",
         "--config.ppo.micro_rows=32",
         "--config.ppo.remat=full",
+        "--config.ppo.windowed_einsum=True",  # a plan made before the setting: the compiler's default
     ]
     run = load("configs/search_r1.py:qwen3-30b-a3b", overrides)
     assert (run.mesh.fsdp, run.mesh.expert, run.mesh.tensor) == (2, 16, 1)
-    assert (run.ppo.micro_rows, run.ppo.remat) == (32, "full")
+    assert (run.ppo.micro_rows, run.ppo.remat, run.ppo.windowed_einsum) == (32, "full", True)
+    unwindowed = copy.deepcopy(RECORDED)
+    unwindowed["train"]["fits"]["settings"]["windowed_einsum"] = False
+    assert not load("configs/search_r1.py:qwen3-30b-a3b", layout_overrides(unwindowed)).ppo.windowed_einsum
     # Two slices laid out as the plan's one: micro_rows counts both slices' rows; a dense plan has no expert axis.
     dense = copy.deepcopy(RECORDED)
     del dense["train"]["fits"]["mesh"]["expert"]
@@ -93,7 +97,7 @@ def test_a_saved_plans_layout_reaches_every_hosts_job_and_the_relaunch():
     assert done.returncode == 0, done.stderr
     cmds = commands(done.stdout)
     expected = layout_overrides(json.loads(SAVED_PLAN.read_text()), slices=2)
-    assert "--config.ppo.micro_rows=64" in expected  # premise: the saved plan's 32 rows a slice, two slices
+    assert "--config.ppo.micro_rows=256" in expected  # premise: the saved plan's 128 rows a slice, two slices
     starts = _starts(cmds)
     assert len(starts) == 4  # two slices, started and then relaunched (the watch's dry-run round)
     for job in starts:
@@ -115,7 +119,8 @@ def test_a_saved_plan_of_another_job_is_refused_and_a_pinned_layout_wins(capsys)
     config = "configs/search_r1.py:qwen3-30b-a3b"
     assert pod_helper.layout_from([str(SAVED_PLAN), "v5p-128", config]) == 2
     assert pod_helper.layout_from([str(SAVED_PLAN), "v5p-64", config]) == 0
-    assert capsys.readouterr().out.split() == layout_overrides(RECORDED)  # premise: it prints a layout
+    saved = layout_overrides(json.loads(SAVED_PLAN.read_text()))
+    assert capsys.readouterr().out.split() == saved  # premise: it prints the saved plan's layout
     assert pod_helper.layout_from([str(SAVED_PLAN), "v5p-64", config, "--config.mesh.tensor=2"]) == 0
     out = capsys.readouterr()
     assert out.out == "" and "mesh.tensor set by the overrides" in out.err

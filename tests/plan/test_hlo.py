@@ -1,9 +1,12 @@
 """The HLO reader behind the step-time model, the chip table's bounds and the TPU slice names (no libtpu)."""
 
+import dataclasses
+
 import pytest
 
+from trace_jax.models import ModelConfig
 from trace_jax.plan import hlo
-from trace_jax.plan.timing import CHIPS, program_time
+from trace_jax.plan.timing import CHIPS, matmul_params, model_flops_per_token, program_time
 from trace_jax.plan.topology import parse_topology
 
 # The shape of a TPU-compiled scan: a while loop whose condition compares the counter with 7, a dot fused in
@@ -93,6 +96,18 @@ def test_a_program_time_is_its_largest_bound():
     assert (t["seconds"], t["bound"]) == (pytest.approx(1.0), "compute")
     t = program_time({"flops": 0, "bytes_accessed": 0, "wire_bytes": chip.ici_bandwidth}, chip)
     assert (t["seconds"], t["bound"]) == (pytest.approx(2.0), "communication")
+
+
+def test_the_model_flop_count_leaves_out_the_input_embedding_lookup():
+    """MFU's numerator: a token multiplies by every active weight but the input embedding table, which it only
+    looks up (a tied table is the LM head and counts once). Qwen3-8B's compiled update (v5p-64, no remat) does
+    0.99x the count that includes the lookup table, so that count put the roofline MFU above 100%. Fails if the
+    lookup table is counted (the untied model then costs 6 x vocab x hidden more than the tied one)."""
+    untied = ModelConfig.preset("qwen3-8b")
+    tied = dataclasses.replace(untied, tie_word_embeddings=True)
+    assert not untied.tie_word_embeddings and untied.active_params() - tied.active_params() == 151936 * 4096
+    assert model_flops_per_token(untied, 2048) == model_flops_per_token(tied, 2048)
+    assert matmul_params(untied) == untied.active_params() - 151936 * 4096
 
 
 def test_slice_names_users_type_and_libtpu_names_agree():

@@ -14,7 +14,7 @@ from trace_jax.parallel.mesh import make_mesh
 from trace_jax.plan import lora as plan_lora
 from trace_jax.plan import lora_fits, remake
 from trace_jax.plan.compile import abstract_batch, abstract_train_state, shard_bytes
-from trace_jax.plan.timing import model_flops_per_token
+from trace_jax.plan.timing import matmul_params, model_flops_per_token
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLTrainer, UpdateConfig
 
@@ -75,7 +75,7 @@ def test_a_lora_plan_trains_the_adapters_alone_and_apply_passes_the_base_through
     # A frozen base computes no weight gradient: the model FLOPs of a token lose 2 x params, gain 6 x adapters.
     values = sum(math.prod(x.shape) for x in jax.tree.leaves(adapters))
     assert plan_lora.train_flops_per_token(config, 32) == pytest.approx(
-        model_flops_per_token(TINY, 32) - 2 * TINY.active_params() + 6 * values
+        model_flops_per_token(TINY, 32) - 2 * matmul_params(TINY) + 6 * values
     )
 
 

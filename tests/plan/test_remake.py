@@ -9,6 +9,7 @@ import pytest
 
 from tests.test_docs import reference_figures
 from trace_jax.plan import calibration, figures, hlo, remake
+from trace_jax.plan import compile as plan_compile
 from trace_jax.plan.__main__ import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -144,3 +145,17 @@ def test_recount_rereads_a_plans_programs_from_their_kept_hlo_and_recomputes_its
     )
     assert after["timing"]["decode"]["tokens_per_s"] > before["timing"]["decode"]["tokens_per_s"]
     assert json.loads((plan_dir / f"{row.name}.json").read_text())["timing"] == after["timing"]
+
+
+@pytest.mark.skipif(not plan_compile.libtpu_available(), reason="the rows' planners read TPU slices: needs libtpu")
+def test_every_committed_plans_times_follow_from_its_counts_by_the_current_model(tmp_path):
+    """Each committed plan's ``timing`` is what the current step-time model and model FLOP count make of the
+    program counts it holds. Fails when either changes and a plan keeps its old times (``remake --retime``
+    re-applies them); mutant caught: the FLOP count with the input embedding table back in (every update
+    row's MFU moves)."""
+    for row in remake.ROWS.values():
+        with open(os.path.join(remake.PLAN_DIR, f"{row.name}.json")) as f:
+            committed = json.load(f)
+        (tmp_path / f"{row.name}.json").write_text(json.dumps(committed))
+        again = remake.retime(row, str(tmp_path))
+        assert json.loads(json.dumps(again["timing"])) == committed["timing"], f"{row.name}: run remake --retime"

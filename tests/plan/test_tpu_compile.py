@@ -4,6 +4,7 @@ the project's jax version; without it these tests skip (and say why)."""
 
 import dataclasses
 import gzip
+import math
 import re
 
 import pytest
@@ -111,13 +112,27 @@ def _expert_weight_products(text: str, experts: int, dims: tuple[int, int]) -> d
     return found
 
 
+def _interleaved_expert_sets(text: str, elements: int) -> list[str]:
+    """Instructions writing a whole expert weight (``elements`` values) as an array of rank 5 or more: the
+    gathered set in the stored layout's order (expert shard, fsdp shard, the shard's experts, its embed rows,
+    width), which the compiler copies into ``[E, d, f]`` order for the grouped matmul."""
+    found = []
+    for line in text.splitlines():
+        shape = re.search(r"= \w+\[([\d,]+)\]\S* (copy|fusion)\(", line)
+        if shape and len(dims := [int(n) for n in shape.group(1).split(",")]) >= 5 and math.prod(dims) == elements:
+            found.append(line.strip()[:160])
+    return found
+
+
 def test_a_mixture_of_experts_update_compiles_for_tpu_on_an_expert_axis(tmp_path, monkeypatch):
     """Fails if the expert-parallel dispatch or the grouped matmul stops compiling for TPU with the experts split
     over ``expert``=2 (x fsdp=2), for either dispatch; the all_to_all dispatch must move rows with an all-to-all
     collective (the mutant: experts gathered instead). In both, the experts' weight gradients must come from
     a grouped Mosaic kernel (``tgmm``, an [experts, d, f] output) and no dot or convolution may produce an
     [experts, d, f] array: the mutant, ``jax.lax.ragged_dot`` differentiated as is on TPU, gives its weight
-    gradient as a dense contraction of every expert over all (token, expert) rows under a group mask."""
+    gradient as a dense contraction of every expert over all (token, expert) rows under a group mask. The
+    gather dispatch must gather whole experts (``expert_dispatch._split_by_expert``), so no copy puts a gathered
+    set in order."""
     mesh = _tpu_mesh(fsdp=2, expert=2)
     dims = (MOE.hidden_size, MOE.moe_intermediate_size)
     for dispatch, local_experts in (("gather", MOE.num_experts), ("all_to_all", MOE.num_experts // 2)):
@@ -134,6 +149,8 @@ def test_a_mixture_of_experts_update_compiles_for_tpu_on_an_expert_axis(tmp_path
         products = _expert_weight_products(text, local_experts, dims)
         assert not products["contraction"], (dispatch, products["contraction"])
         assert len(products["mosaic"]) >= 3, (dispatch, products)  # gate, up and down projections' gradients
+        if dispatch == "gather":  # mutant: ``_split_by_expert`` returning the weights as stored (4 such)
+            assert not _interleaved_expert_sets(text, MOE.num_experts * math.prod(dims))
 
 
 ENGINE_AXES = pytest.mark.parametrize("axes", [{"data": 4}, {"data": 2, "tensor": 2}], ids=["data4", "data2xtensor2"])

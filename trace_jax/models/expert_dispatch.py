@@ -47,12 +47,17 @@ def _dispatch_mesh():
     return None if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names) else mesh
 
 
+def _tensor_axis(mesh, gate_edf: jax.Array) -> str | None:
+    """``tensor`` where it splits the experts' width (f), else None."""
+    return "tensor" if mesh.shape["tensor"] > 1 and gate_edf.shape[2] % mesh.shape["tensor"] == 0 else None
+
+
 def _per_batch_shard(local: ExpertCompute, mesh, expert_axis: str | None, args: tuple) -> jax.Array:
     """``local`` on each batch shard's tokens, the experts split over ``expert_axis`` (None: gathered) and over
     ``tensor`` on their width (partial outputs summed)."""
     x_nd, gate_edf = args[0], args[3]
     rows = logical_to_spec(("batch", None), mesh, x_nd.shape)
-    tensor = "tensor" if mesh.shape["tensor"] > 1 and gate_edf.shape[2] % mesh.shape["tensor"] == 0 else None
+    tensor = _tensor_axis(mesh, gate_edf)
     in_proj, out_proj = P(expert_axis, None, tensor), P(expert_axis, tensor, None)
     specs = (rows, rows, rows, in_proj, in_proj, out_proj)
 
@@ -68,7 +73,28 @@ def gather_dispatch(compute: ExpertCompute, *args: jax.Array) -> jax.Array:
     """``compute`` on each batch shard's tokens against the layer's experts gathered over ``expert`` and
     ``embed``; without a mesh ``compute`` runs as is."""
     mesh = _dispatch_mesh()
-    return compute(*args) if mesh is None else _per_batch_shard(compute, mesh, None, args)
+    if mesh is None:
+        return compute(*args)
+    return _per_batch_shard(compute, mesh, None, (*args[:3], *_split_by_expert(mesh, *args[3:])))
+
+
+def _split_by_expert(mesh, gate_edf: jax.Array, up_edf: jax.Array, down_efd: jax.Array) -> tuple[jax.Array, ...]:
+    """A layer's expert weights (stored split over ``expert`` on E and over ``fsdp`` on ``embed``) resharded so
+    only whole experts are split: E over ``expert`` x ``fsdp`` (those of them that divide it), the width kept
+    over ``tensor``. Gathered from there, the expert set arrives as the contiguous ``[E, in, out]`` the grouped
+    matmul reads; gathered from the stored layout, a device's piece interleaves ``embed`` halves inside E and
+    the compiler copies the whole gathered set into order in every forward pass and recompute (qwen3-30b-a3b
+    on v5p-64, fsdp 2 x expert 16: an update call's HBM bytes 1.64 TB stored layout, 1.44 TB resharded;
+    ``docs/tpu_speed.md``). The reshard moves a device's own share of the layer, 1 / (expert x fsdp)."""
+    axes, shards = [], 1
+    for axis in ("expert", "fsdp"):
+        if mesh.shape[axis] > 1 and gate_edf.shape[0] % (shards * mesh.shape[axis]) == 0:
+            axes.append(axis)
+            shards *= mesh.shape[axis]
+    experts, tensor = tuple(axes) or None, _tensor_axis(mesh, gate_edf)
+    in_proj, out_proj = P(experts, None, tensor), P(experts, tensor, None)
+    pin = jax.lax.with_sharding_constraint
+    return pin(gate_edf, in_proj), pin(up_edf, in_proj), pin(down_efd, out_proj)
 
 
 def all_to_all_dispatch(compute: ExpertCompute, *args: jax.Array) -> jax.Array:

@@ -279,8 +279,9 @@ class Planner:
         candidates = _train_candidates(config, topology, args.rows, args.seq_len, args.logprob_chunk, copies)
         if getattr(args, "mesh", None):
             candidates = _fixed_candidates(config, topology, args, copies)
+        windowed = self.args.windowed_einsum != "off"
         for candidate, estimate in candidates:
-            key = self._key(topology, "train", candidate)
+            key = self._key(topology, "train", candidate, windowed)
             pruned = state_bytes + estimate > budget * args.prune and not getattr(args, "mesh", None)
             # A compiled sibling (same remat and mesh, fewer micro-batches) whose temporaries were too big:
             # activations shrink about as the rows a call does, so skip this one while the scaled need is too big.
@@ -289,17 +290,7 @@ class Planner:
                 pruned = True
             if pruned or (key not in self.memo and self.compiles >= fresh):
                 continue
-            build = functools.partial(
-                plan_compile.update_programs,
-                dataclasses.replace(config, remat=candidate["remat"]),
-                make_mesh(**candidate["mesh"], devices=devices),
-                args.rows // candidate["micro_batches"],
-                args.seq_len,
-                args.logprob_chunk,
-                update=self.update_config(),
-                rows=args.rows,
-            )
-            report = self._report(key, build)
+            report = self._update_report(topology, candidate, windowed)
             entry = {**report, "fits": report["peak_gib"] * GIB <= budget}
             if not entry["fits"]:
                 need = report["per_device_gib"]["temporaries"] * GIB
@@ -309,6 +300,8 @@ class Planner:
             if entry["fits"]:
                 out["fits"] = entry
                 break
+        if out["fits"] and args.windowed_einsum == "auto" and self.backend == "tpu":
+            out["fits"] = self._faster_unwindowed(topology, budget, candidate, out)
         if out["fits"] and depth_check:
             chosen = out["fits"]
             shallow = dataclasses.replace(config, remat=chosen["settings"]["remat"], num_layers=4)
@@ -318,7 +311,7 @@ class Planner:
                 chosen["settings"]["micro_rows"],
                 args.seq_len,
                 args.logprob_chunk,
-                update=self.update_config(),
+                update=self.update_config(chosen["settings"]["windowed_einsum"]),
                 rows=args.rows,
             )
             out["depth_check"] = {
@@ -329,10 +322,49 @@ class Planner:
             }
         return out
 
-    def update_config(self) -> Any:
+    def _faster_unwindowed(
+        self, topology: Topology, budget: int, candidate: dict[str, Any], out: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``--windowed-einsum auto``: the chosen layout compiled again without the TPU compiler's windowed
+        matmuls (``UpdateConfig.windowed_einsum``); the faster of the two by the step-time model's accumulate
+        call, the unwindowed one only when it also fits. Both stay under ``tried``."""
+        from trace_jax.plan.timing import CHIPS, program_time  # imports jax: only once the backend's flags are set
+
+        chosen = out["fits"]
+        report = self._update_report(topology, candidate, False)
+        other = {**report, "fits": report["peak_gib"] * GIB <= budget}
+        out["tried"].append(other)
+        print(_row(other), flush=True)
+        chip = CHIPS.get(topology.family.name)
+        seconds = lambda entry: program_time(entry["programs"]["accumulate"]["hlo"], chip)["seconds"]
+        return other if other["fits"] and chip and seconds(other) < seconds(chosen) else chosen
+
+    def _update_report(self, topology: Topology, candidate: dict[str, Any], windowed: bool) -> dict[str, Any]:
+        """The update's programs compiled (memoised) for a train ``candidate`` (mesh, micro-batches, remat) of
+        ``--rows`` rows, with or without windowed matmuls."""
+        # These import JAX: only after _set_fake_devices (the fake device count is read when JAX starts).
+        from trace_jax.parallel.mesh import make_mesh
+        from trace_jax.plan import compile as plan_compile
+
+        args = self.args
+        build = functools.partial(
+            plan_compile.update_programs,
+            dataclasses.replace(self.config, remat=candidate["remat"]),
+            make_mesh(**candidate["mesh"], devices=self.devices_for(topology)),
+            args.rows // candidate["micro_batches"],
+            args.seq_len,
+            args.logprob_chunk,
+            update=self.update_config(windowed),
+            rows=args.rows,
+        )
+        return self._report(self._key(topology, "train", candidate, windowed), build)
+
+    def update_config(self, windowed_einsum: bool = True) -> Any:
         from trace_jax.rl.trainer import UpdateConfig  # imports jax: only once the backend's device flags are set
 
-        return UpdateConfig(ppo_epochs=self.args.ppo_epochs, mini_batches=self.args.mini_batches)
+        return UpdateConfig(
+            ppo_epochs=self.args.ppo_epochs, mini_batches=self.args.mini_batches, windowed_einsum=windowed_einsum
+        )
 
     def engine(self, topology: Topology, budget: int) -> dict[str, Any]:
         # These import JAX: only after _set_fake_devices (the fake device count is read when JAX starts).
@@ -342,8 +374,8 @@ class Planner:
         args = self.args
         devices = self.devices_for(topology)
         config = dataclasses.replace(self.config, param_dtype=args.engine_dtype, dtype=args.engine_dtype)
-        if self.engine_dispatch:  # the engine's own dispatch; the update keeps --expert-dispatch
-            config = dataclasses.replace(config, expert_dispatch=self.engine_dispatch)
+        # The engine's own dispatch (EngineConfig.expert_dispatch, as the job sets it); the update keeps the model's.
+        dispatch = self.engine_dispatch or getattr(config, "expert_dispatch", None)
         max_len = args.engine_len or args.seq_len
         out: dict[str, Any] = {"fits": None, "tried": []}
         fresh = self.compiles + args.max_compiles
@@ -355,13 +387,19 @@ class Planner:
         for candidate in candidates:
             mesh = make_mesh(**candidate["mesh"], devices=devices)
             weights = plan_compile.shard_bytes(plan_compile.abstract_params(config, mesh)[1])
-            key = self._key(topology, "engine", candidate, getattr(config, "expert_dispatch", None))
+            key = self._key(topology, "engine", candidate, dispatch)
             if weights > budget or (key not in self.memo and self.compiles >= fresh):
                 continue
             report = self._report(
                 key,
                 lambda mesh=mesh: plan_compile.generate_memory(
-                    config, mesh, args.slots, max_len, args.steps_per_call, args.kv_dtype or args.engine_dtype
+                    config,
+                    mesh,
+                    args.slots,
+                    max_len,
+                    args.steps_per_call,
+                    args.kv_dtype or args.engine_dtype,
+                    self.engine_dispatch or "",
                 ),
             )
             entry = {**report, "fits": report["peak_gib"] * GIB <= budget}
@@ -376,7 +414,13 @@ class Planner:
             twice = self._report(
                 self._key(topology, "engine", {"mesh": chosen["mesh"], "slots": 2 * args.slots}),
                 lambda: plan_compile.generate_memory(
-                    config, mesh, 2 * args.slots, max_len, args.steps_per_call, args.kv_dtype or args.engine_dtype
+                    config,
+                    mesh,
+                    2 * args.slots,
+                    max_len,
+                    args.steps_per_call,
+                    args.kv_dtype or args.engine_dtype,
+                    self.engine_dispatch or "",
                 ),
             )
             chosen["slots_per_chip"] = slots_per_chip(chosen, twice, budget)
@@ -523,7 +567,7 @@ def _row(entry: dict[str, Any]) -> str:
     mesh = "x".join(f"{k}{v}" for k, v in entry["mesh"].items() if v > 1) or "1"
     s = entry["settings"]
     what = (
-        f"micro={s['micro_batches']} remat={s['remat']}"
+        f"micro={s['micro_batches']} remat={s['remat']}" + ("" if s.get("windowed_einsum", True) else " unwindowed")
         if entry["program"] == "update"
         else f"slots={s['slots']} len={s['max_len']}"
     )
@@ -681,6 +725,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", help="compile only this layout, e.g. data=1,fsdp=-1,tensor=4 (the job's mesh)")
     parser.add_argument("--micro-rows", type=int, default=0, help="with --mesh: rows per forward/backward call")
     parser.add_argument("--remat", choices=REMATS, help="with --mesh: the remat policy (default: the preset's)")
+    parser.add_argument(
+        "--windowed-einsum",
+        default="on",
+        choices=("on", "off", "auto"),
+        help="the update's windowed matmuls on TPU (ppo.windowed_einsum): on (the compiler's default), off, or "
+        "auto (the chosen layout compiled both ways, the faster kept)",
+    )
     parser.add_argument(
         "--lora-rank", type=int, default=0, help="LoRA adapters of this rank on the policy, the base frozen (0: none)"
     )

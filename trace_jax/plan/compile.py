@@ -147,6 +147,12 @@ def _exhausted(error: Exception) -> int | None:
     return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
 
 
+def hlo_name(program: str, settings: dict[str, Any]) -> str:
+    """The name a program's HLO text is kept under (``HLO_DIR``): the program's, marked when it was compiled
+    without windowed matmuls (``--windowed-einsum auto`` compiles the same program both ways)."""
+    return program + ("-unwindowed" if settings.get("windowed_einsum") is False else "")
+
+
 def _compiled_report(program, lowered, mesh: Mesh, settings: dict, by_kind: dict, start: float) -> MemoryReport:
     try:
         compiled = lowered.compile()
@@ -172,7 +178,7 @@ def _compiled_report(program, lowered, mesh: Mesh, settings: dict, by_kind: dict
     if HLO_DIR:
         os.makedirs(HLO_DIR, exist_ok=True)
         digest = hashlib.sha1(text.encode()).hexdigest()[:12]
-        with gzip.open(os.path.join(HLO_DIR, f"{program}_{digest}.hlo.txt.gz"), "wt") as f:
+        with gzip.open(os.path.join(HLO_DIR, f"{hlo_name(program, settings)}_{digest}.hlo.txt.gz"), "wt") as f:
             f.write(text)
     summary = hlo.summarize(text, mesh.devices.size).as_dict()
     slices = mesh.shape.get(mesh_lib.SLICE_AXIS, 1)
@@ -253,6 +259,7 @@ def update_programs(
         "ppo_epochs": update.ppo_epochs,
         "mini_batches": update.mini_batches,
         "remat": config.remat,
+        "windowed_einsum": update.windowed_einsum,
         "logprob_chunk": logprob_chunk,
         "param_dtype": config.param_dtype,
         "dtype": config.dtype,
@@ -284,13 +291,20 @@ def update_programs(
 
 # --------------------------------------------------------------------------------------- engine
 def generate_memory(
-    config: ModelConfig, mesh: Mesh, slots: int, max_len: int, steps_per_call: int = 64, cache_dtype: str = "bfloat16"
+    config: ModelConfig,
+    mesh: Mesh,
+    slots: int,
+    max_len: int,
+    steps_per_call: int = 64,
+    cache_dtype: str = "bfloat16",
+    expert_dispatch: str = "",
 ) -> MemoryReport:
     """Compiles ``Engine.generate`` (the jitted decode loop) in the sampling layout for ``slots`` slots of
-    ``max_len`` positions, at the widest cache window, and returns its per-device memory."""
+    ``max_len`` positions, at the widest cache window, and returns its per-device memory. ``expert_dispatch``:
+    the engine's own (``EngineConfig.expert_dispatch``; "" the model's)."""
     engine_config = EngineConfig(
         max_slots=slots, max_len=max_len, steps_per_call=steps_per_call, cache_dtype=cache_dtype,
-        weight_dtype=config.param_dtype,
+        weight_dtype=config.param_dtype, expert_dispatch=expert_dispatch,
     )  # fmt: skip
     layout = SamplingLayout(mesh)
     engine = Engine.for_model(config, engine_config, layout)
@@ -308,7 +322,7 @@ def generate_memory(
         "param_dtype": config.param_dtype,
         "page_size": engine_config.page,
         "decode_attention": engine.decode_attention,  # the kernel, or the fallback and why
-        "expert_dispatch": getattr(config, "expert_dispatch", None),  # MoeConfig's; None for a dense model
+        "expert_dispatch": getattr(engine.model_config, "expert_dispatch", None),  # None for a dense model
     }
     # The very program the engine runs (traced as the engine traces it), at the widest window (a static
     # argument): the worst case, the loop reads every cache position.

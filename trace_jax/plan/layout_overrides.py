@@ -3,8 +3,8 @@ to the job it launches, so the user never copies a mesh by hand.
 
 ``python -m trace_jax.plan`` without ``--mesh`` searches the train step's layouts (mesh x micro-batches x remat)
 and records the first that fits under ``train.fits`` of its JSON: ``mesh`` (axis sizes over one slice) and
-``settings`` (``micro_rows``, ``remat``...). The job reads the same three things from ``mesh.*``,
-``ppo.micro_rows`` and ``ppo.remat``; :data:`LAYOUT_KEYS` are those keys.
+``settings`` (``micro_rows``, ``remat``, ``windowed_einsum``...). The job reads the same things from ``mesh.*``,
+``ppo.micro_rows``, ``ppo.remat`` and ``ppo.windowed_einsum``; :data:`LAYOUT_KEYS` are those keys.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 # The job's keys a layout sets; an override of any of them pins the layout (the plan then checks it, not picks it).
-LAYOUT_KEYS = (*(f"mesh.{axis}" for axis in MESH_AXES), "ppo.micro_rows", "ppo.remat")
+LAYOUT_KEYS = (*(f"mesh.{axis}" for axis in MESH_AXES), "ppo.micro_rows", "ppo.remat", "ppo.windowed_einsum")
 
 
 class NoLayout(ValueError):
@@ -37,6 +37,7 @@ def layout_overrides(plan: dict[str, Any], slices: int = 1) -> list[str]:
     values = {f"mesh.{axis}": mesh.get(axis, 1) for axis in MESH_AXES}
     values["ppo.micro_rows"] = settings["micro_rows"] * slices
     values["ppo.remat"] = settings["remat"]
+    values["ppo.windowed_einsum"] = settings.get("windowed_einsum", True)  # plans made before the key: the default
     return [f"--config.{key}={values[key]}" for key in LAYOUT_KEYS]
 
 

@@ -23,7 +23,7 @@ import jax
 import optax
 
 from trace_jax.models import abstract_model, lora, num_params
-from trace_jax.plan.timing import model_flops_per_token
+from trace_jax.plan.timing import matmul_params, model_flops_per_token
 
 
 def adapted(config: Any, rank: int, alpha: float, targets: str, base_quant: str = "none") -> Any:
@@ -91,10 +91,11 @@ def settings(config: Any) -> dict[str, Any]:
 
 
 def train_flops_per_token(config: Any, context: float) -> float:
-    """Model FLOPs a token of the update needs (``timing.model_flops_per_token`` counts 6 x active params plus
-    attention). With adapters the frozen base computes no weight gradient: 4 x active params (forward and the
-    activations' gradient), plus 6 x the adapters' params, plus the same attention term."""
+    """Model FLOPs a token of the update needs (``timing.model_flops_per_token`` counts 6 x the parameters it
+    multiplies by plus attention). With adapters the frozen base computes no weight gradient: 4 x those
+    parameters (forward and the activations' gradient), plus 6 x the adapters' params, plus the same attention
+    term."""
     full = model_flops_per_token(config, context)
     if not getattr(config, "lora_rank", 0):
         return full
-    return full - 2.0 * config.active_params() + 6.0 * adapter_params(config)
+    return full - 2.0 * matmul_params(config) + 6.0 * adapter_params(config)

@@ -54,7 +54,7 @@ def dcn_plan(planner: Any, topology: Topology, slices: int, result: dict[str, An
         chosen["settings"]["micro_rows"] * slices,  # UpdateConfig.micro_rows counts every slice's rows
         args.seq_len,
         args.logprob_chunk,
-        update=planner.update_config(),
+        update=planner.update_config(chosen["settings"].get("windowed_einsum", True)),
         rows=args.rows * slices,
     ).as_dict()
     programs = report["programs"]

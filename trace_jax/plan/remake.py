@@ -3,6 +3,7 @@
     python -m trace_jax.plan.remake                 # every row (hours of TPU compiles)
     python -m trace_jax.plan.remake --only qwen3-8b_v5p-64,qwen3-8b_v6e-64
     python -m trace_jax.plan.remake --list          # the rows and their commands
+    python -m trace_jax.plan.remake --retime        # every row's times from its counts (no compile)
 
 Each row is one ``python -m trace_jax.plan`` command that compiles every program its kind needs in the same
 process, so the figures of a plan agree with each other: an ``rl`` row compiles the update and the engine and
@@ -96,7 +97,11 @@ ROWS: dict[str, Row] = {
     r.name: r
     for r in (
         # The layouts the README and docs/benchmarks.md quote.
-        Row("qwen3-8b_v5p-64", "rl", _rl("qwen3-8b", "v5p-64", "data=1,fsdp=32,tensor=1", 32, "none")),
+        Row(
+            "qwen3-8b_v5p-64",
+            "rl",
+            _rl("qwen3-8b", "v5p-64", "data=1,fsdp=32,tensor=1", 32, "none", "--windowed-einsum", "auto"),
+        ),
         Row("qwen3-8b_v6e-64", "rl", _rl("qwen3-8b", "v6e-64", "data=1,fsdp=64,tensor=1", 64, "full")),
         Row(
             "qwen3-30b-a3b_v5p-64",
@@ -105,7 +110,7 @@ ROWS: dict[str, Row] = {
                 "qwen3-30b-a3b",
                 "v5p-64",
                 "data=1,fsdp=2,expert=16,tensor=1",
-                32,
+                128,  # 4 rows a chip: the gathered experts' bytes shared by 4x the tokens (compute-bound)
                 "full",
                 "--expert-dispatch",
                 "gather",
@@ -147,7 +152,11 @@ ROWS: dict[str, Row] = {
         Row("qwen3-8b_v6e-4_decode-256", "decode", _decode(256)),
         # The int8 KV cache (EngineConfig.cache_dtype) beside the bf16 row above.
         Row("qwen3-8b_v6e-4_int8_decode-256", "decode", (*_decode(256), "--kv-dtype", "int8")),
-        Row("qwen3-32b_v5p-64", "rl", _rl("qwen3-32b", "v5p-64", "data=1,fsdp=32,tensor=1", 32, "full")),
+        Row(
+            "qwen3-32b_v5p-64",
+            "rl",
+            _rl("qwen3-32b", "v5p-64", "data=1,fsdp=32,tensor=1", 32, "full", "--windowed-einsum", "auto"),
+        ),
         Row(
             "qwen3-235b-a22b_v5p-256",
             "rl",
@@ -232,12 +241,11 @@ def recount(row: Row, hlo_dir: str, plan_dir: str = PLAN_DIR) -> dict[str, Any]:
     (``hlo_dir/<row>/<program>_<digest>.hlo.txt.gz``) with the current ``trace_jax.plan.hlo``, and recomputes its
     predicted times: a fix to how a compiled program is counted, applied without compiling again. A program
     without its HLO text is an error naming it."""
-    from trace_jax.plan.__main__ import Planner, build_parser, predicted_times  # imports jax once the flags are set
+    from trace_jax.plan.compile import hlo_name  # imports jax once the flags are set
 
-    file = os.path.join(plan_dir, f"{row.name}.json")
-    with open(file) as f:
-        plan = json.load(f)
-    programs = dict((plan["train"]["fits"] or {}).get("programs", {}))
+    plan = _committed(row, plan_dir)
+    train = plan["train"]["fits"] or {}
+    programs = {hlo_name(name, train["settings"]): p for name, p in train.get("programs", {}).items()}
     if plan["engine"]["fits"] is not None:
         programs[plan["engine"]["fits"]["program"]] = plan["engine"]["fits"]
     for name, program in programs.items():
@@ -247,12 +255,26 @@ def recount(row: Row, hlo_dir: str, plan_dir: str = PLAN_DIR) -> dict[str, Any]:
         mesh = plan["engine"]["fits"]["mesh"] if name == "generate" else plan["train"]["fits"]["mesh"]
         with gzip.open(found[0], "rt") as f:
             program["hlo"] = hlo.summarize(f.read(), math.prod(mesh.values())).as_dict()
+    return retime(row, plan_dir, plan)
+
+
+def retime(row: Row, plan_dir: str = PLAN_DIR, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Recomputes ``row``'s committed plan's predicted times (``timing``) from the program counts it holds: a
+    change to the step-time model or the model FLOP count, applied without compiling or reading HLO."""
+    from trace_jax.plan.__main__ import Planner, build_parser, predicted_times  # imports jax once the flags are set
+
+    plan = plan or _committed(row, plan_dir)
     args = build_parser().parse_args(list(row.argv))
     topology = parse_topology(args.topology)
     plan["timing"] = predicted_times(plan, Planner(args, topology.chips, topology).config, topology, args)
-    with open(file, "w") as f:
+    with open(os.path.join(plan_dir, f"{row.name}.json"), "w") as f:
         json.dump(plan, f, indent=2)
     return plan
+
+
+def _committed(row: Row, plan_dir: str) -> dict[str, Any]:
+    with open(os.path.join(plan_dir, f"{row.name}.json")) as f:
+        return json.load(f)
 
 
 def write_calibration(plan_dir: str = PLAN_DIR, path: str = CALIBRATION_FILE) -> dict[str, Any]:
@@ -304,6 +326,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="re-read each row's plan from the HLO texts in --hlo-dir, compile nothing",
     )
+    parser.add_argument(
+        "--retime",
+        action="store_true",
+        help="recompute each row's predicted times from the counts its plan holds, compile nothing",
+    )
     parser.add_argument("--list", action="store_true", help="print the rows and their commands, compile nothing")
     parser.add_argument(
         "--calibrate-only", action="store_true", help="rewrite the fractions and restamp the plans, compile nothing"
@@ -320,6 +347,12 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows:
             recount(row, args.hlo_dir, args.out_dir)
             print(f"recounted {row.name}", flush=True)
+        write_calibration(args.out_dir)
+        rows = []
+    if args.retime:
+        for row in rows:
+            retime(row, args.out_dir)
+            print(f"retimed {row.name}", flush=True)
         write_calibration(args.out_dir)
         rows = []
     if args.calibrate_only:

@@ -62,8 +62,16 @@ def program_time(summary: dict[str, Any], chip: Chip) -> dict[str, Any]:
     }
 
 
-def model_flops_per_token(config: Any, context: float) -> float:
-    """Training FLOPs per token (forward + backward) by the usual count: 6 x active parameters plus causal
-    attention, 6 x layers x (query heads x head_dim) x context (2 matmuls x 3 passes, half the keys)."""
+def matmul_params(config: Any) -> float:
+    """Parameters a token multiplies by: the active ones less the input embedding table when it is not tied to
+    the LM head (a lookup, no FLOPs; a tied table is the head's weight and counts once). 0 without a count."""
     active = config.active_params() if hasattr(config, "active_params") else 0
-    return 6.0 * active + 6.0 * config.num_layers * config.num_heads * config.head_dim * context
+    lookup = 0 if getattr(config, "tie_word_embeddings", True) else config.vocab_size * config.hidden_size
+    return float(active - lookup)
+
+
+def model_flops_per_token(config: Any, context: float) -> float:
+    """Training FLOPs per token (forward + backward) by the usual count: 6 x the parameters it multiplies by
+    (``matmul_params``) plus causal attention, 6 x layers x (query heads x head_dim) x context (2 matmuls x 3
+    passes, half the keys)."""
+    return 6.0 * matmul_params(config) + 6.0 * config.num_layers * config.num_heads * config.head_dim * context

@@ -78,6 +78,11 @@ from trace_jax.rollout.engine.sampling import SamplingConfig
 
 # Where the behaviour ("old") log-probs of PPO's ratio come from (see ``UpdateConfig``).
 BEHAVIOUR_LOGPROBS = ("sampler", "recompute", "untruncated")
+# The TPU compiler's switches for windowed (collective) matmuls over an all-gather and over a reduce-scatter.
+WINDOWED_EINSUM_FLAGS = (
+    "xla_tpu_enable_windowed_einsum_for_all_gather",
+    "xla_tpu_enable_windowed_einsum_for_reduce_scatter",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +133,16 @@ class UpdateConfig:
         "(``ModelConfig.remat``). Only the update: sampling has no backward pass. ``launch/tpu_pod.sh --plan-layout`` "
         "sets it with the mesh and ``micro_rows`` the plan picks.",
     )
+    windowed_einsum: bool = documented(
+        True,
+        "let the TPU compiler window the update's sharded matmuls (its default): a matmul whose weight is "
+        "all-gathered, or whose output is reduce-scattered, runs as a loop over the shards that overlaps each "
+        "transfer with a partial product and keeps the partial sums in HBM. False compiles the update without it "
+        "(plain all-gathers and reduce-scatters, which the compiler still overlaps with other work): on a v5p-64 "
+        "fsdp-32 Qwen3-8B update the loop's partial sums made the program HBM-bound, 1.70 TB a call against 0.60 "
+        "TB without (``docs/tpu_speed.md``). TPU only; other compilers have no such loop. "
+        "``launch/tpu_pod.sh --plan-layout`` sets it from the plan.",
+    )
 
     def __post_init__(self):
         if self.micro_rows < 0:
@@ -142,6 +157,13 @@ class UpdateConfig:
             raise ValueError(
                 f'unknown remat {self.remat!r}; choose one of {sorted(REMAT_POLICIES)}, or "" (the model\'s)'
             )
+
+    def compiler_options(self, platform: str) -> dict[str, bool] | None:
+        """The update's compiler options on ``platform`` (``jax.jit(compiler_options=...)``): the TPU compiler's
+        windowed-einsum switches off when ``windowed_einsum`` is False; None (the compiler's defaults) else."""
+        if platform != "tpu" or self.windowed_einsum:
+            return None
+        return dict.fromkeys(WINDOWED_EINSUM_FLAGS, False)
 
     def trained_model(self, model_config: Any) -> Any:
         """``model_config`` as the update runs it: with this config's ``remat`` when one is set."""
@@ -544,6 +566,7 @@ class RLTrainer:
                 "apply": jit(self._apply, donate_argnums=0),
             }
         replicated = self._replicated()
+        options = self.update_config.compiler_options(self.mesh.devices.flat[0].platform)
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
         # Grads shard like their params (the trained part's: with LoRA the adapters).
         acc_shardings = (replicated, lora.trained_part(state_shardings.params), replicated)
@@ -551,7 +574,9 @@ class RLTrainer:
             acc_shardings = jax.tree.map(stacked_sharding, acc_shardings)
         return {
             "zero": jit(self._zero_acc, out_shardings=acc_shardings),
-            "accumulate": jit(self._accumulate, out_shardings=acc_shardings, donate_argnums=1),
+            "accumulate": jit(
+                self._accumulate, out_shardings=acc_shardings, donate_argnums=1, compiler_options=options
+            ),
             "apply": jit(self._apply, out_shardings=(state_shardings, replicated), donate_argnums=0),
         }
 
