@@ -58,16 +58,18 @@ def _rl(model: str, topology: str, mesh: str, micro_rows: int, remat: str, *more
     return ("--model", model, "--topology", topology, *_RL, *layout, *more)
 
 
-def _lora_fit(model: str, topology: str, quant: str, mesh: str, micro_rows: int, remat: str) -> tuple[str, ...]:
+def _lora_fit(
+    model: str, topology: str, quant: str, mesh: str, micro_rows: int, remat: str, *more: str
+) -> tuple[str, ...]:
     # An 8-chip slice's LoRA update (rank 64, every projection, a bf16 base): 256 rows x 4,096 tokens, the
     # update alone (the engine decodes base + adapters as a full-weight engine does).
-    layout = ("--mesh", mesh, "--micro-rows", str(micro_rows), "--remat", remat)
+    layout = ("--mesh", mesh, "--micro-rows", str(micro_rows), "--remat", remat, *more)
     adapters = ("--lora-rank", "64", "--lora-alpha", "128", *(("--lora-base-quant", quant) if quant != "none" else ()))
     return ("--model", model, "--topology", topology, "--rows", "256", "--seq-len", "4096", "--slots", "0",
             "--param-dtype", "bfloat16", *adapters, *layout, *_FIT)  # fmt: skip
 
 
-def _lora_rows(model: str, quant: str, layouts: dict[str, tuple[str, int, str]]) -> tuple[Row, ...]:
+def _lora_rows(model: str, quant: str, layouts: dict[str, tuple[Any, ...]]) -> tuple[Row, ...]:
     suffix = "lora" if quant == "none" else f"qlora-{quant}"
     return tuple(
         Row(f"{model}_{topology}_{suffix}", "fit", _lora_fit(model, topology, quant, *layout))
@@ -82,14 +84,16 @@ def _decode(slots: int) -> tuple[str, ...]:
 
 
 # The fits table's layouts (mesh, rows a forward/backward call, remat), by slice: the planner's estimate's picks.
+# v6e-8's are also compiled without windowed matmuls (HBM-bound windowed; the faster kept).
+_BOTH_WAYS = ("--windowed-einsum", "auto")
 _LORA_8B = {
     "v5e-8": ("data=1,fsdp=8,tensor=1", 8, "full"),
-    "v6e-8": ("data=1,fsdp=8,tensor=1", 16, "full"),
+    "v6e-8": ("data=1,fsdp=8,tensor=1", 16, "full", *_BOTH_WAYS),
     "v5p-8": ("data=1,fsdp=4,tensor=1", 4, "none"),
 }
 _LORA_32B = {
     "v5e-8": ("data=1,fsdp=4,tensor=2", 4, "full"),  # fsdp 8 (8 rows a call) asks 16.57 GiB with an int8 base
-    "v6e-8": ("data=1,fsdp=8,tensor=1", 8, "full"),
+    "v6e-8": ("data=1,fsdp=8,tensor=1", 8, "full", *_BOTH_WAYS),
     "v5p-8": ("data=1,fsdp=4,tensor=1", 8, "full"),
 }
 
